@@ -1,1 +1,39 @@
-# kv_agent daemon, client library and tests (filled in by the kv_agent work)
+# kv_agent daemon, client library and test helpers.  Products:
+#   build/kv_agent               the daemon (+ bench and status subcommands)
+#   build/libkvagent_client.a    C client library (kv_agent_client.h)
+#   build/kv_agent_ctl           CLI over the client library (tests, scripts)
+# The GPU path (-DKV_HAVE_CUDA) is compiled when the CUDA runtime headers
+# exist under $(CUDA_HOME); nothing else changes without it.
+KVA_DIR    := kv_agent
+KVA_OBJDIR := $(BUILD)/obj/kv_agent
+KVA_SRCS   := util.c layout.c config.c state.c status.c fabric.c bench.c \
+              pool.c ctrl.c xfer.c api.c loop.c main.c
+KVA_OBJS   := $(addprefix $(KVA_OBJDIR)/,$(KVA_SRCS:.c=.o))
+KVA_CLI_OBJS := $(KVA_OBJDIR)/client.o
+KVA_HDRS   := $(wildcard $(KVA_DIR)/src/*.h $(KVA_DIR)/include/*.h)
+KVA_CFLAGS := $(CSTD) $(WARN) $(CFLAGS) -I$(KVA_DIR)/include -I$(KVA_DIR)/src
+KVA_LIBS   := -lfabric -lcjson -lpthread
+
+ifneq ($(wildcard $(CUDA_HOME)/include/cuda_runtime.h),)
+KVA_CFLAGS += -DKV_HAVE_CUDA -I$(CUDA_HOME)/include
+KVA_LIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
+endif
+
+.PHONY: kv_agent
+kv_agent: $(BUILD)/kv_agent $(BUILD)/libkvagent_client.a $(BUILD)/kv_agent_ctl
+programs: $(BUILD)/kv_agent $(BUILD)/libkvagent_client.a $(BUILD)/kv_agent_ctl
+
+$(KVA_OBJDIR)/%.o: $(KVA_DIR)/src/%.c $(KVA_HDRS)
+	@mkdir -p $(KVA_OBJDIR)
+	$(CC) $(KVA_CFLAGS) -c -o $@ $<
+
+$(BUILD)/kv_agent: $(KVA_OBJS)
+	$(CC) $(CFLAGS) -o $@ $(KVA_OBJS) $(KVA_LIBS)
+
+$(BUILD)/libkvagent_client.a: $(KVA_CLI_OBJS)
+	@mkdir -p $(BUILD)
+	rm -f $@
+	ar rcs $@ $(KVA_CLI_OBJS)
+
+$(BUILD)/kv_agent_ctl: $(KVA_OBJDIR)/ctl.o $(BUILD)/libkvagent_client.a
+	$(CC) $(CFLAGS) -o $@ $< $(BUILD)/libkvagent_client.a -lcjson

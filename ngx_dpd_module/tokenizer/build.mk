@@ -3,7 +3,55 @@
 #   $(TOK_PIC_LIB)  build/libdpdtok_pic.a  position independent, for the .so module
 #   $(TOK_SO)       build/libdpdtok.so     for ctypes (vLLM emulator)
 #   build/dpd-tokenize                     the CLI
+#   make fuzz                              libFuzzer runs (clang), FUZZ_SECONDS each
 TOK_DIR     := ngx_dpd_module/tokenizer
 TOK_LIB     := $(BUILD)/libdpdtok.a
 TOK_PIC_LIB := $(BUILD)/libdpdtok_pic.a
 TOK_SO      := $(BUILD)/libdpdtok.so
+TOK_LIBS    := -lpcre2-8 -lcjson -lutf8proc
+
+TOK_SRCS    := $(addprefix $(TOK_DIR)/,tok_hash.c tok_utf8.c tok_trie.c \
+                 tok_bpe.c tok_pretok.c tok_encode.c tok_load.c tok_config.c \
+                 tok_chat.c)
+TOK_HDRS    := $(TOK_DIR)/dpd_tokenizer.h $(TOK_DIR)/tok_internal.h
+TOK_OBJS    := $(patsubst $(TOK_DIR)/%.c,$(BUILD)/tok/%.o,$(TOK_SRCS))
+TOK_PIC_OBJS:= $(patsubst $(TOK_DIR)/%.c,$(BUILD)/tok_pic/%.o,$(TOK_SRCS))
+TOK_CFLAGS   = $(CFLAGS) $(CSTD) $(WARN) -I$(TOK_DIR)
+
+programs: $(TOK_LIB) $(TOK_PIC_LIB) $(TOK_SO) $(BUILD)/dpd-tokenize
+
+$(BUILD)/tok/%.o: $(TOK_DIR)/%.c $(TOK_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(TOK_CFLAGS) -c $< -o $@
+
+$(BUILD)/tok_pic/%.o: $(TOK_DIR)/%.c $(TOK_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(TOK_CFLAGS) -fPIC -c $< -o $@
+
+$(TOK_LIB): $(TOK_OBJS)
+	rm -f $@
+	ar rcs $@ $^
+
+$(TOK_PIC_LIB): $(TOK_PIC_OBJS)
+	rm -f $@
+	ar rcs $@ $^
+
+$(TOK_SO): $(TOK_PIC_OBJS)
+	$(CC) -shared -o $@ $^ $(TOK_LIBS)
+
+$(BUILD)/dpd-tokenize: $(TOK_DIR)/dpd_tokenize.c $(TOK_LIB) $(TOK_HDRS)
+	$(CC) $(TOK_CFLAGS) $< -o $@ $(TOK_LIB) $(TOK_LIBS)
+
+# ---- libFuzzer (clang): loader and encode, bounded runs
+FUZZ_CC      ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_FLAGS   := -g -O1 -fsanitize=fuzzer,address,undefined \
+                -fno-sanitize-recover=undefined $(CSTD) -I$(TOK_DIR)
+TOK_FUZZ     := $(BUILD)/fuzz/tok_fuzz_load $(BUILD)/fuzz/tok_fuzz_encode
+
+$(BUILD)/fuzz/%: $(TOK_DIR)/fuzz/%.c $(TOK_SRCS) $(TOK_HDRS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_FLAGS) $< $(TOK_SRCS) -o $@ $(TOK_LIBS)
+
+fuzz: $(TOK_FUZZ)
+	bash $(TOK_DIR)/fuzz/run.sh $(BUILD) $(FUZZ_SECONDS)

@@ -1,0 +1,678 @@
+/*
+ * api.c - the local API for the inference engine: a Unix socket carrying
+ * length-prefixed JSON ({"verb": ...} -> {"ok": true|false, ...}).
+ *
+ * Verbs: info, register_pool (memfd via SCM_RIGHTS, or a CUDA IPC handle),
+ * reserve, push, poll, wait, release, checksum, and fill when the config
+ * enables debug verbs.  Errors are answered, never fatal: a malformed
+ * message gets an error reply, an oversized frame an error and a close.
+ */
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "kv.h"
+
+
+int
+kv_api_listen(kv_ctx_t *ctx)
+{
+    struct sockaddr_un sa;
+    int fd;
+
+    if (ctx->cfg.api_socket[0] == '\0') {
+        ctx->api_lfd = -1;
+        return 0;
+    }
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    if (strlen(ctx->cfg.api_socket) >= sizeof(sa.sun_path)) {
+        kv_err("api: socket path too long");
+        return -1;
+    }
+    strcpy(sa.sun_path, ctx->cfg.api_socket);
+    unlink(ctx->cfg.api_socket);
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0 || bind(fd, (struct sockaddr *) &sa, sizeof(sa)) != 0
+        || chmod(ctx->cfg.api_socket, 0660) != 0 || listen(fd, 64) != 0)
+    {
+        kv_err("api: cannot listen on %s: %s", ctx->cfg.api_socket,
+               strerror(errno));
+        if (fd >= 0) {
+            close(fd);
+        }
+        return -1;
+    }
+    ctx->api_lfd = fd;
+    kv_info("api: listening on %s", ctx->cfg.api_socket);
+    return 0;
+}
+
+
+static cJSON *
+err_reply(const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static cJSON *
+err_reply(const char *code, const char *fmt, ...)
+{
+    cJSON *j = cJSON_CreateObject();
+    char buf[300];
+    va_list ap;
+
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    cJSON_AddBoolToObject(j, "ok", 0);
+    cJSON_AddStringToObject(j, "code", code);
+    cJSON_AddStringToObject(j, "error", buf);
+    return j;
+}
+
+
+static cJSON *
+ok_reply(void)
+{
+    cJSON *j = cJSON_CreateObject();
+
+    cJSON_AddBoolToObject(j, "ok", 1);
+    return j;
+}
+
+
+static const char *
+push_state_name(int s)
+{
+    switch (s) {
+    case KV_PUSH_BEGIN:   return "pending";
+    case KV_PUSH_WRITING:
+    case KV_PUSH_FLUSH:   return "transferring";
+    case KV_PUSH_DONE:    return "done";
+    case KV_PUSH_FAILED:  return "failed";
+    default:              return "free";
+    }
+}
+
+
+/* The state of a request this node pushes or receives; NULL if unknown. */
+cJSON *
+kv_api_req_json(kv_ctx_t *ctx, const char *req_id)
+{
+    kv_push_t *p = kv_push_find(ctx, req_id);
+    kv_rreq_t *r;
+    cJSON *j;
+
+    if (p) {
+        j = ok_reply();
+        cJSON_AddStringToObject(j, "req_id", req_id);
+        cJSON_AddStringToObject(j, "side", "push");
+        cJSON_AddStringToObject(j, "state", push_state_name(p->state));
+        cJSON_AddBoolToObject(j, "final", p->state == KV_PUSH_DONE
+                                          || p->state == KV_PUSH_FAILED);
+        cJSON_AddStringToObject(j, "peer", ctx->peers[p->peer].conf.id);
+        cJSON_AddNumberToObject(j, "bytes_done", (double) p->bytes_done);
+        cJSON_AddNumberToObject(j, "bytes_total", (double) p->bytes_total);
+        cJSON_AddNumberToObject(j, "nblocks", p->n);
+        if (p->t_done_ms) {
+            cJSON_AddNumberToObject(j, "ms", (double) (p->t_done_ms
+                                                       - p->t_start_ms));
+        }
+        if (p->state == KV_PUSH_FAILED) {
+            cJSON_AddStringToObject(j, "error", p->error);
+        }
+        return j;
+    }
+    r = kv_rreq_find(ctx, req_id);
+    if (r) {
+        j = ok_reply();
+        cJSON_AddStringToObject(j, "req_id", req_id);
+        cJSON_AddStringToObject(j, "side", "receive");
+        cJSON_AddStringToObject(j, "state", dpd_state_req_name(r->state));
+        cJSON_AddBoolToObject(j, "final", r->state == DPD_REQ_READY
+                                          || r->state == DPD_REQ_FAILED);
+        cJSON_AddStringToObject(j, "peer", r->peer_id);
+        cJSON_AddNumberToObject(j, "bytes_done", (double) r->bytes_done);
+        cJSON_AddNumberToObject(j, "bytes_total", (double) r->bytes_total);
+        cJSON_AddNumberToObject(j, "nblocks", r->n);
+        if (r->state == DPD_REQ_FAILED) {
+            cJSON_AddStringToObject(j, "error", r->error);
+        }
+        return j;
+    }
+    return NULL;
+}
+
+
+static int
+is_final(cJSON *st)
+{
+    return cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(st, "final"));
+}
+
+
+/* A block list given as "<key>" (ids) or "<key>_runs" ([start, count]). */
+static int
+get_blocks(cJSON *j, const char *key, uint32_t *out, uint32_t max,
+    uint32_t *n, int *present, char *err, size_t elen)
+{
+    char rk[32];
+    cJSON *a = cJSON_GetObjectItemCaseSensitive(j, key), *b;
+
+    snprintf(rk, sizeof(rk), "%s_runs", key);
+    b = cJSON_GetObjectItemCaseSensitive(j, rk);
+    *present = a != NULL || b != NULL;
+    *n = 0;
+    if (a) {
+        return kv_ids_parse(a, out, max, n, err, elen);
+    }
+    if (b) {
+        return kv_runs_parse(b, out, max, n, err, elen);
+    }
+    return 0;
+}
+
+
+static cJSON *
+verb_info(kv_ctx_t *ctx)
+{
+    cJSON *j = ok_reply(), *p, *arr, *o;
+    const kv_layout_t *l = &ctx->cfg.layout;
+    int i;
+
+    cJSON_AddStringToObject(j, "node", ctx->cfg.node_id);
+    cJSON_AddStringToObject(j, "role", dpd_state_role_name(ctx->cfg.role));
+    if (ctx->fab_ok) {
+        cJSON_AddStringToObject(j, "provider",
+                                ctx->fab.rail[0].info->fabric_attr->prov_name);
+        cJSON_AddStringToObject(j, "fabric",
+                                ctx->fab.rail[0].info->fabric_attr->name);
+        cJSON_AddNumberToObject(j, "rails", ctx->fab.nrails);
+        cJSON_AddBoolToObject(j, "delivery_complete",
+                              ctx->fab.rail[0].delivery_complete);
+    }
+    if (ctx->cfg.has_pool) {
+        p = cJSON_AddObjectToObject(j, "pool");
+        cJSON_AddNumberToObject(p, "layers", l->layers);
+        cJSON_AddNumberToObject(p, "regions", l->regions);
+        cJSON_AddNumberToObject(p, "blocks", l->nblocks);
+        cJSON_AddNumberToObject(p, "block_bytes", (double) l->block_bytes);
+        cJSON_AddNumberToObject(p, "size", (double) l->size);
+        cJSON_AddNumberToObject(p, "free", ctx->free_blocks);
+        cJSON_AddStringToObject(p, "memory", ctx->pool.cuda_dev >= 0
+                                ? "cuda" : "host");
+    }
+    arr = cJSON_AddArrayToObject(j, "peers");
+    for (i = 0; i < ctx->npeers; i++) {
+        o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "id", ctx->peers[i].conf.id);
+        cJSON_AddStringToObject(o, "role",
+                                dpd_state_role_name(ctx->peers[i].conf.role));
+        cJSON_AddBoolToObject(o, "connected",
+                              ctx->peers[i].out_state == KV_LINK_UP);
+        cJSON_AddBoolToObject(o, "alive", ctx->peers[i].alive);
+        cJSON_AddItemToArray(arr, o);
+    }
+    o = cJSON_AddObjectToObject(j, "stats");
+    cJSON_AddNumberToObject(o, "pushes_ok", (double) ctx->stat_pushes_ok);
+    cJSON_AddNumberToObject(o, "pushes_failed",
+                            (double) ctx->stat_pushes_failed);
+    cJSON_AddNumberToObject(o, "bytes_out", (double) ctx->stat_bytes_out);
+    cJSON_AddNumberToObject(o, "bytes_in", (double) ctx->stat_bytes_in);
+    cJSON_AddNumberToObject(o, "reqs_ready", (double) ctx->stat_reqs_ready);
+    cJSON_AddNumberToObject(o, "reqs_failed", (double) ctx->stat_reqs_failed);
+    return j;
+}
+
+
+static cJSON *
+verb_register_pool(kv_ctx_t *ctx, kv_client_t *c, cJSON *j)
+{
+    cJSON *jm = cJSON_GetObjectItemCaseSensitive(j, "memory");
+    cJSON *js = cJSON_GetObjectItemCaseSensitive(j, "size");
+    cJSON *jh = cJSON_GetObjectItemCaseSensitive(j, "ipc_handle");
+    char err[256];
+    size_t size = 0;
+    int fd, i, rc, dev;
+
+    if (!ctx->cfg.has_pool) {
+        return err_reply("no_pool", "this node has no KV pool");
+    }
+    if (kv_xfer_busy(ctx)) {
+        return err_reply("busy", "transfers in progress; register the pool "
+                         "before use");
+    }
+    if (cJSON_IsNumber(js) && js->valuedouble > 0) {
+        size = (size_t) js->valuedouble;
+    }
+    if (!cJSON_IsString(jm) || strcmp(jm->valuestring, "host") == 0) {
+        if (c->conn.nfds < 1) {
+            return err_reply("bad_request", "register_pool with host memory "
+                             "needs a memfd passed with SCM_RIGHTS");
+        }
+        fd = c->conn.fds[0];
+        for (i = 1; i < c->conn.nfds; i++) {
+            c->conn.fds[i - 1] = c->conn.fds[i];
+        }
+        c->conn.nfds--;
+        kv_pool_unregister(ctx);
+        rc = kv_pool_adopt_memfd(ctx, fd, size, err, sizeof(err));
+        if (rc != 0) {
+            close(fd);
+        }
+    } else if (strncmp(jm->valuestring, "cuda:", 5) == 0) {
+        dev = atoi(jm->valuestring + 5);
+        if (!cJSON_IsString(jh)) {
+            return err_reply("bad_request", "register_pool with cuda memory "
+                             "needs ipc_handle (hex)");
+        }
+        kv_pool_unregister(ctx);
+        rc = kv_pool_adopt_cuda_ipc(ctx, jh->valuestring, dev, size, err,
+                                    sizeof(err));
+    } else {
+        return err_reply("bad_request", "memory must be host or cuda:<dev>");
+    }
+    if (ctx->fab_ok && !ctx->pool.registered && kv_pool_register(ctx) != 0) {
+        return err_reply("fabric", "cannot register the pool with the fabric");
+    }
+    if (rc != 0) {
+        return err_reply("bad_request", "%s", err);
+    }
+    /* peers learnt our old keys: make them reconnect and learn the new */
+    for (i = 0; i < ctx->npeers; i++) {
+        if (ctx->peers[i].out_state != KV_LINK_DOWN) {
+            kv_ctrl_link_down(ctx, i, "pool re-registered");
+            ctx->peers[i].next_connect_ms = 0;
+        }
+        if (ctx->peers[i].in_conn >= 0) {
+            kv_client_close(ctx, ctx->peers[i].in_conn);
+        }
+    }
+    return ok_reply();
+}
+
+
+static cJSON *
+verb_reserve(kv_ctx_t *ctx, cJSON *j)
+{
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+    cJSON *jn = cJSON_GetObjectItemCaseSensitive(j, "nblocks"), *rep;
+    char err[256];
+    uint32_t n = 0, nb;
+    int present;
+    kv_rreq_t *r;
+
+    if (!cJSON_IsString(jr)) {
+        return err_reply("bad_request", "reserve needs req_id");
+    }
+    if (!ctx->cfg.has_pool) {
+        return err_reply("no_pool", "this node has no KV pool");
+    }
+    if (get_blocks(j, "blocks", ctx->scratch, ctx->cfg.layout.nblocks, &nb,
+                   &present, err, sizeof(err)) != 0)
+    {
+        return err_reply("bad_request", "%s", err);
+    }
+    if (present) {
+        n = nb;
+    } else if (cJSON_IsNumber(jn) && jn->valuedouble >= 1
+               && jn->valuedouble <= 4294967295.0)
+    {
+        n = (uint32_t) jn->valuedouble;
+    } else {
+        return err_reply("bad_request", "reserve needs nblocks >= 1 or "
+                         "blocks");
+    }
+    if (kv_rreq_reserve(ctx, jr->valuestring, n, present ? ctx->scratch
+                        : NULL, -1, err, sizeof(err), &r) != 0)
+    {
+        return err_reply(strncmp(err, "pool full", 9) == 0 ? "pool_full"
+                         : strstr(err, "out of range") ? "out_of_range"
+                         : "bad_request", "%s", err);
+    }
+    rep = kv_api_req_json(ctx, jr->valuestring);
+    /* list the blocks, ascending */
+    {
+        uint32_t tag = (uint32_t) (r - ctx->rreq) + 1, b, k = 0;
+        for (b = 0; b < ctx->cfg.layout.nblocks; b++) {
+            if (ctx->owner[b] == tag) {
+                ctx->scratch[k++] = b;
+            }
+        }
+        cJSON_AddItemToObject(rep, "blocks",
+                              cJSON_CreateIntArray((const int *) ctx->scratch,
+                                                   (int) k));
+    }
+    return rep;
+}
+
+
+static cJSON *
+verb_push(kv_ctx_t *ctx, cJSON *j)
+{
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+    cJSON *jp = cJSON_GetObjectItemCaseSensitive(j, "peer");
+    uint32_t ns, nd, *src, *dst;
+    char err[256];
+    int sp, dp, peer;
+
+    if (!cJSON_IsString(jr) || !cJSON_IsString(jp)) {
+        return err_reply("bad_request", "push needs req_id, peer and src");
+    }
+    if (!ctx->cfg.has_pool || ctx->scratch == NULL) {
+        return err_reply("no_pool", "this node has no KV pool");
+    }
+    peer = kv_ctrl_peer_find(ctx, jp->valuestring);
+    if (peer < 0) {
+        return err_reply("unknown_peer", "unknown peer %.64s",
+                         jp->valuestring);
+    }
+    /* parse into a free push slot's arrays via scratch: src then dst */
+    src = ctx->scratch;
+    if (get_blocks(j, "src", src, ctx->cfg.layout.nblocks, &ns, &sp, err,
+                   sizeof(err)) != 0)
+    {
+        return err_reply(strstr(err, "out of range") ? "out_of_range"
+                         : "bad_request", "%s", err);
+    }
+    if (!sp || ns == 0) {
+        return err_reply("bad_request", "push needs a non-empty src");
+    }
+    dst = malloc((size_t) ns * sizeof(uint32_t));
+    if (dst == NULL) {
+        return err_reply("internal", "out of memory");
+    }
+    if (get_blocks(j, "dst", dst, ns, &nd, &dp, err, sizeof(err)) != 0) {
+        free(dst);
+        return err_reply(strstr(err, "out of range") ? "out_of_range"
+                         : "bad_request", "%s", err);
+    }
+    if (dp && nd != ns) {
+        free(dst);
+        return err_reply("bad_request", "src has %u blocks, dst %u", ns, nd);
+    }
+    if (kv_push_start(ctx, jr->valuestring, peer, src, dst, ns, dp, err,
+                      sizeof(err)) != 0)
+    {
+        free(dst);
+        return err_reply(strstr(err, "out of range") ? "out_of_range"
+                         : strstr(err, "not connected")
+                           || strstr(err, "not authorised") ? "peer"
+                         : "bad_request", "%s", err);
+    }
+    free(dst);
+    return kv_api_req_json(ctx, jr->valuestring);
+}
+
+
+static cJSON *
+verb_release(kv_ctx_t *ctx, cJSON *j)
+{
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+    kv_push_t *p;
+    kv_rreq_t *r;
+    int found = 0;
+
+    if (!cJSON_IsString(jr)) {
+        return err_reply("bad_request", "release needs req_id");
+    }
+    if ((p = kv_push_find(ctx, jr->valuestring)) != NULL) {
+        if (p->state == KV_PUSH_BEGIN || p->state == KV_PUSH_WRITING
+            || p->state == KV_PUSH_FLUSH)
+        {
+            return err_reply("busy", "push %s is in progress",
+                             jr->valuestring);
+        }
+        kv_push_release(ctx, p);
+        found = 1;
+    }
+    if ((r = kv_rreq_find(ctx, jr->valuestring)) != NULL) {
+        if (r->state == DPD_REQ_TRANSFERRING) {
+            return err_reply("busy", "request %s is being written",
+                             jr->valuestring);
+        }
+        kv_rreq_release(ctx, r);
+        found = 1;
+    }
+    if (!found) {
+        return err_reply("not_found", "unknown request %.128s",
+                         jr->valuestring);
+    }
+    return ok_reply();
+}
+
+
+static uint64_t
+splitmix(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+
+/* checksum (and, with debug verbs, fill) over blocks in list order, each
+ * block's (layer, region) slices in layout order */
+static cJSON *
+verb_blocks(kv_ctx_t *ctx, cJSON *j, int fill)
+{
+    const kv_layout_t *l = &ctx->cfg.layout;
+    cJSON *js = cJSON_GetObjectItemCaseSensitive(j, "seed"), *rep;
+    uint32_t n, i, lr, nlr = l->layers * l->regions;
+    uint64_t h = KV_CHECKSUM_INIT, seed, st, off, w, k;
+    char err[256], hex[20];
+    unsigned char *bounce = NULL;
+    int present;
+
+    if (!ctx->cfg.has_pool || ctx->scratch == NULL) {
+        return err_reply("no_pool", "this node has no KV pool");
+    }
+    if (get_blocks(j, "blocks", ctx->scratch, l->nblocks, &n, &present, err,
+                   sizeof(err)) != 0 || !present)
+    {
+        return err_reply("bad_request", "%s", present ? err
+                         : "needs blocks or blocks_runs");
+    }
+    for (i = 0; i < n; i++) {
+        if (ctx->scratch[i] >= l->nblocks) {
+            return err_reply("out_of_range", "block %u out of range (pool has "
+                             "%u blocks)", ctx->scratch[i], l->nblocks);
+        }
+    }
+    seed = cJSON_IsNumber(js) ? (uint64_t) js->valuedouble : 1;
+    bounce = malloc(l->block_bytes);
+    if (bounce == NULL) {
+        return err_reply("internal", "out of memory");
+    }
+    for (i = 0; i < n; i++) {
+        for (lr = 0; lr < nlr; lr++) {
+            off = kv_layout_off(l, lr, ctx->scratch[i]);
+            if (fill) {
+                st = seed ^ ((uint64_t) ctx->scratch[i] << 24) ^ lr;
+                for (k = 0; k + 8 <= l->block_bytes; k += 8) {
+                    w = splitmix(&st);
+                    memcpy(bounce + k, &w, 8);
+                }
+                for (; k < l->block_bytes; k++) {
+                    bounce[k] = (unsigned char) splitmix(&st);
+                }
+                kv_pool_write(ctx, off, bounce, l->block_bytes);
+            } else if (ctx->pool.cuda_dev < 0) {
+                h = kv_checksum(h, (char *) ctx->pool.base + off,
+                                l->block_bytes);
+            } else {
+                kv_pool_read(ctx, off, bounce, l->block_bytes);
+                h = kv_checksum(h, bounce, l->block_bytes);
+            }
+        }
+    }
+    free(bounce);
+    rep = ok_reply();
+    if (!fill) {
+        snprintf(hex, sizeof(hex), "%016llx", (unsigned long long) h);
+        cJSON_AddStringToObject(rep, "checksum", hex);
+    }
+    cJSON_AddNumberToObject(rep, "bytes", (double) n * nlr * l->block_bytes);
+    return rep;
+}
+
+
+static int
+verb_wait(kv_ctx_t *ctx, int client, cJSON *j, cJSON **rep)
+{
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+    cJSON *jt = cJSON_GetObjectItemCaseSensitive(j, "timeout_ms");
+    kv_waiter_t *w = NULL;
+    uint32_t i;
+    double t = cJSON_IsNumber(jt) ? jt->valuedouble : 30000;
+
+    if (!cJSON_IsString(jr) || strlen(jr->valuestring) >= KV_REQID_LEN) {
+        *rep = err_reply("bad_request", "wait needs req_id");
+        return 0;
+    }
+    *rep = kv_api_req_json(ctx, jr->valuestring);
+    if (*rep == NULL) {
+        *rep = err_reply("not_found", "unknown request %.128s",
+                         jr->valuestring);
+        return 0;
+    }
+    if (is_final(*rep) || t <= 0) {
+        return 0;
+    }
+    for (i = 0; i < ctx->nwaiters; i++) {
+        if (!ctx->waiters[i].used) {
+            w = &ctx->waiters[i];
+            break;
+        }
+    }
+    if (w == NULL) {
+        return 0;                     /* answer with the current state */
+    }
+    cJSON_Delete(*rep);
+    *rep = NULL;
+    w->used = 1;
+    w->client = client;
+    w->deadline_ms = kv_now_ms() + (uint64_t) (t > 3.6e6 ? 3.6e6 : t);
+    snprintf(w->req_id, sizeof(w->req_id), "%s", jr->valuestring);
+    return 1;
+}
+
+
+void
+kv_api_notify(kv_ctx_t *ctx, const char *req_id)
+{
+    uint32_t i;
+    cJSON *rep;
+
+    for (i = 0; ctx->waiters && i < ctx->nwaiters; i++) {
+        kv_waiter_t *w = &ctx->waiters[i];
+        if (!w->used || strcmp(w->req_id, req_id) != 0) {
+            continue;
+        }
+        rep = kv_api_req_json(ctx, req_id);
+        if (rep == NULL || !is_final(rep)) {
+            cJSON_Delete(rep);
+            continue;
+        }
+        w->used = 0;
+        kv_client_send(ctx, w->client, rep);
+    }
+}
+
+
+void
+kv_api_waiters_tick(kv_ctx_t *ctx, uint64_t now)
+{
+    uint32_t i;
+    cJSON *rep;
+
+    for (i = 0; ctx->waiters && i < ctx->nwaiters; i++) {
+        kv_waiter_t *w = &ctx->waiters[i];
+        if (!w->used || now < w->deadline_ms) {
+            continue;
+        }
+        w->used = 0;
+        rep = kv_api_req_json(ctx, w->req_id);
+        if (rep == NULL) {
+            rep = err_reply("not_found", "request %s was released",
+                            w->req_id);
+        } else {
+            cJSON_AddBoolToObject(rep, "timeout", 1);
+        }
+        kv_client_send(ctx, w->client, rep);
+    }
+}
+
+
+int
+kv_api_msg(kv_ctx_t *ctx, int client, char *msg, uint32_t len)
+{
+    kv_client_t *c = &ctx->clients[client];
+    cJSON *j = cJSON_ParseWithLength(msg, len), *v, *rep = NULL;
+    const char *verb;
+    int i, rc;
+
+    if (j == NULL || !cJSON_IsObject(j)) {
+        cJSON_Delete(j);
+        j = NULL;
+        rep = err_reply("bad_request", "malformed JSON message");
+        goto out;
+    }
+    v = cJSON_GetObjectItemCaseSensitive(j, "verb");
+    if (!cJSON_IsString(v)) {
+        rep = err_reply("bad_request", "message has no \"verb\"");
+        goto out;
+    }
+    verb = v->valuestring;
+    if (strcmp(verb, "info") == 0 || strcmp(verb, "hello") == 0) {
+        rep = verb_info(ctx);
+    } else if (strcmp(verb, "register_pool") == 0) {
+        rep = verb_register_pool(ctx, c, j);
+    } else if (strcmp(verb, "reserve") == 0) {
+        rep = verb_reserve(ctx, j);
+    } else if (strcmp(verb, "push") == 0) {
+        rep = verb_push(ctx, j);
+    } else if (strcmp(verb, "poll") == 0) {
+        v = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+        rep = cJSON_IsString(v) ? kv_api_req_json(ctx, v->valuestring)
+                                : err_reply("bad_request", "poll needs req_id");
+        if (rep == NULL) {
+            rep = err_reply("not_found", "unknown request %.128s",
+                            v->valuestring);
+        }
+    } else if (strcmp(verb, "wait") == 0) {
+        if (verb_wait(ctx, client, j, &rep)) {
+            rep = NULL;               /* answered later */
+        }
+    } else if (strcmp(verb, "release") == 0) {
+        rep = verb_release(ctx, j);
+    } else if (strcmp(verb, "checksum") == 0) {
+        rep = verb_blocks(ctx, j, 0);
+    } else if (strcmp(verb, "fill") == 0 && ctx->cfg.debug_verbs) {
+        rep = verb_blocks(ctx, j, 1);
+    } else {
+        rep = err_reply("unknown_verb", "unknown verb \"%.64s\"", verb);
+    }
+
+out:
+    cJSON_Delete(j);
+    /* descriptors nobody consumed must not leak */
+    for (i = 0; i < c->conn.nfds; i++) {
+        close(c->conn.fds[i]);
+    }
+    c->conn.nfds = 0;
+    rc = 0;
+    if (rep) {
+        rc = kv_client_send(ctx, client, rep);
+    }
+    return rc;
+}

@@ -1,0 +1,514 @@
+/*
+ * config.c - the agent's JSON configuration (see conf/kv_agent/*.json).
+ * Unknown keys are rejected so a typo never silently changes behaviour.
+ */
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "kv.h"
+
+
+uint32_t
+kv_role_parse(const char *s)
+{
+    if (strcmp(s, "prefill") == 0) return DPD_ROLE_PREFILL;
+    if (strcmp(s, "decode") == 0) return DPD_ROLE_DECODE;
+    if (strcmp(s, "router") == 0) return DPD_ROLE_ROUTER;
+    return DPD_ROLE_UNKNOWN;
+}
+
+
+static int
+only_keys(cJSON *obj, const char *where, const char *const *keys, char *err,
+    size_t elen)
+{
+    cJSON *e;
+    const char *const *k;
+
+    cJSON_ArrayForEach(e, obj) {
+        for (k = keys; *k; k++) {
+            if (strcmp(e->string, *k) == 0) {
+                break;
+            }
+        }
+        if (*k == NULL) {
+            snprintf(err, elen, "%s: unknown key \"%s\"", where, e->string);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+
+static int
+get_str(cJSON *obj, const char *key, char *out, size_t olen, int required,
+    char *err, size_t elen)
+{
+    cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+
+    if (v == NULL) {
+        if (required) {
+            snprintf(err, elen, "missing \"%s\"", key);
+            return -1;
+        }
+        return 0;
+    }
+    if (!cJSON_IsString(v) || strlen(v->valuestring) >= olen) {
+        snprintf(err, elen, "\"%s\" must be a string shorter than %zu", key,
+                 olen);
+        return -1;
+    }
+    strcpy(out, v->valuestring);
+    return 0;
+}
+
+
+/* Numbers may be given as JSON numbers or as strings with K/M/G suffixes. */
+static int
+get_u64(cJSON *obj, const char *key, uint64_t *out, uint64_t min,
+    uint64_t max, char *err, size_t elen)
+{
+    cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    uint64_t x;
+
+    if (v == NULL) {
+        return 0;
+    }
+    if (cJSON_IsNumber(v)) {
+        if (v->valuedouble < 0 || v->valuedouble > 1.8e19
+            || v->valuedouble != (double) (uint64_t) v->valuedouble)
+        {
+            goto bad;
+        }
+        x = (uint64_t) v->valuedouble;
+    } else if (cJSON_IsString(v)) {
+        if (kv_parse_size(v->valuestring, &x) != 0) {
+            goto bad;
+        }
+    } else {
+        goto bad;
+    }
+    if (x < min || x > max) {
+        goto bad;
+    }
+    *out = x;
+    return 0;
+
+bad:
+    snprintf(err, elen, "\"%s\" must be an integer in [%llu, %llu]", key,
+             (unsigned long long) min, (unsigned long long) max);
+    return -1;
+}
+
+
+static int
+get_int(cJSON *obj, const char *key, int *out, int min, int max, char *err,
+    size_t elen)
+{
+    uint64_t v = (uint64_t) *out;
+
+    if (get_u64(obj, key, &v, (uint64_t) min, (uint64_t) max, err, elen)) {
+        return -1;
+    }
+    *out = (int) v;
+    return 0;
+}
+
+
+static int
+get_bool(cJSON *obj, const char *key, int *out, char *err, size_t elen)
+{
+    cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+
+    if (v == NULL) {
+        return 0;
+    }
+    if (!cJSON_IsBool(v)) {
+        snprintf(err, elen, "\"%s\" must be true or false", key);
+        return -1;
+    }
+    *out = cJSON_IsTrue(v);
+    return 0;
+}
+
+
+static int
+parse_pool(kv_config_t *c, cJSON *p, char *err, size_t elen)
+{
+    static const char *const keys[] = {
+        "layers", "regions", "kv_split", "block_bytes", "blocks", "memory",
+        "block_stride", "region_stride", "layer_stride", NULL
+    };
+    kv_layout_t *l = &c->layout;
+    uint64_t v;
+    char mem[32] = "host";
+    int split = -1;
+    char *end;
+
+    if (!cJSON_IsObject(p)) {
+        snprintf(err, elen, "\"pool\" must be an object");
+        return -1;
+    }
+    if (only_keys(p, "pool", keys, err, elen)) {
+        return -1;
+    }
+    v = 0;
+    if (get_u64(p, "layers", &v, 1, 4096, err, elen)) return -1;
+    l->layers = (uint32_t) v;
+    v = 2;
+    if (get_bool(p, "kv_split", &split, err, elen)) return -1;
+    if (split == 0) v = 1;
+    if (get_u64(p, "regions", &v, 1, 16, err, elen)) return -1;
+    l->regions = (uint32_t) v;
+    v = 0;
+    if (get_u64(p, "blocks", &v, 1, 1u << 24, err, elen)) return -1;
+    l->nblocks = (uint32_t) v;
+    if (get_u64(p, "block_bytes", &l->block_bytes, 1, 1ULL << 32, err, elen)
+        || get_u64(p, "block_stride", &l->block_stride, 0, 1ULL << 40, err,
+                   elen)
+        || get_u64(p, "region_stride", &l->region_stride, 0, 1ULL << 44,
+                   err, elen)
+        || get_u64(p, "layer_stride", &l->layer_stride, 0, 1ULL << 44, err,
+                   elen)
+        || get_str(p, "memory", mem, sizeof(mem), 0, err, elen))
+    {
+        return -1;
+    }
+    if (strcmp(mem, "host") == 0) {
+        c->cuda_dev = -1;
+    } else if (strncmp(mem, "cuda:", 5) == 0) {
+        errno = 0;
+        c->cuda_dev = (int) strtol(mem + 5, &end, 10);
+        if (errno || *end || end == mem + 5 || c->cuda_dev < 0) {
+            snprintf(err, elen, "pool.memory: \"%s\" is not host or "
+                     "cuda:<dev>", mem);
+            return -1;
+        }
+    } else {
+        snprintf(err, elen, "pool.memory: \"%s\" is not host or cuda:<dev>",
+                 mem);
+        return -1;
+    }
+    if (kv_layout_finish(l, err, elen)) {
+        return -1;
+    }
+    c->has_pool = 1;
+    return 0;
+}
+
+
+static int
+parse_peers(kv_config_t *c, cJSON *arr, char *err, size_t elen)
+{
+    static const char *const keys[] = { "id", "ctrl", "role", "http", NULL };
+    kv_peer_conf_t *p;
+    char role[32], host[KV_ADDR_LEN];
+    cJSON *e;
+    int port, i;
+
+    if (!cJSON_IsArray(arr)) {
+        snprintf(err, elen, "\"peers\" must be an array");
+        return -1;
+    }
+    cJSON_ArrayForEach(e, arr) {
+        if (c->npeers == KV_MAX_PEERS) {
+            snprintf(err, elen, "at most %d peers", KV_MAX_PEERS);
+            return -1;
+        }
+        if (!cJSON_IsObject(e) || only_keys(e, "peer", keys, err, elen)) {
+            if (!err[0]) snprintf(err, elen, "peers[] must be objects");
+            return -1;
+        }
+        p = &c->peers[c->npeers];
+        strcpy(role, "decode");
+        if (get_str(e, "id", p->id, sizeof(p->id), 1, err, elen)
+            || get_str(e, "ctrl", p->ctrl, sizeof(p->ctrl), 1, err, elen)
+            || get_str(e, "http", p->http, sizeof(p->http), 0, err, elen)
+            || get_str(e, "role", role, sizeof(role), 0, err, elen))
+        {
+            return -1;
+        }
+        p->role = kv_role_parse(role);
+        if (p->role == DPD_ROLE_UNKNOWN) {
+            snprintf(err, elen, "peer %s: role \"%s\" is not prefill, decode "
+                     "or router", p->id, role);
+            return -1;
+        }
+        if (kv_parse_hostport(p->ctrl, host, sizeof(host), &port)) {
+            snprintf(err, elen, "peer %s: ctrl \"%s\" is not host:port",
+                     p->id, p->ctrl);
+            return -1;
+        }
+        if (strcmp(p->id, c->node_id) == 0) {
+            snprintf(err, elen, "peer id %s is this node's id", p->id);
+            return -1;
+        }
+        for (i = 0; i < c->npeers; i++) {
+            if (strcmp(c->peers[i].id, p->id) == 0) {
+                snprintf(err, elen, "duplicate peer id %s", p->id);
+                return -1;
+            }
+        }
+        c->npeers++;
+    }
+    return 0;
+}
+
+
+static int
+parse_rails(kv_config_t *c, cJSON *r, char *err, size_t elen)
+{
+    cJSON *e;
+
+    if (cJSON_IsString(r) && strcmp(r->valuestring, "auto") == 0) {
+        c->nrails = 0;
+        return 0;
+    }
+    if (!cJSON_IsArray(r)) {
+        snprintf(err, elen, "\"rails\" must be \"auto\" or an array of "
+                 "domain names");
+        return -1;
+    }
+    cJSON_ArrayForEach(e, r) {
+        if (!cJSON_IsString(e) || strlen(e->valuestring) >= 64
+            || c->nrails == KV_MAX_RAILS)
+        {
+            snprintf(err, elen, "\"rails\": at most %d names of < 64 bytes",
+                     KV_MAX_RAILS);
+            return -1;
+        }
+        strcpy(c->rails[c->nrails++], e->valuestring);
+    }
+    return 0;
+}
+
+
+static int
+parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
+{
+    static const char *const keys[] = {
+        "node_id", "role", "http", "provider", "allow_fallback", "rails",
+        "listen", "token", "peers", "api_socket", "state_path", "state",
+        "pool", "timeouts", "transfer", "api", "log_level", NULL
+    };
+    static const char *const st_keys[] = { "max_nodes", "max_reqs", NULL };
+    static const char *const to_keys[] = {
+        "heartbeat_ms", "dead_after_ms", "transfer_ms", "reconnect_ms",
+        "retention_ms", NULL
+    };
+    static const char *const tr_keys[] = {
+        "window", "max_write", "coalesce", NULL
+    };
+    static const char *const api_keys[] = {
+        "max_message", "max_clients", "debug_verbs", NULL
+    };
+    char role[32] = "", lvl[16] = "";
+    cJSON *o;
+    uint64_t v;
+    char host[KV_ADDR_LEN];
+    int port;
+
+    if (!cJSON_IsObject(root)) {
+        snprintf(err, elen, "top level must be an object");
+        return -1;
+    }
+    if (only_keys(root, "config", keys, err, elen)
+        || get_str(root, "node_id", c->node_id, sizeof(c->node_id), 1, err,
+                   elen)
+        || get_str(root, "role", role, sizeof(role), 1, err, elen)
+        || get_str(root, "http", c->http, sizeof(c->http), 0, err, elen)
+        || get_str(root, "provider", c->provider, sizeof(c->provider), 0,
+                   err, elen)
+        || get_bool(root, "allow_fallback", &c->allow_fallback, err, elen)
+        || get_str(root, "listen", c->listen, sizeof(c->listen), 1, err,
+                   elen)
+        || get_str(root, "token", c->token, sizeof(c->token), 1, err, elen)
+        || get_str(root, "api_socket", c->api_socket, sizeof(c->api_socket),
+                   0, err, elen)
+        || get_str(root, "state_path", c->state_path, sizeof(c->state_path),
+                   0, err, elen)
+        || get_str(root, "log_level", lvl, sizeof(lvl), 0, err, elen))
+    {
+        return -1;
+    }
+    if (c->node_id[0] == '\0') {
+        snprintf(err, elen, "\"node_id\" must not be empty");
+        return -1;
+    }
+    c->role = kv_role_parse(role);
+    if (c->role == DPD_ROLE_UNKNOWN) {
+        snprintf(err, elen, "role \"%s\" is not prefill, decode or router",
+                 role);
+        return -1;
+    }
+    if (strlen(c->token) < 8) {
+        snprintf(err, elen, "\"token\" must be at least 8 characters");
+        return -1;
+    }
+    if (kv_parse_hostport(c->listen, host, sizeof(host), &port)) {
+        snprintf(err, elen, "\"listen\": \"%s\" is not host:port", c->listen);
+        return -1;
+    }
+    if (lvl[0]) {
+        if (strcmp(lvl, "error") == 0) c->log_level = KV_LOG_ERR;
+        else if (strcmp(lvl, "warn") == 0) c->log_level = KV_LOG_WARN;
+        else if (strcmp(lvl, "info") == 0) c->log_level = KV_LOG_INFO;
+        else if (strcmp(lvl, "debug") == 0) c->log_level = KV_LOG_DEBUG;
+        else {
+            snprintf(err, elen, "log_level: error, warn, info or debug");
+            return -1;
+        }
+    }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "rails"))
+        && parse_rails(c, o, err, elen))
+    {
+        return -1;
+    }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "peers"))
+        && parse_peers(c, o, err, elen))
+    {
+        return -1;
+    }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "pool"))
+        && parse_pool(c, o, err, elen))
+    {
+        return -1;
+    }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "state"))) {
+        if (only_keys(o, "state", st_keys, err, elen)) return -1;
+        v = c->max_nodes;
+        if (get_u64(o, "max_nodes", &v, 1, 4096, err, elen)) return -1;
+        c->max_nodes = (uint32_t) v;
+        v = c->max_reqs;
+        if (get_u64(o, "max_reqs", &v, 16, 1u << 20, err, elen)) return -1;
+        c->max_reqs = (uint32_t) v;
+    }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "timeouts"))) {
+        if (only_keys(o, "timeouts", to_keys, err, elen)
+            || get_int(o, "heartbeat_ms", &c->heartbeat_ms, 10, 60000, err,
+                       elen)
+            || get_int(o, "dead_after_ms", &c->dead_after_ms, 20, 600000,
+                       err, elen)
+            || get_int(o, "transfer_ms", &c->transfer_timeout_ms, 10,
+                       3600000, err, elen)
+            || get_int(o, "reconnect_ms", &c->reconnect_ms, 10, 600000, err,
+                       elen)
+            || get_int(o, "retention_ms", &c->retention_ms, 0, 86400000,
+                       err, elen))
+        {
+            return -1;
+        }
+    }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "transfer"))) {
+        v = c->window;
+        if (only_keys(o, "transfer", tr_keys, err, elen)
+            || get_u64(o, "window", &v, 1, 4096, err, elen)
+            || get_u64(o, "max_write", &c->max_write, 4096, 1ULL << 32, err,
+                       elen)
+            || get_bool(o, "coalesce", &c->coalesce, err, elen))
+        {
+            return -1;
+        }
+        c->window = (uint32_t) v;
+    }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "api"))) {
+        v = c->max_msg;
+        if (only_keys(o, "api", api_keys, err, elen)
+            || get_u64(o, "max_message", &v, 1024, 64u << 20, err, elen)
+            || get_int(o, "max_clients", &c->max_clients, 1, 4096, err, elen)
+            || get_bool(o, "debug_verbs", &c->debug_verbs, err, elen))
+        {
+            return -1;
+        }
+        c->max_msg = (uint32_t) v;
+    }
+    if (c->role != DPD_ROLE_ROUTER && !c->has_pool) {
+        snprintf(err, elen, "a %s node needs a \"pool\"", role);
+        return -1;
+    }
+    if (c->dead_after_ms <= c->heartbeat_ms) {
+        snprintf(err, elen, "dead_after_ms must exceed heartbeat_ms");
+        return -1;
+    }
+    return 0;
+}
+
+
+static void
+defaults(kv_config_t *c)
+{
+    memset(c, 0, sizeof(*c));
+    strcpy(c->provider, "tcp;ofi_rxm");
+    strcpy(c->state_path, DPD_STATE_DEFAULT_PATH);
+    c->cuda_dev = -1;
+    c->max_nodes = 64;
+    c->max_reqs = 4096;
+    c->heartbeat_ms = 500;
+    c->dead_after_ms = 2000;
+    c->transfer_timeout_ms = 30000;
+    c->reconnect_ms = 500;
+    c->retention_ms = 600000;
+    c->window = 64;
+    c->max_write = 4u << 20;
+    c->coalesce = 1;
+    c->max_msg = KV_MSG_MAX_DEF;
+    c->max_clients = 256;
+    c->log_level = KV_LOG_INFO;
+}
+
+
+int
+kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
+{
+    FILE *f;
+    char *buf;
+    long n;
+    cJSON *root;
+    int rc;
+
+    defaults(c);
+    err[0] = '\0';
+    f = fopen(path, "rb");
+    if (f == NULL) {
+        snprintf(err, elen, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    if (fseek(f, 0, SEEK_END) || (n = ftell(f)) < 0 || n > (1 << 20)
+        || fseek(f, 0, SEEK_SET))
+    {
+        fclose(f);
+        snprintf(err, elen, "%s: unreadable or larger than 1 MiB", path);
+        return -1;
+    }
+    buf = malloc(n + 1);
+    if (buf == NULL || fread(buf, 1, n, f) != (size_t) n) {
+        free(buf);
+        fclose(f);
+        snprintf(err, elen, "%s: read failed", path);
+        return -1;
+    }
+    fclose(f);
+    buf[n] = '\0';
+    root = cJSON_ParseWithLength(buf, n);
+    if (root == NULL) {
+        const char *at = cJSON_GetErrorPtr();
+        snprintf(err, elen, "%s: invalid JSON near byte %ld", path,
+                 at ? (long) (at - buf) : 0L);
+        free(buf);
+        return -1;
+    }
+    rc = parse_root(c, root, err, elen);
+    cJSON_Delete(root);
+    free(buf);
+    if (rc) {
+        char tmp[512];
+        snprintf(tmp, sizeof(tmp), "%s: %s", path, err);
+        snprintf(err, elen, "%s", tmp);
+    }
+    return rc;
+}

@@ -1,0 +1,769 @@
+/*
+ * ctrl.c - the control channel between agents: framed JSON over TCP.
+ *
+ * Every agent connects out to every configured peer (reconnecting while it
+ * is away) and accepts their connections.  The outbound link carries our
+ * hello, heartbeats, request events and push_begin; the inbound one their
+ * replies come back on.  A hello carries the shared token (checked in
+ * constant time, and only configured peer ids are accepted), the fabric
+ * address blob, key and base address of every rail, and the pool geometry.
+ */
+
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "kv.h"
+
+#define KV_CTRL_VERSION 1
+
+
+static int
+resolve(const char *hostport, struct addrinfo **res, int passive)
+{
+    struct addrinfo hints;
+    char host[KV_ADDR_LEN], port[16];
+    int p;
+
+    if (kv_parse_hostport(hostport, host, sizeof(host), &p) != 0) {
+        return -1;
+    }
+    snprintf(port, sizeof(port), "%d", p);
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+    return getaddrinfo(host, port, &hints, res) == 0 ? 0 : -1;
+}
+
+
+int
+kv_ctrl_listen(kv_ctx_t *ctx)
+{
+    struct addrinfo *res;
+    int fd, one = 1;
+
+    if (resolve(ctx->cfg.listen, &res, 1) != 0) {
+        kv_err("ctrl: cannot resolve listen address %s", ctx->cfg.listen);
+        return -1;
+    }
+    fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC,
+                0);
+    if (fd < 0
+        || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0
+        || bind(fd, res->ai_addr, res->ai_addrlen) != 0
+        || listen(fd, 64) != 0)
+    {
+        kv_err("ctrl: cannot listen on %s: %s", ctx->cfg.listen,
+               strerror(errno));
+        if (fd >= 0) {
+            close(fd);
+        }
+        freeaddrinfo(res);
+        return -1;
+    }
+    freeaddrinfo(res);
+    ctx->ctrl_lfd = fd;
+    kv_info("ctrl: listening on %s", ctx->cfg.listen);
+    return 0;
+}
+
+
+int
+kv_ctrl_peer_find(kv_ctx_t *ctx, const char *id)
+{
+    int i;
+
+    for (i = 0; i < ctx->npeers; i++) {
+        if (strcmp(ctx->peers[i].conf.id, id) == 0) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+
+static int
+token_ok(const char *want, const char *got)
+{
+    size_t lw = strlen(want), lg = strlen(got), i;
+    unsigned char diff = (unsigned char) (lw != lg);
+
+    for (i = 0; i < lw; i++) {
+        diff |= (unsigned char) (want[i] ^ (i < lg ? got[i] : 0));
+    }
+    return diff == 0;
+}
+
+
+static uint32_t
+inflight_count(kv_ctx_t *ctx)
+{
+    uint32_t i, n = 0;
+
+    for (i = 0; ctx->push && i < ctx->npush; i++) {
+        int s = ctx->push[i].state;
+        n += (s == KV_PUSH_BEGIN || s == KV_PUSH_WRITING
+              || s == KV_PUSH_FLUSH);
+    }
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        n += ctx->rreq[i].used
+             && ctx->rreq[i].state == DPD_REQ_TRANSFERRING;
+    }
+    return n;
+}
+
+
+static cJSON *
+hello_json(kv_ctx_t *ctx, const char *type)
+{
+    cJSON *j = cJSON_CreateObject(), *rails, *o, *g;
+    char hex[2 * KV_FABADDR_LEN + 1];
+    kv_rail_t *r;
+    int i;
+
+    cJSON_AddStringToObject(j, "type", type);
+    cJSON_AddNumberToObject(j, "version", KV_CTRL_VERSION);
+    cJSON_AddStringToObject(j, "node", ctx->cfg.node_id);
+    cJSON_AddStringToObject(j, "token", ctx->cfg.token);
+    cJSON_AddStringToObject(j, "role", dpd_state_role_name(ctx->cfg.role));
+    cJSON_AddStringToObject(j, "http", ctx->cfg.http);
+    rails = cJSON_AddArrayToObject(j, "rails");
+    for (i = 0; ctx->fab_ok && i < ctx->fab.nrails; i++) {
+        r = &ctx->fab.rail[i];
+        o = cJSON_CreateObject();
+        kv_hex_encode(r->addr, r->addrlen, hex);
+        cJSON_AddStringToObject(o, "addr", hex);
+        cJSON_AddStringToObject(o, "provider",
+                                r->info->fabric_attr->prov_name);
+        if (ctx->pool.registered) {
+            /* keys and addresses are 64-bit: strings keep them exact */
+            char num[32];
+            snprintf(num, sizeof(num), "%llu",
+                     (unsigned long long) r->pool_key);
+            cJSON_AddStringToObject(o, "key", num);
+            snprintf(num, sizeof(num), "%llu", (unsigned long long)
+                     kv_rail_raddr(r, ctx->pool.fab_base, 0));
+            cJSON_AddStringToObject(o, "base", num);
+        }
+        cJSON_AddItemToArray(rails, o);
+    }
+    if (ctx->cfg.has_pool && ctx->pool.registered) {
+        const kv_layout_t *l = &ctx->cfg.layout;
+        g = cJSON_AddObjectToObject(j, "pool");
+        cJSON_AddNumberToObject(g, "layers", l->layers);
+        cJSON_AddNumberToObject(g, "regions", l->regions);
+        cJSON_AddNumberToObject(g, "blocks", l->nblocks);
+        cJSON_AddNumberToObject(g, "block_bytes", (double) l->block_bytes);
+        cJSON_AddNumberToObject(g, "block_stride", (double) l->block_stride);
+        cJSON_AddNumberToObject(g, "region_stride",
+                                (double) l->region_stride);
+        cJSON_AddNumberToObject(g, "layer_stride", (double) l->layer_stride);
+    }
+    return j;
+}
+
+
+static void
+av_forget(kv_ctx_t *ctx, kv_peer_t *pe)
+{
+    int i;
+
+    for (i = 0; i < KV_MAX_RAILS; i++) {
+        if (pe->remote.av_ok[i] && ctx->fab_ok && i < ctx->fab.nrails) {
+            fi_av_remove(ctx->fab.rail[i].av, &pe->remote.fiaddr[i], 1, 0);
+        }
+        pe->remote.av_ok[i] = 0;
+    }
+    pe->remote.nrails = 0;
+    pe->remote.has_pool = 0;
+}
+
+
+/* Learn a peer's rails and pool from its hello / hello_ok. */
+static int
+learn_remote(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j, char *err, size_t elen)
+{
+    cJSON *rails = cJSON_GetObjectItemCaseSensitive(j, "rails"), *o, *a, *k;
+    cJSON *b, *g = cJSON_GetObjectItemCaseSensitive(j, "pool");
+    uint8_t blob[KV_FABADDR_LEN];
+    kv_layout_t l;
+    size_t n;
+    int i = 0;
+
+    av_forget(ctx, pe);
+    memset(&l, 0, sizeof(l));
+    if (cJSON_IsObject(g)) {
+        cJSON *f;
+#define GEO(name, field) \
+        f = cJSON_GetObjectItemCaseSensitive(g, name); \
+        if (!cJSON_IsNumber(f) || f->valuedouble < 0) { \
+            snprintf(err, elen, "bad pool geometry (%s)", name); \
+            return -1; \
+        } \
+        l.field = f->valuedouble;
+        GEO("layers", layers)
+        GEO("regions", regions)
+        GEO("blocks", nblocks)
+        GEO("block_bytes", block_bytes)
+        GEO("block_stride", block_stride)
+        GEO("region_stride", region_stride)
+        GEO("layer_stride", layer_stride)
+#undef GEO
+        if (kv_layout_finish(&l, err, elen) != 0) {
+            return -1;
+        }
+        pe->remote.layout = l;
+    }
+    if (!ctx->fab_ok || !cJSON_IsArray(rails)) {
+        return 0;
+    }
+    cJSON_ArrayForEach(o, rails) {
+        if (i >= ctx->fab.nrails || i >= KV_MAX_RAILS) {
+            break;
+        }
+        a = cJSON_GetObjectItemCaseSensitive(o, "addr");
+        k = cJSON_GetObjectItemCaseSensitive(o, "key");
+        b = cJSON_GetObjectItemCaseSensitive(o, "base");
+        if (!cJSON_IsString(a)
+            || kv_hex_decode(a->valuestring, blob, sizeof(blob), &n) != 0)
+        {
+            snprintf(err, elen, "bad fabric address");
+            return -1;
+        }
+        if (fi_av_insert(ctx->fab.rail[i].av, blob, 1,
+                         &pe->remote.fiaddr[i], 0, NULL) != 1)
+        {
+            snprintf(err, elen, "fi_av_insert failed for rail %d", i);
+            return -1;
+        }
+        pe->remote.av_ok[i] = 1;
+        if (cJSON_IsString(k) && cJSON_IsString(b)) {
+            pe->remote.key[i] = strtoull(k->valuestring, NULL, 10);
+            pe->remote.base[i] = strtoull(b->valuestring, NULL, 10);
+        }
+        i++;
+    }
+    pe->remote.nrails = i;
+    pe->remote.has_pool = cJSON_IsObject(g) && i > 0;
+    return 0;
+}
+
+
+static void
+peer_heard(kv_ctx_t *ctx, int peer)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+
+    pe->last_heard_ms = kv_now_ms();
+    if (!pe->alive) {
+        pe->alive = 1;
+        kv_info("ctrl: peer %s is alive", pe->conf.id);
+        kv_ctrl_update_node(ctx, peer);
+    }
+}
+
+
+void
+kv_ctrl_update_node(kv_ctx_t *ctx, int peer)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+    dpd_node_rec_t *r = kv_state_node(&ctx->st, pe->conf.id);
+
+    if (r == NULL) {
+        return;
+    }
+    kv_state_node_begin(r);
+    r->role = pe->conf.role;
+    r->flags = DPD_NODE_USED | (pe->alive ? DPD_NODE_ALIVE : 0);
+    r->free_blocks = pe->free_blocks;
+    r->total_blocks = pe->total_blocks;
+    r->inflight = pe->inflight;
+    r->block_bytes = pe->remote.layout.layers * pe->remote.layout.regions
+                     * pe->remote.layout.block_bytes;
+    if (pe->last_hb_ms) {
+        r->last_heartbeat_ms = pe->last_hb_ms;
+    }
+    snprintf(r->http_addr, sizeof(r->http_addr), "%s", pe->conf.http);
+    kv_state_node_end(&ctx->st, r);
+}
+
+
+void
+kv_ctrl_update_self(kv_ctx_t *ctx)
+{
+    dpd_node_rec_t *r = kv_state_node(&ctx->st, ctx->cfg.node_id);
+    const kv_layout_t *l = &ctx->cfg.layout;
+
+    if (r == NULL) {
+        return;
+    }
+    kv_state_node_begin(r);
+    r->role = ctx->cfg.role;
+    r->flags = DPD_NODE_USED | DPD_NODE_SELF | (ctx->stop ? 0
+                                                          : DPD_NODE_ALIVE);
+    r->free_blocks = ctx->cfg.has_pool ? ctx->free_blocks : 0;
+    r->total_blocks = ctx->cfg.has_pool ? l->nblocks : 0;
+    r->block_bytes = ctx->cfg.has_pool
+                     ? (uint64_t) l->layers * l->regions * l->block_bytes : 0;
+    r->inflight = inflight_count(ctx);
+    r->last_heartbeat_ms = kv_wall_ms();
+    snprintf(r->http_addr, sizeof(r->http_addr), "%s", ctx->cfg.http);
+    kv_state_node_end(&ctx->st, r);
+}
+
+
+int
+kv_ctrl_send(kv_ctx_t *ctx, int peer, cJSON *j)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+
+    if (pe->out_state != KV_LINK_UP && pe->out_state != KV_LINK_HELLO) {
+        cJSON_Delete(j);
+        return -1;
+    }
+    if (kv_conn_send_json(&pe->out, j) != 0) {
+        kv_ctrl_link_down(ctx, peer, "send failed");
+        return -1;
+    }
+    return 0;
+}
+
+
+void
+kv_ctrl_link_down(kv_ctx_t *ctx, int peer, const char *why)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+    char msg[200];
+    int was_up = pe->out_state == KV_LINK_UP;
+
+    if (pe->out.fd >= 0 || pe->out_state != KV_LINK_DOWN) {
+        kv_conn_free(&pe->out);
+    }
+    pe->out.fd = -1;
+    pe->out_state = KV_LINK_DOWN;
+    pe->next_connect_ms = kv_now_ms() + ctx->cfg.reconnect_ms;
+    if (was_up) {
+        kv_warn("ctrl: link to %s lost: %s", pe->conf.id, why);
+    } else if (!pe->warned_down) {
+        kv_info("ctrl: cannot reach %s yet (%s); retrying every %d ms",
+                pe->conf.id, why, ctx->cfg.reconnect_ms);
+    }
+    pe->warned_down = 1;
+    snprintf(msg, sizeof(msg), "peer %s disconnected (%s)", pe->conf.id, why);
+    kv_push_peer_down(ctx, peer, msg);
+    av_forget(ctx, pe);
+}
+
+
+static void
+connect_peer(kv_ctx_t *ctx, int peer)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+    struct addrinfo *res;
+    int fd, one = 1;
+
+    if (resolve(pe->conf.ctrl, &res, 0) != 0) {
+        kv_ctrl_link_down(ctx, peer, "cannot resolve address");
+        return;
+    }
+    fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC,
+                0);
+    if (fd < 0) {
+        freeaddrinfo(res);
+        kv_ctrl_link_down(ctx, peer, strerror(errno));
+        return;
+    }
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    kv_conn_init(&pe->out, fd);
+    if (connect(fd, res->ai_addr, res->ai_addrlen) != 0
+        && errno != EINPROGRESS)
+    {
+        freeaddrinfo(res);
+        pe->out_state = KV_LINK_CONNECTING;
+        kv_ctrl_link_down(ctx, peer, strerror(errno));
+        return;
+    }
+    freeaddrinfo(res);
+    pe->out_state = KV_LINK_CONNECTING;
+}
+
+
+static void
+send_heartbeats(kv_ctx_t *ctx)
+{
+    cJSON *j;
+    int i;
+
+    for (i = 0; i < ctx->npeers; i++) {
+        if (ctx->peers[i].out_state != KV_LINK_UP) {
+            continue;
+        }
+        j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "type", "hb");
+        cJSON_AddStringToObject(j, "node", ctx->cfg.node_id);
+        cJSON_AddNumberToObject(j, "free", ctx->cfg.has_pool
+                                ? ctx->free_blocks : 0);
+        cJSON_AddNumberToObject(j, "total", ctx->cfg.has_pool
+                                ? ctx->cfg.layout.nblocks : 0);
+        cJSON_AddNumberToObject(j, "inflight", inflight_count(ctx));
+        cJSON_AddNumberToObject(j, "ts", (double) kv_wall_ms());
+        kv_ctrl_send(ctx, i, j);
+    }
+}
+
+
+void
+kv_ctrl_tick(kv_ctx_t *ctx, uint64_t now)
+{
+    kv_peer_t *pe;
+    int i;
+
+    for (i = 0; i < ctx->npeers; i++) {
+        pe = &ctx->peers[i];
+        if (pe->out_state == KV_LINK_DOWN && now >= pe->next_connect_ms) {
+            connect_peer(ctx, i);
+        }
+        if (pe->alive && now > pe->last_heard_ms
+                               + (uint64_t) ctx->cfg.dead_after_ms)
+        {
+            pe->alive = 0;
+            kv_warn("ctrl: peer %s is dead (silent for %llu ms)", pe->conf.id,
+                    (unsigned long long) (now - pe->last_heard_ms));
+            kv_ctrl_update_node(ctx, i);
+        }
+    }
+    if (now >= ctx->next_hb_ms) {
+        ctx->next_hb_ms = now + ctx->cfg.heartbeat_ms;
+        send_heartbeats(ctx);
+        kv_ctrl_update_self(ctx);
+    }
+}
+
+
+static void
+out_message(kv_ctx_t *ctx, int peer, cJSON *j)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+    cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "type");
+    cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "error");
+    char err[200];
+
+    if (!cJSON_IsString(t)) {
+        return;
+    }
+    peer_heard(ctx, peer);
+    if (strcmp(t->valuestring, "hello_ok") == 0
+        && pe->out_state == KV_LINK_HELLO)
+    {
+        err[0] = '\0';
+        if (learn_remote(ctx, pe, j, err, sizeof(err)) != 0) {
+            kv_warn("ctrl: peer %s: %s", pe->conf.id, err);
+            kv_ctrl_link_down(ctx, peer, err);
+            return;
+        }
+        pe->out_state = KV_LINK_UP;
+        pe->warned_down = 0;
+        pe->link_gen++;
+        kv_info("ctrl: connected to %s (%s, %d rail(s)%s)", pe->conf.id,
+                dpd_state_role_name(pe->conf.role), pe->remote.nrails,
+                pe->remote.has_pool ? ", pool" : "");
+    } else if (strcmp(t->valuestring, "error") == 0) {
+        snprintf(err, sizeof(err), "rejected by %s: %s", pe->conf.id,
+                 cJSON_IsString(e) ? e->valuestring : "?");
+        if (!pe->warned_down || pe->out_state == KV_LINK_UP) {
+            kv_warn("ctrl: %s", err);
+        }
+        pe->warned_down = 0;
+        kv_ctrl_link_down(ctx, peer, err);
+        pe->warned_down = 1;
+    } else if (strcmp(t->valuestring, "push_ok") == 0
+               || strcmp(t->valuestring, "push_err") == 0)
+    {
+        kv_push_begin_reply(ctx, peer, j);
+    }
+}
+
+
+void
+kv_ctrl_out_event(kv_ctx_t *ctx, int peer, short revents)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+    const char *why = NULL;
+    uint32_t len;
+    char *msg;
+    cJSON *j;
+    int rc, soerr = 0;
+    socklen_t sl = sizeof(soerr);
+
+    if (pe->out_state == KV_LINK_CONNECTING) {
+        if (!(revents & (POLLOUT | POLLERR | POLLHUP))) {
+            return;
+        }
+        if (getsockopt(pe->out.fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) != 0
+            || soerr != 0)
+        {
+            kv_ctrl_link_down(ctx, peer, strerror(soerr ? soerr : errno));
+            return;
+        }
+        pe->out_state = KV_LINK_HELLO;
+        kv_ctrl_send(ctx, peer, hello_json(ctx, "hello"));
+        return;
+    }
+    if (revents & POLLOUT) {
+        if (kv_conn_flush(&pe->out) != 0) {
+            kv_ctrl_link_down(ctx, peer, "write failed");
+            return;
+        }
+    }
+    if (!(revents & ~POLLOUT)) {
+        return;
+    }
+    for ( ;; ) {
+        rc = kv_conn_read(&pe->out, ctx->cfg.max_msg, 0, &msg, &len, &why);
+        if (rc == 0) {
+            return;
+        }
+        if (rc < 0) {
+            kv_ctrl_link_down(ctx, peer, why);
+            return;
+        }
+        j = cJSON_ParseWithLength(msg, len);
+        kv_conn_consume(&pe->out, len);
+        if (j == NULL) {
+            kv_ctrl_link_down(ctx, peer, "malformed control message");
+            return;
+        }
+        out_message(ctx, peer, j);
+        cJSON_Delete(j);
+        if (pe->out_state == KV_LINK_DOWN) {
+            return;
+        }
+    }
+}
+
+
+void
+kv_ctrl_req_event(kv_ctx_t *ctx, const kv_rreq_t *r)
+{
+    cJSON *j;
+    int i;
+
+    for (i = 0; i < ctx->npeers; i++) {
+        if (ctx->peers[i].conf.role != DPD_ROLE_ROUTER
+            || ctx->peers[i].out_state != KV_LINK_UP)
+        {
+            continue;
+        }
+        j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "type", "req");
+        cJSON_AddStringToObject(j, "req_id", r->req_id);
+        cJSON_AddStringToObject(j, "state", dpd_state_req_name(r->state));
+        cJSON_AddNumberToObject(j, "bytes_done", (double) r->bytes_done);
+        cJSON_AddNumberToObject(j, "bytes_total", (double) r->bytes_total);
+        cJSON_AddNumberToObject(j, "nblocks", r->n);
+        cJSON_AddStringToObject(j, "peer", r->peer_id);
+        cJSON_AddNumberToObject(j, "t_reserved_ms", (double) r->t_reserved_ms);
+        cJSON_AddNumberToObject(j, "t_start_ms", (double) r->t_start_ms);
+        cJSON_AddNumberToObject(j, "t_done_ms", (double) r->t_done_ms);
+        kv_ctrl_send(ctx, i, j);
+    }
+}
+
+
+static uint64_t
+num(cJSON *j, const char *k)
+{
+    cJSON *v = cJSON_GetObjectItemCaseSensitive(j, k);
+
+    return cJSON_IsNumber(v) && v->valuedouble > 0
+           ? (uint64_t) v->valuedouble : 0;
+}
+
+
+/* Router side: mirror a peer's request into the local table. */
+static void
+router_req_event(kv_ctx_t *ctx, int peer, cJSON *j)
+{
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+    cJSON *js = cJSON_GetObjectItemCaseSensitive(j, "state");
+    cJSON *jp = cJSON_GetObjectItemCaseSensitive(j, "peer");
+    dpd_req_rec_t *rec;
+    uint32_t st;
+
+    if (!cJSON_IsString(jr) || !cJSON_IsString(js)
+        || strlen(jr->valuestring) == 0)
+    {
+        return;
+    }
+    if (strcmp(js->valuestring, "reserved") == 0) st = DPD_REQ_RESERVED;
+    else if (strcmp(js->valuestring, "transferring") == 0)
+        st = DPD_REQ_TRANSFERRING;
+    else if (strcmp(js->valuestring, "ready") == 0) st = DPD_REQ_READY;
+    else if (strcmp(js->valuestring, "failed") == 0) st = DPD_REQ_FAILED;
+    else st = DPD_REQ_FREE;
+    rec = kv_state_req(&ctx->st, jr->valuestring, st != DPD_REQ_FREE);
+    if (rec == NULL) {
+        return;
+    }
+    if (st == DPD_REQ_FREE) {
+        kv_state_req_delete(&ctx->st, rec);
+        return;
+    }
+    kv_state_req_begin(rec);
+    rec->state = st;
+    rec->bytes_done = num(j, "bytes_done");
+    rec->bytes_total = num(j, "bytes_total");
+    rec->nblocks = (uint32_t) num(j, "nblocks");
+    rec->t_reserved_ms = num(j, "t_reserved_ms");
+    rec->t_start_ms = num(j, "t_start_ms");
+    rec->t_done_ms = num(j, "t_done_ms");
+    rec->error = st == DPD_REQ_FAILED ? -EIO : 0;
+    snprintf(rec->node_id, sizeof(rec->node_id), "%s",
+             ctx->peers[peer].conf.id);
+    snprintf(rec->peer_id, sizeof(rec->peer_id), "%s",
+             cJSON_IsString(jp) ? jp->valuestring : "");
+    kv_state_req_end(&ctx->st, rec);
+}
+
+
+static int
+in_hello(kv_ctx_t *ctx, int client, cJSON *j)
+{
+    cJSON *jn = cJSON_GetObjectItemCaseSensitive(j, "node");
+    cJSON *jt = cJSON_GetObjectItemCaseSensitive(j, "token");
+    cJSON *reply;
+    kv_peer_t *pe;
+    char err[200];
+    int peer, old;
+
+    err[0] = '\0';
+    if (!cJSON_IsString(jn) || !cJSON_IsString(jt)) {
+        snprintf(err, sizeof(err), "hello needs node and token");
+        goto reject;
+    }
+    peer = kv_ctrl_peer_find(ctx, jn->valuestring);
+    if (peer < 0) {
+        snprintf(err, sizeof(err), "node %.64s is not an allowed peer",
+                 jn->valuestring);
+        goto reject;
+    }
+    if (!token_ok(ctx->cfg.token, jt->valuestring)) {
+        snprintf(err, sizeof(err), "bad token from node %.64s",
+                 jn->valuestring);
+        goto reject;
+    }
+    pe = &ctx->peers[peer];
+    old = pe->in_conn;
+    if (old >= 0 && old != client) {
+        /* the peer came back (restart): its old incarnation's transfers
+         * cannot complete any more */
+        ctx->clients[old].peer = -1;
+        kv_client_close(ctx, old);
+        kv_rreq_peer_down(ctx, peer, "peer reconnected");
+    }
+    pe->in_conn = client;
+    ctx->clients[client].peer = peer;
+    peer_heard(ctx, peer);
+    kv_info("ctrl: accepted %s", pe->conf.id);
+    reply = hello_json(ctx, "hello_ok");
+    return kv_client_send(ctx, client, reply);
+
+reject:
+    kv_warn("ctrl: rejected a peer: %s", err);
+    reply = cJSON_CreateObject();
+    cJSON_AddStringToObject(reply, "type", "error");
+    cJSON_AddStringToObject(reply, "error", err);
+    kv_client_send(ctx, client, reply);
+    ctx->clients[client].conn.closing = 1;
+    return 0;
+}
+
+
+int
+kv_ctrl_in_msg(kv_ctx_t *ctx, int client, char *msg, uint32_t len)
+{
+    kv_client_t *c = &ctx->clients[client];
+    cJSON *j = cJSON_ParseWithLength(msg, len), *t, *reply, *id;
+    kv_peer_t *pe;
+    kv_rreq_t *r;
+    int peer = c->peer, rc = 0;
+
+    if (j == NULL || !cJSON_IsString(t = cJSON_GetObjectItemCaseSensitive(j,
+                                                                   "type")))
+    {
+        kv_warn("ctrl: malformed control message; closing");
+        cJSON_Delete(j);
+        return -1;
+    }
+    if (peer < 0) {
+        if (strcmp(t->valuestring, "hello") != 0) {
+            kv_warn("ctrl: first message is not a hello; closing");
+            cJSON_Delete(j);
+            return -1;
+        }
+        rc = in_hello(ctx, client, j);
+        cJSON_Delete(j);
+        return rc;
+    }
+    pe = &ctx->peers[peer];
+    peer_heard(ctx, peer);
+    if (strcmp(t->valuestring, "hb") == 0) {
+        pe->last_hb_ms = kv_wall_ms();
+        pe->free_blocks = num(j, "free");
+        pe->total_blocks = num(j, "total");
+        pe->inflight = (uint32_t) num(j, "inflight");
+        kv_ctrl_update_node(ctx, peer);
+    } else if (strcmp(t->valuestring, "req") == 0) {
+        router_req_event(ctx, peer, j);
+    } else if (strcmp(t->valuestring, "push_begin") == 0) {
+        reply = cJSON_CreateObject();
+        id = cJSON_GetObjectItemCaseSensitive(j, "id");
+        cJSON_AddNumberToObject(reply, "id", cJSON_IsNumber(id)
+                                ? id->valuedouble : 0);
+        kv_ctrl_push_begin(ctx, peer, j, reply);
+        rc = kv_client_send(ctx, client, reply);
+    } else if (strcmp(t->valuestring, "push_abort") == 0) {
+        cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+        cJSON *je = cJSON_GetObjectItemCaseSensitive(j, "error");
+        char why[200];
+        if (cJSON_IsString(jr) && (r = kv_rreq_find(ctx, jr->valuestring))
+            && r->peer == peer && r->state == DPD_REQ_TRANSFERRING)
+        {
+            snprintf(why, sizeof(why), "aborted by %s: %s", pe->conf.id,
+                     cJSON_IsString(je) ? je->valuestring : "?");
+            kv_rreq_set(ctx, r, DPD_REQ_FAILED, why);
+        }
+    } else {
+        kv_debug("ctrl: ignoring \"%s\" from %s", t->valuestring,
+                 pe->conf.id);
+    }
+    cJSON_Delete(j);
+    return rc;
+}
+
+
+void
+kv_ctrl_inbound_closed(kv_ctx_t *ctx, int client)
+{
+    int peer = ctx->clients[client].peer;
+    char why[160];
+
+    if (peer < 0) {
+        return;
+    }
+    if (ctx->peers[peer].in_conn == client) {
+        ctx->peers[peer].in_conn = -1;
+    }
+    snprintf(why, sizeof(why), "peer %s disconnected",
+             ctx->peers[peer].conf.id);
+    kv_rreq_peer_down(ctx, peer, why);
+}

@@ -1,0 +1,354 @@
+/*
+ * fabric.c - libfabric rails: one RDM endpoint (with its own fabric,
+ * domain, CQ and AV) per configured NIC/domain.
+ *
+ * We ask for the API version of the headers we are built with (older
+ * requests leave features off on newer providers), advertise every mr_mode
+ * bit we handle, and log the provider, fabric and domain actually chosen so
+ * a silent fall-back (e.g. EFA -> TCP) is visible; the config can forbid it.
+ */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv.h"
+
+#define KV_FI_API FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION)
+
+
+const char *
+kv_fi_err(int rc)
+{
+    return fi_strerror(rc < 0 ? -rc : rc);
+}
+
+
+static struct fi_info *
+make_hints(const char *provider, const char *domain, int want_hmem, int dc)
+{
+    struct fi_info *h = fi_allocinfo();
+
+    if (h == NULL) {
+        return NULL;
+    }
+    h->ep_attr->type = FI_EP_RDM;
+    h->caps = FI_RMA | FI_MSG | FI_WRITE | FI_REMOTE_WRITE | FI_SEND
+              | FI_RECV;
+    if (want_hmem) {
+        h->caps |= FI_HMEM;
+    }
+    h->mode = FI_CONTEXT | FI_CONTEXT2;
+    h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR
+                              | FI_MR_ALLOCATED | FI_MR_PROV_KEY
+                              | FI_MR_ENDPOINT
+                              | (want_hmem ? FI_MR_HMEM : 0);
+    h->domain_attr->threading = FI_THREAD_DOMAIN;
+    h->domain_attr->av_type = FI_AV_TABLE;
+    if (dc) {
+        h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+    }
+    if (provider && provider[0] && strcmp(provider, "auto") != 0) {
+        h->fabric_attr->prov_name = strdup(provider);
+    }
+    if (domain && domain[0]) {
+        h->domain_attr->name = strdup(domain);
+    }
+    return h;
+}
+
+
+/* fi_getinfo with delivery-complete first, then without. */
+static int
+get_info(const char *provider, const char *domain, int want_hmem,
+    struct fi_info **out, int *dc)
+{
+    struct fi_info *hints;
+    int rc = -FI_ENODATA, pass;
+
+    for (pass = 0; pass < 2; pass++) {
+        hints = make_hints(provider, domain, want_hmem, pass == 0);
+        if (hints == NULL) {
+            return -FI_ENOMEM;
+        }
+        rc = fi_getinfo(KV_FI_API, NULL, NULL, 0, hints, out);
+        fi_freeinfo(hints);
+        if (rc == 0) {
+            *dc = (pass == 0);
+            return 0;
+        }
+    }
+    return rc;
+}
+
+
+static void
+mr_mode_str(uint64_t m, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s%s%s%s%s%s%s",
+             (m & FI_MR_LOCAL) ? "LOCAL," : "",
+             (m & FI_MR_VIRT_ADDR) ? "VIRT_ADDR," : "",
+             (m & FI_MR_ALLOCATED) ? "ALLOCATED," : "",
+             (m & FI_MR_PROV_KEY) ? "PROV_KEY," : "",
+             (m & FI_MR_ENDPOINT) ? "ENDPOINT," : "",
+             (m & FI_MR_HMEM) ? "HMEM," : "",
+             (m & FI_MR_RAW) ? "RAW," : "");
+    if (buf[0]) {
+        buf[strlen(buf) - 1] = '\0';
+    } else {
+        snprintf(buf, len, "none");
+    }
+}
+
+
+static int
+rail_open(kv_rail_t *r, const char *provider, int allow_fallback,
+    const char *domain, int want_hmem)
+{
+    struct fi_cq_attr cqa;
+    struct fi_av_attr ava;
+    char modes[128];
+    size_t optlen;
+    int rc, dc = 0;
+
+    rc = get_info(provider, domain, want_hmem, &r->info, &dc);
+    if (rc != 0 && want_hmem) {
+        /* no FI_HMEM: GPU pools are staged through pinned host memory */
+        kv_warn("fabric: provider %s has no FI_HMEM here (%s); GPU memory "
+                "will be staged through host buffers", provider,
+                kv_fi_err(rc));
+        want_hmem = 0;
+        rc = get_info(provider, domain, 0, &r->info, &dc);
+    }
+    if (rc != 0 && strcmp(provider, "auto") != 0) {
+        if (!allow_fallback) {
+            kv_err("fabric: provider \"%s\"%s%s not available: %s "
+                   "(fall-back forbidden by config)", provider,
+                   domain ? " domain " : "", domain ? domain : "",
+                   kv_fi_err(rc));
+            return -1;
+        }
+        kv_warn("fabric: provider \"%s\" not available (%s); falling back "
+                "to any provider", provider, kv_fi_err(rc));
+        rc = get_info("auto", domain, want_hmem, &r->info, &dc);
+    }
+    if (rc != 0) {
+        kv_err("fabric: no RDM provider with FI_RMA|FI_MSG%s: %s",
+               domain ? " on that domain" : "", kv_fi_err(rc));
+        return -1;
+    }
+    r->mr_mode = r->info->domain_attr->mr_mode;
+    r->delivery_complete = dc;
+    r->hmem = want_hmem && (r->info->caps & FI_HMEM);
+    if (r->mr_mode & FI_MR_RAW) {
+        kv_err("fabric: provider %s needs FI_MR_RAW keys (unsupported)",
+               r->info->fabric_attr->prov_name);
+        return -1;
+    }
+
+    rc = fi_fabric(r->info->fabric_attr, &r->fabric, NULL);
+    if (rc == 0) {
+        rc = fi_domain(r->fabric, r->info, &r->domain, NULL);
+    }
+    if (rc != 0) {
+        kv_err("fabric: fi_fabric/fi_domain: %s", kv_fi_err(rc));
+        return -1;
+    }
+    memset(&cqa, 0, sizeof(cqa));
+    cqa.format = FI_CQ_FORMAT_DATA;
+    cqa.wait_obj = FI_WAIT_NONE;
+    cqa.size = r->info->tx_attr->size + r->info->rx_attr->size;
+    if (cqa.size < 1024) {
+        cqa.size = 1024;
+    }
+    memset(&ava, 0, sizeof(ava));
+    ava.type = FI_AV_TABLE;
+    ava.count = 64;
+    if ((rc = fi_cq_open(r->domain, &cqa, &r->cq, NULL)) != 0
+        || (rc = fi_av_open(r->domain, &ava, &r->av, NULL)) != 0
+        || (rc = fi_endpoint(r->domain, r->info, &r->ep, NULL)) != 0
+        || (rc = fi_ep_bind(r->ep, &r->cq->fid, FI_TRANSMIT | FI_RECV)) != 0
+        || (rc = fi_ep_bind(r->ep, &r->av->fid, 0)) != 0
+        || (rc = fi_enable(r->ep)) != 0)
+    {
+        kv_err("fabric: endpoint setup: %s", kv_fi_err(rc));
+        return -1;
+    }
+    r->addrlen = sizeof(r->addr);
+    rc = fi_getname(&r->ep->fid, r->addr, &r->addrlen);
+    if (rc != 0) {
+        kv_err("fabric: fi_getname: %s", kv_fi_err(rc));
+        return -1;
+    }
+
+    /* the largest single RMA the endpoint takes; writes are split at it */
+    r->max_rma = r->info->ep_attr->max_msg_size;
+#if FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), \
+                  FI_VERSION(2, 0))
+    {
+        size_t v = 0;
+        optlen = sizeof(v);
+        if (fi_getopt(&r->ep->fid, FI_OPT_ENDPOINT, FI_OPT_MAX_RMA_SIZE, &v,
+                      &optlen) == 0 && v > 0)
+        {
+            r->max_rma = v;
+        }
+    }
+#else
+    (void) optlen;
+#endif
+    if (r->max_rma == 0) {
+        r->max_rma = 1u << 20;
+    }
+    r->next_key = 1;
+
+    mr_mode_str(r->mr_mode, modes, sizeof(modes));
+    kv_info("fabric: rail %d: provider %s, fabric %s, domain %s, api %d.%d "
+            "(headers %d.%d), mr_mode %s, max_rma %llu, "
+            "delivery_complete %s, hmem %s", r->index,
+            r->info->fabric_attr->prov_name, r->info->fabric_attr->name,
+            r->info->domain_attr->name, FI_MAJOR(fi_version()),
+            FI_MINOR(fi_version()), FI_MAJOR_VERSION, FI_MINOR_VERSION,
+            modes, (unsigned long long) r->max_rma,
+            dc ? "yes" : "no (trailing message after transmit-complete)",
+            r->hmem ? "yes" : "no");
+    return 0;
+}
+
+
+int
+kv_fabric_open(kv_fabric_t *f, const char *provider, int allow_fallback,
+    char rails[][64], int nrails, int want_hmem)
+{
+    int i, n = nrails > 0 ? nrails : 1;
+
+    memset(f, 0, sizeof(*f));
+    snprintf(f->provider, sizeof(f->provider), "%s", provider);
+    f->allow_fallback = allow_fallback;
+    f->want_hmem = want_hmem;
+    for (i = 0; i < n; i++) {
+        f->rail[i].index = i;
+        if (rail_open(&f->rail[i], provider, allow_fallback,
+                      nrails > 0 ? rails[i] : NULL, want_hmem) != 0)
+        {
+            f->nrails = i + 1;
+            kv_fabric_close(f);
+            return -1;
+        }
+        f->nrails = i + 1;
+    }
+    return 0;
+}
+
+
+static void
+close_fid(struct fid *fid)
+{
+    if (fid) {
+        fi_close(fid);
+    }
+}
+
+
+void
+kv_fabric_close(kv_fabric_t *f)
+{
+    kv_rail_t *r;
+    int i;
+
+    for (i = 0; i < f->nrails; i++) {
+        r = &f->rail[i];
+        close_fid(r->ep ? &r->ep->fid : NULL);
+        close_fid(r->pool_mr ? &r->pool_mr->fid : NULL);
+        close_fid(r->msg_mr ? &r->msg_mr->fid : NULL);
+        close_fid(r->av ? &r->av->fid : NULL);
+        close_fid(r->cq ? &r->cq->fid : NULL);
+        close_fid(r->domain ? &r->domain->fid : NULL);
+        close_fid(r->fabric ? &r->fabric->fid : NULL);
+        if (r->info) {
+            fi_freeinfo(r->info);
+        }
+        free(r->msgbuf);
+        memset(r, 0, sizeof(*r));
+    }
+    f->nrails = 0;
+}
+
+
+int
+kv_rail_reg(kv_rail_t *r, void *buf, size_t len, int cuda_dev,
+    uint64_t access, struct fid_mr **mr, void **desc, uint64_t *key)
+{
+    struct fi_mr_attr attr;
+    struct iovec iov;
+    int rc;
+
+    memset(&attr, 0, sizeof(attr));
+    iov.iov_base = buf;
+    iov.iov_len = len;
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = r->next_key++;
+    attr.iface = FI_HMEM_SYSTEM;
+    if (cuda_dev >= 0) {
+        attr.iface = FI_HMEM_CUDA;
+        attr.device.cuda = cuda_dev;
+    }
+    rc = fi_mr_regattr(r->domain, &attr, 0, mr);
+    if (rc != 0) {
+        kv_err("fabric: rail %d: registering %zu bytes failed: %s", r->index,
+               len, kv_fi_err(rc));
+        return -1;
+    }
+    if (r->mr_mode & FI_MR_ENDPOINT) {
+        if ((rc = fi_mr_bind(*mr, &r->ep->fid, 0)) != 0
+            || (rc = fi_mr_enable(*mr)) != 0)
+        {
+            kv_err("fabric: rail %d: binding MR: %s", r->index,
+                   kv_fi_err(rc));
+            fi_close(&(*mr)->fid);
+            *mr = NULL;
+            return -1;
+        }
+    }
+    *desc = fi_mr_desc(*mr);
+    *key = fi_mr_key(*mr);
+    if (*key == FI_KEY_NOTAVAIL) {
+        kv_err("fabric: rail %d: provider returned no MR key", r->index);
+        fi_close(&(*mr)->fid);
+        *mr = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+
+/* The address a peer must use for byte `off` of a region we registered at
+ * base: virtual addresses with FI_MR_VIRT_ADDR, offsets without. */
+uint64_t
+kv_rail_raddr(const kv_rail_t *r, const void *base, uint64_t off)
+{
+    if (r->mr_mode & FI_MR_VIRT_ADDR) {
+        return (uint64_t) (uintptr_t) base + off;
+    }
+    return off;
+}
+
+
+void
+kv_rail_cq_error(kv_rail_t *r, struct fi_cq_err_entry *e)
+{
+    char buf[256];
+    ssize_t rc;
+
+    memset(e, 0, sizeof(*e));
+    rc = fi_cq_readerr(r->cq, e, 0);
+    if (rc < 0) {
+        e->err = FI_EIO;
+        return;
+    }
+    kv_debug("fabric: rail %d: completion error: %s (%s)", r->index,
+             kv_fi_err(e->err),
+             fi_cq_strerror(r->cq, e->prov_errno, e->err_data, buf,
+                            sizeof(buf)));
+}

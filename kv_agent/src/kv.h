@@ -1,0 +1,488 @@
+/*
+ * kv.h - kv_agent internals shared by its source files.
+ *
+ * One process, one thread, one context struct (kv_ctx_t): a poll() loop
+ * drives the control channel, the local API, the libfabric completion
+ * queues and the timers.  Everything the data path needs is allocated at
+ * start (or when a pool is registered); nothing is allocated per block.
+ */
+
+#ifndef KV_H
+#define KV_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include "dpd_state.h"
+
+#define KV_MAX_RAILS      8
+#define KV_MAX_PEERS      64
+#define KV_ID_LEN         DPD_STATE_ID_LEN
+#define KV_ADDR_LEN       DPD_STATE_ADDR_LEN
+#define KV_REQID_LEN      DPD_STATE_REQID_LEN
+#define KV_FABADDR_LEN    256
+#define KV_MSG_MAX_DEF    (1u << 20)     /* framed JSON message cap */
+#define KV_DONE_MAGIC     0x4b56444fu    /* "KVDO" */
+#define KV_NRECV          32             /* posted receives per rail */
+#define KV_NSEND          64             /* trailing-message buffers */
+
+/* ---- logging ---------------------------------------------------------- */
+
+enum { KV_LOG_ERR = 0, KV_LOG_WARN, KV_LOG_INFO, KV_LOG_DEBUG };
+extern int kv_log_level;
+void kv_log(int level, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+#define kv_err(...)   kv_log(KV_LOG_ERR, __VA_ARGS__)
+#define kv_warn(...)  kv_log(KV_LOG_WARN, __VA_ARGS__)
+#define kv_info(...)  kv_log(KV_LOG_INFO, __VA_ARGS__)
+#define kv_debug(...) kv_log(KV_LOG_DEBUG, __VA_ARGS__)
+
+uint64_t kv_now_ms(void);          /* CLOCK_MONOTONIC */
+uint64_t kv_wall_ms(void);         /* CLOCK_REALTIME */
+double   kv_now_s(void);
+int      kv_set_nonblock(int fd);
+int      kv_parse_hostport(const char *s, char *host, size_t hlen, int *port);
+int      kv_parse_size(const char *s, uint64_t *out);  /* 4K, 1M, 64MiB */
+void     kv_hex_encode(const void *p, size_t n, char *out);
+int      kv_hex_decode(const char *s, void *out, size_t max, size_t *n);
+uint64_t kv_checksum(uint64_t h, const void *p, size_t n);
+#define  KV_CHECKSUM_INIT 0xcbf29ce484222325ULL
+
+/* ---- pool layout ------------------------------------------------------ */
+
+typedef struct {
+    uint32_t layers;
+    uint32_t regions;        /* 2: separate K and V, 1: fused */
+    uint32_t nblocks;
+    uint64_t block_bytes;    /* bytes per block per (layer, region) */
+    uint64_t block_stride;   /* distance between blocks in one region */
+    uint64_t region_stride;  /* distance between regions of one layer */
+    uint64_t layer_stride;   /* distance between layers */
+    uint64_t size;           /* bytes the pool must span */
+} kv_layout_t;
+
+int      kv_layout_finish(kv_layout_t *l, char *err, size_t elen);
+uint64_t kv_layout_off(const kv_layout_t *l, uint32_t lr, uint32_t block);
+
+/* One contiguous write: source offset, destination offset, length. */
+typedef struct {
+    uint64_t src;
+    uint64_t dst;
+    uint64_t len;
+} kv_seg_t;
+
+/* Walks (src, dst) block pairs in runs, per (layer, region), merging
+ * segments that are contiguous on both sides when coalescing is on.  No
+ * allocation: it only indexes the caller's arrays. */
+typedef struct {
+    const kv_layout_t *sl, *dl;
+    const uint32_t    *src, *dst;
+    uint32_t           n;
+    int                coalesce;
+    uint32_t           lr, i, k;       /* cursor: layer-region, pair, block */
+    int                have_peek;
+    kv_seg_t           peek;
+} kv_segiter_t;
+
+void kv_segiter_init(kv_segiter_t *it, const kv_layout_t *sl,
+    const kv_layout_t *dl, const uint32_t *src, const uint32_t *dst,
+    uint32_t n, int coalesce);
+int  kv_segiter_next(kv_segiter_t *it, kv_seg_t *out);
+
+/* ---- configuration ---------------------------------------------------- */
+
+typedef struct {
+    char     id[KV_ID_LEN];
+    char     ctrl[KV_ADDR_LEN];    /* host:port of its control listener */
+    char     http[KV_ADDR_LEN];    /* its vLLM */
+    uint32_t role;
+} kv_peer_conf_t;
+
+typedef struct {
+    char           node_id[KV_ID_LEN];
+    uint32_t       role;
+    char           http[KV_ADDR_LEN];
+    char           provider[64];
+    int            allow_fallback;
+    char           rails[KV_MAX_RAILS][64];
+    int            nrails;             /* 0 = auto (one) */
+    char           listen[KV_ADDR_LEN];
+    char           token[128];
+    kv_peer_conf_t peers[KV_MAX_PEERS];
+    int            npeers;
+    char           api_socket[108];
+    char           state_path[512];
+    uint32_t       max_nodes, max_reqs;
+    int            has_pool;
+    kv_layout_t    layout;
+    int            cuda_dev;           /* -1: host memory */
+    int            heartbeat_ms, dead_after_ms, transfer_timeout_ms;
+    int            reconnect_ms, retention_ms;
+    uint32_t       window;             /* writes in flight per rail */
+    uint64_t       max_write;          /* cap on one fi_write */
+    int            coalesce;
+    uint32_t       max_msg;            /* API/control message cap */
+    int            max_clients;
+    int            debug_verbs;
+    int            log_level;
+} kv_config_t;
+
+int kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen);
+uint32_t kv_role_parse(const char *s);
+
+/* ---- state table writer ---------------------------------------------- */
+
+typedef struct {
+    char                path[512];
+    void               *map;
+    size_t              size;
+    dpd_state_header_t *hdr;
+    dpd_node_rec_t     *nodes;
+    dpd_req_rec_t      *reqs;
+} kv_state_t;
+
+int  kv_state_open(kv_state_t *s, const char *path, const char *self_id,
+    uint32_t max_nodes, uint32_t max_reqs);
+void kv_state_close(kv_state_t *s, int clean);
+dpd_node_rec_t *kv_state_node(kv_state_t *s, const char *id);
+void kv_state_node_begin(dpd_node_rec_t *r);
+void kv_state_node_end(kv_state_t *s, dpd_node_rec_t *r);
+dpd_req_rec_t *kv_state_req(kv_state_t *s, const char *req_id, int create);
+void kv_state_req_begin(dpd_req_rec_t *r);
+void kv_state_req_end(kv_state_t *s, dpd_req_rec_t *r);
+void kv_state_req_delete(kv_state_t *s, dpd_req_rec_t *r);
+void kv_state_gc(kv_state_t *s, uint64_t older_than_wall_ms);
+
+int  kv_status_main(int argc, char **argv);
+
+/* ---- libfabric rails --------------------------------------------------- */
+
+typedef struct kv_op kv_op_t;
+
+typedef struct {
+    struct fi_info     *info;
+    struct fid_fabric  *fabric;
+    struct fid_domain  *domain;
+    struct fid_ep      *ep;
+    struct fid_av      *av;
+    struct fid_cq      *cq;
+    struct fid_mr      *pool_mr;
+    void               *pool_desc;
+    uint64_t            pool_key;
+    struct fid_mr      *msg_mr;
+    void               *msg_desc;
+    char               *msgbuf;        /* KV_NRECV + KV_NSEND slots */
+    uint8_t             addr[KV_FABADDR_LEN];
+    size_t              addrlen;
+    uint64_t            max_rma;
+    uint64_t            mr_mode;
+    int                 delivery_complete;
+    int                 hmem;
+    int                 index;
+    uint64_t            next_key;
+} kv_rail_t;
+
+typedef struct {
+    char      provider[64];
+    int       allow_fallback;
+    int       want_hmem;
+    char      rails[KV_MAX_RAILS][64];
+    int       nrails;
+    kv_rail_t rail[KV_MAX_RAILS];
+} kv_fabric_t;
+
+int  kv_fabric_open(kv_fabric_t *f, const char *provider, int allow_fallback,
+    char rails[][64], int nrails, int want_hmem);
+void kv_fabric_close(kv_fabric_t *f);
+int  kv_rail_reg(kv_rail_t *r, void *buf, size_t len, int cuda_dev,
+    uint64_t access, struct fid_mr **mr, void **desc, uint64_t *key);
+uint64_t kv_rail_raddr(const kv_rail_t *r, const void *base, uint64_t off);
+const char *kv_fi_err(int rc);
+void kv_rail_cq_error(kv_rail_t *r, struct fi_cq_err_entry *e);
+
+/* ---- framed JSON connections ----------------------------------------- */
+
+typedef struct {
+    int       fd;
+    char     *rbuf;
+    size_t    rlen, rcap;
+    char     *wbuf;
+    size_t    wlen, woff, wcap;
+    int       fds[4];                 /* SCM_RIGHTS received, unconsumed */
+    int       nfds;
+    int       closing;
+} kv_conn_t;
+
+void kv_conn_init(kv_conn_t *c, int fd);
+void kv_conn_free(kv_conn_t *c);
+/* 1: message ready in *msg (length *len, not NUL-terminated); 0: need
+ * more; -1: connection closed or error; -2: frame larger than max (errmsg
+ * says which). */
+int  kv_conn_read(kv_conn_t *c, uint32_t max, int with_fds, char **msg,
+    uint32_t *len, const char **errmsg);
+void kv_conn_consume(kv_conn_t *c, uint32_t len);
+int  kv_conn_queue(kv_conn_t *c, const char *data, size_t len);
+int  kv_conn_flush(kv_conn_t *c);     /* -1 on error */
+struct cJSON;
+int  kv_conn_send_json(kv_conn_t *c, struct cJSON *j);  /* frees j */
+
+/* ---- runtime ----------------------------------------------------------- */
+
+/* A posted fabric operation; its address is the libfabric context. */
+struct kv_op {
+    struct fi_context2 fctx;          /* must stay first */
+    uint32_t           kind;          /* KV_OP_* */
+    uint32_t           slot;          /* push slot or msg slot */
+    uint64_t           gen;           /* push generation when posted */
+    uint64_t           len;
+    int                rail;
+    kv_op_t           *next_free;
+};
+
+enum { KV_OP_WRITE = 1, KV_OP_SEND, KV_OP_RECV };
+
+/* What we know of a peer's pool and fabric, from its hello. */
+typedef struct {
+    int         nrails;
+    fi_addr_t   fiaddr[KV_MAX_RAILS];
+    int         av_ok[KV_MAX_RAILS];
+    uint64_t    key[KV_MAX_RAILS];
+    uint64_t    base[KV_MAX_RAILS];
+    kv_layout_t layout;
+    int         has_pool;
+} kv_remote_t;
+
+enum { KV_LINK_DOWN = 0, KV_LINK_CONNECTING, KV_LINK_HELLO, KV_LINK_UP };
+
+typedef struct {
+    kv_peer_conf_t conf;
+    kv_conn_t      out;               /* our connection to its listener */
+    int            out_state;
+    uint64_t       next_connect_ms;
+    uint64_t       last_heard_ms;     /* any message, either direction */
+    uint64_t       last_hb_ms;
+    int            alive;
+    int            in_conn;           /* index of its inbound conn, -1 */
+    kv_remote_t    remote;
+    uint64_t       link_gen;
+    uint64_t       free_blocks, total_blocks;
+    uint32_t       inflight;
+    int            warned_down;
+} kv_peer_t;
+
+enum {
+    KV_PUSH_FREE = 0, KV_PUSH_BEGIN, KV_PUSH_WRITING, KV_PUSH_FLUSH,
+    KV_PUSH_DONE, KV_PUSH_FAILED
+};
+
+/* An outgoing transfer (prefill side). */
+typedef struct {
+    int          state;
+    uint64_t     gen;
+    char         req_id[KV_REQID_LEN];
+    uint64_t     hash;
+    int          peer;
+    uint32_t     n;
+    uint32_t    *src, *dst;            /* preallocated, pool nblocks each */
+    int          dst_given;
+    kv_segiter_t it;
+    kv_seg_t     cur;                  /* segment being split */
+    uint64_t     cur_off;
+    int          cur_valid, segs_done;
+    uint64_t     bytes_total, bytes_posted, bytes_done;
+    uint32_t     inflight;
+    uint32_t     next_rail;
+    uint64_t     t_start_ms, deadline_ms, t_done_ms;
+    uint64_t     begin_id;
+    char         error[160];
+    int          done_sent;
+    int          release_pending;      /* free when inflight drains */
+    uint64_t     t_final_ms;           /* DONE/FAILED, for retention */
+    uint32_t     cap;                  /* capacity of src/dst */
+} kv_push_t;
+
+/* A request on the receiving (decode) side: reserved blocks. */
+typedef struct {
+    int          used;
+    uint32_t     state;                /* DPD_REQ_* */
+    char         req_id[KV_REQID_LEN];
+    uint64_t     hash;
+    uint32_t     n;                    /* blocks owned (ctx->owner) */
+    char         peer_id[KV_ID_LEN];
+    int          peer;                 /* -1 when local only */
+    uint64_t     bytes_total, bytes_done;
+    uint64_t     deadline_ms;
+    uint64_t     t_reserved_ms, t_start_ms, t_done_ms;
+    uint64_t     t_final_ms;           /* monotonic, for retention */
+    int          auto_res;             /* reserved by a peer's push */
+    char         error[160];
+} kv_rreq_t;
+
+/* A local API client waiting for a request to finish. */
+typedef struct {
+    int          used;
+    int          client;
+    uint64_t     deadline_ms;
+    char         req_id[KV_REQID_LEN];
+} kv_waiter_t;
+
+typedef struct {
+    kv_conn_t    conn;
+    int          used;
+    int          is_peer;              /* control channel: inbound peer */
+    int          peer;                 /* after hello, -1 before */
+    uint64_t     t_open_ms;
+} kv_client_t;
+
+typedef struct {
+    int           fd;                  /* memfd or -1 */
+    void         *base;                /* host or device address */
+    size_t        size;
+    int           cuda_dev;            /* -1 host */
+    int           owned_cuda;          /* cudaMalloc'd by us */
+    int           imported_cuda;       /* cudaIpcOpenMemHandle */
+    void         *mirror;              /* pinned host staging, or NULL */
+    void         *fab_base;            /* what the fabric sees */
+    int           registered;
+} kv_pool_t;
+
+typedef struct kv_ctx {
+    kv_config_t  cfg;
+    kv_state_t   st;
+    kv_fabric_t  fab;
+    int          fab_ok;
+    kv_pool_t    pool;
+    uint32_t    *owner;                /* per block: rreq slot + 1, 0 free */
+    uint32_t     free_blocks;
+
+    kv_peer_t    peers[KV_MAX_PEERS];
+    int          npeers;
+
+    int          ctrl_lfd, api_lfd;
+    kv_client_t *clients;              /* API and inbound control conns */
+    int          nclients;
+
+    kv_push_t   *push;
+    uint32_t     npush;
+    uint64_t     push_gen;
+    kv_rreq_t   *rreq;
+    uint32_t     nrreq;
+    kv_waiter_t *waiters;
+    uint32_t     nwaiters;
+
+    kv_op_t     *ops;
+    kv_op_t     *op_free;
+    uint32_t     nops, ops_used;
+    uint32_t     send_free[KV_NSEND];
+    uint32_t     nsend_free;
+    uint32_t     writes_inflight;
+    uint32_t     push_rr;
+    uint32_t    *scratch;              /* nblocks ids, control path */
+    uint32_t     push_cap;             /* max pairs per push */
+
+    uint64_t     begin_seq;
+    uint64_t     next_hb_ms;
+    volatile int stop;
+    uint64_t     stat_pushes_ok, stat_pushes_failed, stat_bytes_out;
+    uint64_t     stat_bytes_in, stat_reqs_ready, stat_reqs_failed;
+} kv_ctx_t;
+
+/* trailing "done" message over the fabric (sent after all writes of a
+ * request completed with delivery-complete semantics) */
+typedef struct {
+    uint32_t magic;
+    int32_t  status;
+    uint64_t hash;
+    uint64_t bytes;
+    char     req_id[KV_REQID_LEN];
+    char     node_id[KV_ID_LEN];
+} kv_done_msg_t;
+
+#define KV_MSG_SLOT 256   /* >= sizeof(kv_done_msg_t) */
+
+/* pool.c */
+int  kv_pool_alloc(kv_ctx_t *ctx);
+int  kv_pool_adopt_memfd(kv_ctx_t *ctx, int fd, size_t size, char *err,
+    size_t elen);
+int  kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, const char *hex, int dev,
+    size_t size, char *err, size_t elen);
+int  kv_pool_register(kv_ctx_t *ctx);
+void kv_pool_unregister(kv_ctx_t *ctx);
+void kv_pool_free(kv_ctx_t *ctx);
+int  kv_pool_stage_out(kv_ctx_t *ctx, uint64_t off, uint64_t len);
+int  kv_pool_stage_in(kv_ctx_t *ctx, uint64_t off, uint64_t len);
+int  kv_pool_read(kv_ctx_t *ctx, uint64_t off, void *dst, uint64_t len);
+int  kv_pool_write(kv_ctx_t *ctx, uint64_t off, const void *src,
+    uint64_t len);
+
+/* ctrl.c */
+int  kv_ctrl_listen(kv_ctx_t *ctx);
+void kv_ctrl_tick(kv_ctx_t *ctx, uint64_t now);
+void kv_ctrl_out_event(kv_ctx_t *ctx, int peer, short revents);
+int  kv_ctrl_in_msg(kv_ctx_t *ctx, int client, char *msg, uint32_t len);
+void kv_ctrl_link_down(kv_ctx_t *ctx, int peer, const char *why);
+int  kv_ctrl_peer_find(kv_ctx_t *ctx, const char *id);
+int  kv_ctrl_send(kv_ctx_t *ctx, int peer, struct cJSON *j);
+void kv_ctrl_req_event(kv_ctx_t *ctx, const kv_rreq_t *r);
+void kv_ctrl_update_node(kv_ctx_t *ctx, int peer);
+void kv_ctrl_update_self(kv_ctx_t *ctx);
+void kv_ctrl_inbound_closed(kv_ctx_t *ctx, int client);
+
+/* xfer.c */
+int  kv_xfer_init(kv_ctx_t *ctx);
+void kv_xfer_fini(kv_ctx_t *ctx);
+int  kv_xfer_progress(kv_ctx_t *ctx);     /* returns 1 when busy */
+int  kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
+    const uint32_t *src, const uint32_t *dst, uint32_t n, int dst_given,
+    char *err, size_t elen);
+kv_push_t *kv_push_find(kv_ctx_t *ctx, const char *req_id);
+void kv_push_release(kv_ctx_t *ctx, kv_push_t *p);
+void kv_push_begin_reply(kv_ctx_t *ctx, int peer, struct cJSON *j);
+void kv_push_peer_down(kv_ctx_t *ctx, int peer, const char *why);
+int  kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
+    const uint32_t *want, int peer, char *err, size_t elen,
+    kv_rreq_t **out);
+kv_rreq_t *kv_rreq_find(kv_ctx_t *ctx, const char *req_id);
+void kv_rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state,
+    const char *error);
+void kv_rreq_release(kv_ctx_t *ctx, kv_rreq_t *r);
+void kv_rreq_peer_down(kv_ctx_t *ctx, int peer, const char *why);
+int  kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, struct cJSON *j,
+    struct cJSON *reply);
+void kv_xfer_timeouts(kv_ctx_t *ctx, uint64_t now);
+void kv_xfer_fail_all(kv_ctx_t *ctx, const char *why);
+int  kv_xfer_busy(kv_ctx_t *ctx);
+
+/* api.c */
+int  kv_api_listen(kv_ctx_t *ctx);
+int  kv_api_msg(kv_ctx_t *ctx, int client, char *msg, uint32_t len);
+void kv_api_notify(kv_ctx_t *ctx, const char *req_id);
+void kv_api_waiters_tick(kv_ctx_t *ctx, uint64_t now);
+struct cJSON *kv_api_req_json(kv_ctx_t *ctx, const char *req_id);
+
+/* loop.c */
+int  kv_run_main(int argc, char **argv);
+int  kv_client_add(kv_ctx_t *ctx, int fd, int is_peer);
+void kv_client_close(kv_ctx_t *ctx, int i);
+int  kv_client_send(kv_ctx_t *ctx, int i, struct cJSON *j);
+
+/* bench.c */
+int  kv_bench_main(int argc, char **argv);
+
+/* runs: encode/decode block lists as [[start, count], ...] */
+int  kv_runs_parse(struct cJSON *arr, uint32_t *out, uint32_t max,
+    uint32_t *n, char *err, size_t elen);
+int  kv_ids_parse(struct cJSON *arr, uint32_t *out, uint32_t max,
+    uint32_t *n, char *err, size_t elen);
+struct cJSON *kv_runs_json(const uint32_t *ids, uint32_t n);
+
+#endif /* KV_H */

@@ -1,0 +1,1183 @@
+/*
+ * xfer.c - the data path.
+ *
+ * Sender (prefill): push = request id + peer + (src, dst) block pairs.
+ *   1. push_begin over the control channel; the receiver bounds-checks the
+ *      destination blocks against its pool and its reservations (or picks
+ *      free blocks) and answers with the final destination list.
+ *   2. The segment walker coalesces runs across blocks using both pool
+ *      layouts; segments are split at min(max_write, max RMA size),
+ *      striped round-robin over the rails and posted with fi_write under a
+ *      global window.  Everything used here was allocated at start.
+ *   3. When every write completed (FI_DELIVERY_COMPLETE where the provider
+ *      offers it), a trailing "done" message goes over the fabric; the
+ *      receiver marks the request ready only when it arrives.
+ * Receiver (decode): reservations own blocks (ctx->owner); request states
+ *   go to the state table and, as events, to router peers.
+ */
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "kv.h"
+
+#define KV_NPUSH         32
+#define KV_NRREQ         512
+#define KV_PUSH_CAP_MAX  65536
+
+
+static uint64_t
+block_total_bytes(const kv_layout_t *l)
+{
+    return (uint64_t) l->layers * l->regions * l->block_bytes;
+}
+
+
+/* ---- fabric operation contexts ----------------------------------------- */
+
+static kv_op_t *
+op_get(kv_ctx_t *ctx)
+{
+    kv_op_t *op = ctx->op_free;
+
+    if (op) {
+        ctx->op_free = op->next_free;
+        ctx->ops_used++;
+        memset(&op->fctx, 0, sizeof(op->fctx));
+    }
+    return op;
+}
+
+
+static void
+op_put(kv_ctx_t *ctx, kv_op_t *op)
+{
+    op->kind = 0;
+    op->next_free = ctx->op_free;
+    ctx->op_free = op;
+    ctx->ops_used--;
+}
+
+
+static char *
+msg_slot(kv_ctx_t *ctx, uint32_t i)
+{
+    return ctx->fab.rail[0].msgbuf + (size_t) i * KV_MSG_SLOT;
+}
+
+
+static int
+post_recv(kv_ctx_t *ctx, kv_op_t *op)
+{
+    kv_rail_t *r = &ctx->fab.rail[0];
+    ssize_t rc;
+
+    op->kind = KV_OP_RECV;
+    op->rail = 0;
+    rc = fi_recv(r->ep, msg_slot(ctx, op->slot), KV_MSG_SLOT, r->msg_desc,
+                 FI_ADDR_UNSPEC, op);
+    if (rc != 0) {
+        kv_err("xfer: cannot post receive: %s", kv_fi_err((int) rc));
+        return -1;
+    }
+    return 0;
+}
+
+
+int
+kv_xfer_init(kv_ctx_t *ctx)
+{
+    const kv_layout_t *l = &ctx->cfg.layout;
+    uint32_t i, nops;
+    kv_rail_t *r;
+    uint64_t key;
+
+    ctx->nwaiters = ctx->cfg.max_clients;
+    ctx->waiters = calloc(ctx->nwaiters, sizeof(*ctx->waiters));
+    if (ctx->waiters == NULL) {
+        return -1;
+    }
+    if (!ctx->cfg.has_pool) {
+        return 0;
+    }
+    ctx->owner = calloc(l->nblocks, sizeof(uint32_t));
+    ctx->scratch = calloc(l->nblocks, sizeof(uint32_t));
+    ctx->free_blocks = l->nblocks;
+    ctx->push_cap = l->nblocks < KV_PUSH_CAP_MAX ? l->nblocks
+                                                 : KV_PUSH_CAP_MAX;
+    ctx->npush = KV_NPUSH;
+    ctx->push = calloc(ctx->npush, sizeof(kv_push_t));
+    ctx->nrreq = KV_NRREQ;
+    ctx->rreq = calloc(ctx->nrreq, sizeof(kv_rreq_t));
+    if (!ctx->owner || !ctx->scratch || !ctx->push || !ctx->rreq) {
+        return -1;
+    }
+    for (i = 0; i < ctx->npush; i++) {
+        ctx->push[i].cap = ctx->push_cap;
+        ctx->push[i].src = malloc(2 * sizeof(uint32_t) * ctx->push_cap);
+        if (ctx->push[i].src == NULL) {
+            return -1;
+        }
+        ctx->push[i].dst = ctx->push[i].src + ctx->push_cap;
+    }
+    if (!ctx->fab_ok) {
+        return 0;
+    }
+
+    /* trailing messages use rail 0: receive and send slots */
+    r = &ctx->fab.rail[0];
+    if (posix_memalign((void **) &r->msgbuf, 4096,
+                       (size_t) (KV_NRECV + KV_NSEND) * KV_MSG_SLOT) != 0)
+    {
+        return -1;
+    }
+    memset(r->msgbuf, 0, (size_t) (KV_NRECV + KV_NSEND) * KV_MSG_SLOT);
+    if (kv_rail_reg(r, r->msgbuf, (size_t) (KV_NRECV + KV_NSEND)
+                    * KV_MSG_SLOT, -1, FI_SEND | FI_RECV, &r->msg_mr,
+                    &r->msg_desc, &key) != 0)
+    {
+        return -1;
+    }
+    nops = KV_NRECV + KV_NSEND + ctx->cfg.window * ctx->fab.nrails + 16;
+    ctx->ops = calloc(nops, sizeof(kv_op_t));
+    if (ctx->ops == NULL) {
+        return -1;
+    }
+    ctx->nops = nops;
+    for (i = 0; i < nops; i++) {
+        ctx->ops[i].next_free = i + 1 < nops ? &ctx->ops[i + 1] : NULL;
+    }
+    ctx->op_free = &ctx->ops[0];
+    for (i = 0; i < KV_NSEND; i++) {
+        ctx->send_free[i] = KV_NRECV + i;
+    }
+    ctx->nsend_free = KV_NSEND;
+    for (i = 0; i < KV_NRECV; i++) {
+        kv_op_t *op = op_get(ctx);
+        op->slot = i;
+        if (post_recv(ctx, op) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+
+void
+kv_xfer_fini(kv_ctx_t *ctx)
+{
+    uint32_t i;
+
+    if (ctx->push) {
+        for (i = 0; i < ctx->npush; i++) {
+            free(ctx->push[i].src);
+        }
+    }
+    free(ctx->push);
+    free(ctx->rreq);
+    free(ctx->owner);
+    free(ctx->scratch);
+    free(ctx->ops);
+    free(ctx->waiters);
+    ctx->push = NULL;
+    ctx->rreq = NULL;
+    ctx->owner = NULL;
+    ctx->scratch = NULL;
+    ctx->ops = NULL;
+    ctx->waiters = NULL;
+}
+
+
+/* ---- receiver side: reservations ---------------------------------------- */
+
+kv_rreq_t *
+kv_rreq_find(kv_ctx_t *ctx, const char *req_id)
+{
+    uint64_t h = dpd_state_hash(req_id, strlen(req_id));
+    uint32_t i;
+
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        if (ctx->rreq[i].used && ctx->rreq[i].hash == h
+            && strcmp(ctx->rreq[i].req_id, req_id) == 0)
+        {
+            return &ctx->rreq[i];
+        }
+    }
+    return NULL;
+}
+
+
+static uint32_t
+rreq_slot(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    return (uint32_t) (r - ctx->rreq);
+}
+
+
+/* The blocks a reservation owns, ascending, into ctx->scratch. */
+static uint32_t
+rreq_blocks(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    uint32_t tag = rreq_slot(ctx, r) + 1, b, n = 0;
+
+    for (b = 0; b < ctx->cfg.layout.nblocks; b++) {
+        if (ctx->owner[b] == tag) {
+            ctx->scratch[n++] = b;
+        }
+    }
+    return n;
+}
+
+
+static void
+rreq_free_blocks(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    uint32_t tag = rreq_slot(ctx, r) + 1, b;
+
+    if (r->n == 0) {
+        return;
+    }
+    for (b = 0; b < ctx->cfg.layout.nblocks; b++) {
+        if (ctx->owner[b] == tag) {
+            ctx->owner[b] = 0;
+            ctx->free_blocks++;
+        }
+    }
+    r->n = 0;
+}
+
+
+static void
+rreq_publish(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    dpd_req_rec_t *rec = kv_state_req(&ctx->st, r->req_id, 1);
+
+    if (rec) {
+        kv_state_req_begin(rec);
+        rec->state = r->state;
+        rec->bytes_done = r->bytes_done;
+        rec->bytes_total = r->bytes_total;
+        rec->nblocks = r->n;
+        rec->t_reserved_ms = r->t_reserved_ms;
+        rec->t_start_ms = r->t_start_ms;
+        rec->t_done_ms = r->t_done_ms;
+        rec->error = r->state == DPD_REQ_FAILED ? -EIO : 0;
+        snprintf(rec->node_id, sizeof(rec->node_id), "%s",
+                 ctx->cfg.node_id);
+        snprintf(rec->peer_id, sizeof(rec->peer_id), "%s", r->peer_id);
+        kv_state_req_end(&ctx->st, rec);
+    }
+    kv_ctrl_req_event(ctx, r);
+    kv_ctrl_update_self(ctx);
+}
+
+
+int
+kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
+    const uint32_t *want, int peer, char *err, size_t elen, kv_rreq_t **out)
+{
+    const kv_layout_t *l = &ctx->cfg.layout;
+    kv_rreq_t *r = NULL;
+    uint32_t i, b, tag, got;
+
+    if (!ctx->cfg.has_pool) {
+        snprintf(err, elen, "this node has no KV pool");
+        return -1;
+    }
+    if (strlen(req_id) == 0 || strlen(req_id) >= KV_REQID_LEN) {
+        snprintf(err, elen, "req_id must be 1..%d bytes", KV_REQID_LEN - 1);
+        return -1;
+    }
+    if (kv_rreq_find(ctx, req_id)) {
+        snprintf(err, elen, "request %s already has a reservation", req_id);
+        return -1;
+    }
+    if (n == 0) {
+        snprintf(err, elen, "nblocks must be > 0");
+        return -1;
+    }
+    if (n > ctx->free_blocks) {
+        snprintf(err, elen, "pool full: %u blocks requested, %u free of %u",
+                 n, ctx->free_blocks, l->nblocks);
+        return -1;
+    }
+    for (i = 0; i < ctx->nrreq; i++) {
+        if (!ctx->rreq[i].used) {
+            r = &ctx->rreq[i];
+            break;
+        }
+    }
+    if (r == NULL) {
+        snprintf(err, elen, "too many requests (%u)", ctx->nrreq);
+        return -1;
+    }
+    tag = rreq_slot(ctx, r) + 1;
+    if (want) {
+        for (i = 0; i < n; i++) {
+            b = want[i];
+            if (b >= l->nblocks || ctx->owner[b] != 0) {
+                /* roll back what this call claimed */
+                while (i-- > 0) {
+                    ctx->owner[want[i]] = 0;
+                }
+                if (b >= l->nblocks) {
+                    snprintf(err, elen, "block %u out of range (pool has %u "
+                             "blocks)", b, l->nblocks);
+                } else {
+                    snprintf(err, elen, "block %u is not free", b);
+                }
+                return -1;
+            }
+            ctx->owner[b] = tag;
+        }
+    } else {
+        for (b = 0, got = 0; b < l->nblocks && got < n; b++) {
+            if (ctx->owner[b] == 0) {
+                ctx->owner[b] = tag;
+                got++;
+            }
+        }
+    }
+    ctx->free_blocks -= n;
+    memset(r, 0, sizeof(*r));
+    r->used = 1;
+    r->state = DPD_REQ_RESERVED;
+    snprintf(r->req_id, sizeof(r->req_id), "%s", req_id);
+    r->hash = dpd_state_hash(req_id, strlen(req_id));
+    r->n = n;
+    r->peer = peer;
+    r->bytes_total = (uint64_t) n * block_total_bytes(l);
+    r->t_reserved_ms = kv_wall_ms();
+    rreq_publish(ctx, r);
+    *out = r;
+    return 0;
+}
+
+
+void
+kv_rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error)
+{
+    r->state = state;
+    if (state == DPD_REQ_READY || state == DPD_REQ_FAILED) {
+        r->t_done_ms = kv_wall_ms();
+        r->t_final_ms = kv_now_ms();
+    }
+    if (state == DPD_REQ_READY) {
+        r->bytes_done = r->bytes_total;
+        ctx->stat_reqs_ready++;
+        ctx->stat_bytes_in += r->bytes_total;
+        kv_info("xfer: request %s ready (%llu bytes from %s)", r->req_id,
+                (unsigned long long) r->bytes_total, r->peer_id);
+    }
+    if (state == DPD_REQ_FAILED) {
+        snprintf(r->error, sizeof(r->error), "%s", error ? error : "failed");
+        ctx->stat_reqs_failed++;
+        kv_warn("xfer: request %s failed: %s", r->req_id, r->error);
+        if (r->auto_res) {
+            /* nobody local asked for these blocks: give them back */
+            rreq_free_blocks(ctx, r);
+        }
+    }
+    rreq_publish(ctx, r);
+    if (state == DPD_REQ_READY || state == DPD_REQ_FAILED) {
+        kv_api_notify(ctx, r->req_id);
+    }
+}
+
+
+void
+kv_rreq_release(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    dpd_req_rec_t *rec;
+
+    rreq_free_blocks(ctx, r);
+    r->state = DPD_REQ_FREE;            /* routers drop their copy */
+    kv_ctrl_req_event(ctx, r);
+    rec = kv_state_req(&ctx->st, r->req_id, 0);
+    if (rec) {
+        kv_state_req_delete(&ctx->st, rec);
+    }
+    r->used = 0;
+    kv_ctrl_update_self(ctx);
+}
+
+
+void
+kv_rreq_peer_down(kv_ctx_t *ctx, int peer, const char *why)
+{
+    uint32_t i;
+
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        if (ctx->rreq[i].used && ctx->rreq[i].peer == peer
+            && ctx->rreq[i].state == DPD_REQ_TRANSFERRING)
+        {
+            kv_rreq_set(ctx, &ctx->rreq[i], DPD_REQ_FAILED, why);
+        }
+    }
+}
+
+
+/* push_begin from peer: validate, reserve or match the reservation, and
+ * answer with the destination blocks.  Returns 0 (reply filled) or -1
+ * (reply holds the error). */
+int
+kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
+{
+    const kv_layout_t *l = &ctx->cfg.layout;
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+    cJSON *jn = cJSON_GetObjectItemCaseSensitive(j, "nblocks");
+    cJSON *jd = cJSON_GetObjectItemCaseSensitive(j, "dst_runs");
+    cJSON *jg = cJSON_GetObjectItemCaseSensitive(j, "geometry");
+    kv_rreq_t *r;
+    char err[200];
+    uint32_t n, nd = 0, i, tag, *want = NULL;
+    const char *req_id;
+
+    err[0] = '\0';
+    if (!cJSON_IsString(jr) || !cJSON_IsNumber(jn) || jn->valuedouble < 1
+        || jn->valuedouble > 4294967295.0)
+    {
+        snprintf(err, sizeof(err), "push_begin needs req_id and nblocks");
+        goto fail;
+    }
+    req_id = jr->valuestring;
+    n = (uint32_t) jn->valuedouble;
+    if (!ctx->cfg.has_pool || !ctx->pool.registered) {
+        snprintf(err, sizeof(err), "node %s has no registered KV pool",
+                 ctx->cfg.node_id);
+        goto fail;
+    }
+    if (ctx->cfg.role != DPD_ROLE_DECODE) {
+        snprintf(err, sizeof(err), "node %s is not a decode node",
+                 ctx->cfg.node_id);
+        goto fail;
+    }
+    if (cJSON_IsObject(jg)) {
+        cJSON *a = cJSON_GetObjectItemCaseSensitive(jg, "layers");
+        cJSON *b = cJSON_GetObjectItemCaseSensitive(jg, "regions");
+        cJSON *c = cJSON_GetObjectItemCaseSensitive(jg, "block_bytes");
+        if (!cJSON_IsNumber(a) || !cJSON_IsNumber(b) || !cJSON_IsNumber(c)
+            || (uint32_t) a->valuedouble != l->layers
+            || (uint32_t) b->valuedouble != l->regions
+            || (uint64_t) c->valuedouble != l->block_bytes)
+        {
+            snprintf(err, sizeof(err), "pool geometry differs from %s's",
+                     ctx->cfg.node_id);
+            goto fail;
+        }
+    }
+    if (n > l->nblocks) {
+        snprintf(err, sizeof(err), "%u blocks requested, pool has %u", n,
+                 l->nblocks);
+        goto fail;
+    }
+    if (jd) {
+        if (kv_runs_parse(jd, ctx->scratch, l->nblocks, &nd, err,
+                          sizeof(err)) != 0)
+        {
+            goto fail;
+        }
+        if (nd != n) {
+            snprintf(err, sizeof(err), "dst_runs holds %u blocks, nblocks "
+                     "is %u", nd, n);
+            goto fail;
+        }
+        for (i = 0; i < nd; i++) {
+            if (ctx->scratch[i] >= l->nblocks) {
+                snprintf(err, sizeof(err), "dst block %u out of range (pool "
+                         "has %u blocks)", ctx->scratch[i], l->nblocks);
+                goto fail;
+            }
+        }
+        want = ctx->scratch;
+    }
+
+    r = kv_rreq_find(ctx, req_id);
+    if (r) {
+        if (r->state == DPD_REQ_TRANSFERRING || r->state == DPD_REQ_READY) {
+            snprintf(err, sizeof(err), "request %s is already %s", req_id,
+                     dpd_state_req_name(r->state));
+            goto fail;
+        }
+        if (r->n != n) {
+            snprintf(err, sizeof(err), "request %s reserved %u blocks, the "
+                     "push has %u", req_id, r->n, n);
+            goto fail;
+        }
+        tag = rreq_slot(ctx, r) + 1;
+        if (want) {
+            for (i = 0; i < n; i++) {
+                if (ctx->owner[want[i]] != tag) {
+                    snprintf(err, sizeof(err), "dst block %u is not reserved "
+                             "for request %s", want[i], req_id);
+                    goto fail;
+                }
+            }
+        } else {
+            rreq_blocks(ctx, r);
+        }
+        r->peer = peer;
+    } else {
+        if (kv_rreq_reserve(ctx, req_id, n, want, peer, err, sizeof(err), &r)
+            != 0)
+        {
+            goto fail;
+        }
+        r->auto_res = 1;
+        if (!want) {
+            rreq_blocks(ctx, r);
+        }
+    }
+    /* ctx->scratch now holds the destination blocks in push order */
+    snprintf(r->peer_id, sizeof(r->peer_id), "%s", ctx->peers[peer].conf.id);
+    r->bytes_done = 0;
+    r->error[0] = '\0';
+    r->t_start_ms = kv_wall_ms();
+    r->deadline_ms = kv_now_ms() + ctx->cfg.transfer_timeout_ms;
+    cJSON_AddItemToObject(reply, "dst_runs", kv_runs_json(ctx->scratch, n));
+    cJSON_AddStringToObject(reply, "type", "push_ok");
+    kv_rreq_set(ctx, r, DPD_REQ_TRANSFERRING, NULL);
+    return 0;
+
+fail:
+    kv_warn("xfer: push_begin from %s refused: %s",
+            ctx->peers[peer].conf.id, err);
+    cJSON_AddStringToObject(reply, "type", "push_err");
+    cJSON_AddStringToObject(reply, "error", err);
+    return -1;
+}
+
+
+static void
+handle_done_msg(kv_ctx_t *ctx, const char *buf, size_t len)
+{
+    kv_done_msg_t m;
+    kv_rreq_t *r;
+    uint32_t n, i, lr, nlr;
+    const kv_layout_t *l = &ctx->cfg.layout;
+
+    if (len < sizeof(m)) {
+        kv_warn("xfer: short fabric message (%zu bytes) ignored", len);
+        return;
+    }
+    memcpy(&m, buf, sizeof(m));
+    m.req_id[sizeof(m.req_id) - 1] = '\0';
+    m.node_id[sizeof(m.node_id) - 1] = '\0';
+    if (m.magic != KV_DONE_MAGIC) {
+        kv_warn("xfer: fabric message with bad magic ignored");
+        return;
+    }
+    r = kv_rreq_find(ctx, m.req_id);
+    if (r == NULL || r->hash != m.hash || r->state != DPD_REQ_TRANSFERRING
+        || strcmp(r->peer_id, m.node_id) != 0)
+    {
+        kv_warn("xfer: completion for %s from %s does not match a transfer "
+                "in progress", m.req_id, m.node_id);
+        return;
+    }
+    if (m.status != 0) {
+        kv_rreq_set(ctx, r, DPD_REQ_FAILED, "sender reported a failure");
+        return;
+    }
+    if (m.bytes != r->bytes_total) {
+        kv_rreq_set(ctx, r, DPD_REQ_FAILED, "size mismatch");
+        return;
+    }
+    if (ctx->pool.mirror) {
+        /* staged GPU pool: copy what landed in the mirror to the device */
+        n = rreq_blocks(ctx, r);
+        nlr = l->layers * l->regions;
+        for (lr = 0; lr < nlr; lr++) {
+            for (i = 0; i < n; i++) {
+                if (kv_pool_stage_in(ctx, kv_layout_off(l, lr,
+                                     ctx->scratch[i]), l->block_bytes) != 0)
+                {
+                    kv_rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy "
+                                "to GPU failed");
+                    return;
+                }
+            }
+        }
+    }
+    kv_rreq_set(ctx, r, DPD_REQ_READY, NULL);
+}
+
+
+/* ---- sender side -------------------------------------------------------- */
+
+kv_push_t *
+kv_push_find(kv_ctx_t *ctx, const char *req_id)
+{
+    uint64_t h = dpd_state_hash(req_id, strlen(req_id));
+    uint32_t i;
+
+    for (i = 0; ctx->push && i < ctx->npush; i++) {
+        kv_push_t *p = &ctx->push[i];
+        if (p->state != KV_PUSH_FREE && !p->release_pending && p->hash == h
+            && strcmp(p->req_id, req_id) == 0)
+        {
+            return p;
+        }
+    }
+    return NULL;
+}
+
+
+static int
+push_active(const kv_push_t *p)
+{
+    return p->state == KV_PUSH_BEGIN || p->state == KV_PUSH_WRITING
+           || p->state == KV_PUSH_FLUSH;
+}
+
+
+static void
+push_free(kv_ctx_t *ctx, kv_push_t *p)
+{
+    p->state = KV_PUSH_FREE;
+    p->release_pending = 0;
+    p->gen = ++ctx->push_gen;
+}
+
+
+void
+kv_push_release(kv_ctx_t *ctx, kv_push_t *p)
+{
+    if (p->inflight > 0) {
+        p->release_pending = 1;     /* freed when its writes drain */
+        return;
+    }
+    push_free(ctx, p);
+}
+
+
+static void
+push_finish(kv_ctx_t *ctx, kv_push_t *p, int ok, const char *why)
+{
+    cJSON *j;
+
+    p->t_done_ms = kv_wall_ms();
+    p->t_final_ms = kv_now_ms();
+    if (ok) {
+        p->state = KV_PUSH_DONE;
+        ctx->stat_pushes_ok++;
+        ctx->stat_bytes_out += p->bytes_total;
+        kv_info("xfer: push %s -> %s done: %llu bytes in %llu ms",
+                p->req_id, ctx->peers[p->peer].conf.id,
+                (unsigned long long) p->bytes_total,
+                (unsigned long long) (p->t_done_ms - p->t_start_ms));
+    } else {
+        int was_active = push_active(p);
+        p->state = KV_PUSH_FAILED;
+        snprintf(p->error, sizeof(p->error), "%s", why);
+        ctx->stat_pushes_failed++;
+        kv_warn("xfer: push %s -> %s failed: %s", p->req_id,
+                ctx->peers[p->peer].conf.id, why);
+        if (was_active && ctx->peers[p->peer].out_state == KV_LINK_UP) {
+            j = cJSON_CreateObject();
+            cJSON_AddStringToObject(j, "type", "push_abort");
+            cJSON_AddStringToObject(j, "req_id", p->req_id);
+            cJSON_AddStringToObject(j, "error", why);
+            kv_ctrl_send(ctx, p->peer, j);
+        }
+    }
+    kv_api_notify(ctx, p->req_id);
+}
+
+
+int
+kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
+    const uint32_t *src, const uint32_t *dst, uint32_t n, int dst_given,
+    char *err, size_t elen)
+{
+    const kv_layout_t *l = &ctx->cfg.layout;
+    kv_peer_t *pe;
+    kv_push_t *p = NULL, *old;
+    uint32_t i;
+    cJSON *j, *g;
+
+    if (!ctx->cfg.has_pool || !ctx->fab_ok || !ctx->pool.registered) {
+        snprintf(err, elen, "this node has no registered KV pool");
+        return -1;
+    }
+    if (strlen(req_id) == 0 || strlen(req_id) >= KV_REQID_LEN) {
+        snprintf(err, elen, "req_id must be 1..%d bytes", KV_REQID_LEN - 1);
+        return -1;
+    }
+    if (peer < 0) {
+        snprintf(err, elen, "unknown peer");
+        return -1;
+    }
+    pe = &ctx->peers[peer];
+    if (pe->conf.role != DPD_ROLE_DECODE) {
+        snprintf(err, elen, "peer %s is a %s node, not authorised to "
+                 "receive KV", pe->conf.id, dpd_state_role_name(pe->conf.role));
+        return -1;
+    }
+    if (pe->out_state != KV_LINK_UP || !pe->remote.has_pool) {
+        snprintf(err, elen, "peer %s is not connected", pe->conf.id);
+        return -1;
+    }
+    if (n == 0 || n > ctx->push_cap) {
+        snprintf(err, elen, "a push needs 1..%u blocks", ctx->push_cap);
+        return -1;
+    }
+    if (pe->remote.layout.layers != l->layers
+        || pe->remote.layout.regions != l->regions
+        || pe->remote.layout.block_bytes != l->block_bytes)
+    {
+        snprintf(err, elen, "pool geometry of %s differs from ours",
+                 pe->conf.id);
+        return -1;
+    }
+    for (i = 0; i < n; i++) {
+        if (src[i] >= l->nblocks) {
+            snprintf(err, elen, "src block %u out of range (pool has %u "
+                     "blocks)", src[i], l->nblocks);
+            return -1;
+        }
+        if (dst_given && dst[i] >= pe->remote.layout.nblocks) {
+            snprintf(err, elen, "dst block %u out of range (%s has %u "
+                     "blocks)", dst[i], pe->conf.id,
+                     pe->remote.layout.nblocks);
+            return -1;
+        }
+    }
+    old = kv_push_find(ctx, req_id);
+    if (old) {
+        if (push_active(old)) {
+            snprintf(err, elen, "request %s is already being pushed", req_id);
+            return -1;
+        }
+        kv_push_release(ctx, old);
+    }
+    for (i = 0; i < ctx->npush; i++) {
+        if (ctx->push[i].state == KV_PUSH_FREE) {
+            p = &ctx->push[i];
+            break;
+        }
+    }
+    if (p == NULL) {
+        snprintf(err, elen, "too many pushes (%u) kept; release some",
+                 ctx->npush);
+        return -1;
+    }
+    p->gen = ++ctx->push_gen;
+    snprintf(p->req_id, sizeof(p->req_id), "%s", req_id);
+    p->hash = dpd_state_hash(req_id, strlen(req_id));
+    p->peer = peer;
+    p->n = n;
+    memcpy(p->src, src, n * sizeof(uint32_t));
+    if (dst_given) {
+        memcpy(p->dst, dst, n * sizeof(uint32_t));
+    }
+    p->dst_given = dst_given;
+    p->cur_valid = p->segs_done = p->done_sent = 0;
+    p->release_pending = 0;
+    p->bytes_total = (uint64_t) n * block_total_bytes(l);
+    p->bytes_posted = p->bytes_done = 0;
+    p->inflight = 0;
+    p->next_rail = 0;
+    p->error[0] = '\0';
+    p->t_start_ms = kv_wall_ms();
+    p->t_done_ms = 0;
+    p->deadline_ms = kv_now_ms() + ctx->cfg.transfer_timeout_ms;
+    p->begin_id = ++ctx->begin_seq;
+    p->state = KV_PUSH_BEGIN;
+
+    j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "type", "push_begin");
+    cJSON_AddNumberToObject(j, "id", (double) p->begin_id);
+    cJSON_AddStringToObject(j, "req_id", req_id);
+    cJSON_AddNumberToObject(j, "nblocks", n);
+    if (dst_given) {
+        cJSON_AddItemToObject(j, "dst_runs", kv_runs_json(dst, n));
+    }
+    g = cJSON_AddObjectToObject(j, "geometry");
+    cJSON_AddNumberToObject(g, "layers", l->layers);
+    cJSON_AddNumberToObject(g, "regions", l->regions);
+    cJSON_AddNumberToObject(g, "block_bytes", (double) l->block_bytes);
+    if (kv_ctrl_send(ctx, peer, j) != 0) {
+        p->state = KV_PUSH_FREE;
+        snprintf(err, elen, "peer %s is not connected", pe->conf.id);
+        return -1;
+    }
+    kv_info("xfer: push %s -> %s: %u blocks, %llu bytes", req_id,
+            pe->conf.id, n, (unsigned long long) p->bytes_total);
+    return 0;
+}
+
+
+void
+kv_push_begin_reply(kv_ctx_t *ctx, int peer, cJSON *j)
+{
+    cJSON *jid = cJSON_GetObjectItemCaseSensitive(j, "id");
+    cJSON *jt = cJSON_GetObjectItemCaseSensitive(j, "type");
+    cJSON *jd = cJSON_GetObjectItemCaseSensitive(j, "dst_runs");
+    cJSON *je = cJSON_GetObjectItemCaseSensitive(j, "error");
+    kv_push_t *p = NULL;
+    char err[200], why[240];
+    uint32_t i, nd = 0;
+    uint64_t id;
+
+    if (!cJSON_IsNumber(jid) || !cJSON_IsString(jt)) {
+        return;
+    }
+    id = (uint64_t) jid->valuedouble;
+    for (i = 0; i < ctx->npush; i++) {
+        if (ctx->push[i].state == KV_PUSH_BEGIN
+            && ctx->push[i].begin_id == id && ctx->push[i].peer == peer)
+        {
+            p = &ctx->push[i];
+            break;
+        }
+    }
+    if (p == NULL) {
+        return;                      /* timed out or aborted meanwhile */
+    }
+    if (strcmp(jt->valuestring, "push_ok") != 0) {
+        snprintf(why, sizeof(why), "refused by %s: %s",
+                 ctx->peers[peer].conf.id,
+                 cJSON_IsString(je) ? je->valuestring : "unknown error");
+        push_finish(ctx, p, 0, why);
+        return;
+    }
+    if (kv_runs_parse(jd, p->dst, p->cap, &nd, err, sizeof(err)) != 0
+        || nd != p->n)
+    {
+        push_finish(ctx, p, 0, "bad push_ok from receiver");
+        return;
+    }
+    /* the receiver picked the blocks: check them against its geometry
+     * before a single byte is written */
+    for (i = 0; i < nd; i++) {
+        if (p->dst[i] >= ctx->peers[peer].remote.layout.nblocks) {
+            push_finish(ctx, p, 0, "receiver answered a block out of range");
+            return;
+        }
+    }
+    kv_segiter_init(&p->it, &ctx->cfg.layout, &ctx->peers[peer].remote.layout,
+                    p->src, p->dst, p->n, ctx->cfg.coalesce);
+    p->state = KV_PUSH_WRITING;
+}
+
+
+void
+kv_push_peer_down(kv_ctx_t *ctx, int peer, const char *why)
+{
+    uint32_t i;
+
+    for (i = 0; ctx->push && i < ctx->npush; i++) {
+        if (ctx->push[i].peer == peer && push_active(&ctx->push[i])) {
+            push_finish(ctx, &ctx->push[i], 0, why);
+        }
+    }
+}
+
+
+static int
+post_done(kv_ctx_t *ctx, kv_push_t *p)
+{
+    kv_rail_t *r = &ctx->fab.rail[0];
+    kv_done_msg_t *m;
+    kv_op_t *op;
+    uint32_t slot;
+    ssize_t rc;
+
+    if (ctx->nsend_free == 0 || (op = op_get(ctx)) == NULL) {
+        return 0;                    /* try again on the next turn */
+    }
+    slot = ctx->send_free[--ctx->nsend_free];
+    m = (kv_done_msg_t *) msg_slot(ctx, slot);
+    memset(m, 0, sizeof(*m));
+    m->magic = KV_DONE_MAGIC;
+    m->status = 0;
+    m->hash = p->hash;
+    m->bytes = p->bytes_done;
+    snprintf(m->req_id, sizeof(m->req_id), "%s", p->req_id);
+    snprintf(m->node_id, sizeof(m->node_id), "%s", ctx->cfg.node_id);
+    op->kind = KV_OP_SEND;
+    op->slot = (uint32_t) (p - ctx->push);
+    op->gen = p->gen;
+    op->len = slot;
+    op->rail = 0;
+    rc = fi_send(r->ep, m, sizeof(*m), r->msg_desc,
+                 ctx->peers[p->peer].remote.fiaddr[0], op);
+    if (rc == -FI_EAGAIN) {
+        ctx->send_free[ctx->nsend_free++] = slot;
+        op_put(ctx, op);
+        return 0;
+    }
+    if (rc != 0) {
+        ctx->send_free[ctx->nsend_free++] = slot;
+        op_put(ctx, op);
+        push_finish(ctx, p, 0, "cannot send the completion message");
+        return -1;
+    }
+    p->done_sent = 1;
+    p->state = KV_PUSH_FLUSH;
+    return 0;
+}
+
+
+/* Post writes of one push until the window is full; no allocation. */
+static void
+push_post(kv_ctx_t *ctx, kv_push_t *p)
+{
+    kv_peer_t *pe = &ctx->peers[p->peer];
+    kv_remote_t *rm = &pe->remote;
+    uint32_t budget = ctx->cfg.window * ctx->fab.nrails, nr, ri;
+    uint64_t lim, len, so, dof;
+    kv_rail_t *r;
+    kv_op_t *op;
+    ssize_t rc;
+    char why[160];
+
+    nr = (uint32_t) (ctx->fab.nrails < rm->nrails ? ctx->fab.nrails
+                                                  : rm->nrails);
+    while (!p->segs_done && ctx->writes_inflight < budget) {
+        if (!p->cur_valid || p->cur_off == p->cur.len) {
+            if (!kv_segiter_next(&p->it, &p->cur)) {
+                p->segs_done = 1;
+                break;
+            }
+            p->cur_off = 0;
+            p->cur_valid = 1;
+        }
+        ri = p->next_rail % nr;
+        r = &ctx->fab.rail[ri];
+        lim = ctx->cfg.max_write < r->max_rma ? ctx->cfg.max_write
+                                              : r->max_rma;
+        len = p->cur.len - p->cur_off;
+        if (len > lim) {
+            len = lim;
+        }
+        so = p->cur.src + p->cur_off;
+        dof = p->cur.dst + p->cur_off;
+        if (so + len > ctx->pool.size || dof + len > rm->layout.size) {
+            push_finish(ctx, p, 0, "segment outside a pool (bug)");
+            return;
+        }
+        if ((op = op_get(ctx)) == NULL) {
+            break;
+        }
+        if (ctx->pool.mirror && kv_pool_stage_out(ctx, so, len) != 0) {
+            op_put(ctx, op);
+            push_finish(ctx, p, 0, "staging copy from GPU failed");
+            return;
+        }
+        op->kind = KV_OP_WRITE;
+        op->slot = (uint32_t) (p - ctx->push);
+        op->gen = p->gen;
+        op->len = len;
+        op->rail = (int) ri;
+        rc = fi_write(r->ep, (char *) ctx->pool.fab_base + so, len,
+                      r->pool_desc, rm->fiaddr[ri], rm->base[ri] + dof,
+                      rm->key[ri], op);
+        if (rc == -FI_EAGAIN) {
+            op_put(ctx, op);
+            break;
+        }
+        if (rc != 0) {
+            op_put(ctx, op);
+            snprintf(why, sizeof(why), "fi_write: %s", kv_fi_err((int) rc));
+            push_finish(ctx, p, 0, why);
+            return;
+        }
+        p->cur_off += len;
+        p->bytes_posted += len;
+        p->inflight++;
+        p->next_rail++;
+        ctx->writes_inflight++;
+    }
+    if (p->segs_done && p->inflight == 0 && !p->done_sent) {
+        post_done(ctx, p);
+    }
+}
+
+
+static void
+on_completion(kv_ctx_t *ctx, kv_op_t *op, int err, size_t len)
+{
+    kv_push_t *p;
+    char why[160];
+
+    switch (op->kind) {
+    case KV_OP_WRITE:
+        ctx->writes_inflight--;
+        p = &ctx->push[op->slot];
+        if (p->gen == op->gen) {
+            p->inflight--;
+            if (err == 0) {
+                p->bytes_done += op->len;
+            } else if (push_active(p)) {
+                snprintf(why, sizeof(why), "write failed: %s",
+                         kv_fi_err(err));
+                push_finish(ctx, p, 0, why);
+            }
+            if (p->release_pending && p->inflight == 0) {
+                push_free(ctx, p);
+            }
+        }
+        op_put(ctx, op);
+        break;
+
+    case KV_OP_SEND:
+        ctx->send_free[ctx->nsend_free++] = (uint32_t) op->len;
+        p = &ctx->push[op->slot];
+        if (p->gen == op->gen && p->state == KV_PUSH_FLUSH) {
+            if (err == 0) {
+                push_finish(ctx, p, 1, NULL);
+            } else {
+                snprintf(why, sizeof(why), "completion message failed: %s",
+                         kv_fi_err(err));
+                push_finish(ctx, p, 0, why);
+            }
+        }
+        op_put(ctx, op);
+        break;
+
+    case KV_OP_RECV:
+        if (err == 0) {
+            handle_done_msg(ctx, msg_slot(ctx, op->slot), len);
+        }
+        if (err != FI_ECANCELED && !ctx->stop) {
+            post_recv(ctx, op);
+        } else {
+            op_put(ctx, op);
+        }
+        break;
+
+    default:
+        break;
+    }
+}
+
+
+/* Drain the CQs, then post what the window allows.  Returns 1 while a
+ * transfer is in progress (the loop then polls without sleeping). */
+int
+kv_xfer_progress(kv_ctx_t *ctx)
+{
+    struct fi_cq_data_entry ce[64];
+    struct fi_cq_err_entry ee;
+    uint32_t i, k;
+    ssize_t n;
+    int rail;
+
+    if (!ctx->fab_ok) {
+        return 0;
+    }
+    for (rail = 0; rail < ctx->fab.nrails; rail++) {
+        for ( ;; ) {
+            n = fi_cq_read(ctx->fab.rail[rail].cq, ce, 64);
+            if (n > 0) {
+                for (k = 0; k < (uint32_t) n; k++) {
+                    on_completion(ctx, (kv_op_t *) ce[k].op_context, 0,
+                                  ce[k].len);
+                }
+                if (n == 64) {
+                    continue;
+                }
+            } else if (n == -FI_EAVAIL) {
+                kv_rail_cq_error(&ctx->fab.rail[rail], &ee);
+                if (ee.op_context) {
+                    on_completion(ctx, (kv_op_t *) ee.op_context,
+                                  ee.err ? ee.err : FI_EIO, 0);
+                }
+                continue;
+            }
+            break;
+        }
+    }
+    /* round-robin over pushes so concurrent transfers share the window */
+    for (k = 0; k < ctx->npush; k++) {
+        i = (ctx->push_rr + k) % ctx->npush;
+        if (ctx->push[i].state == KV_PUSH_WRITING) {
+            push_post(ctx, &ctx->push[i]);
+        }
+    }
+    ctx->push_rr++;
+    return kv_xfer_busy(ctx);
+}
+
+
+int
+kv_xfer_busy(kv_ctx_t *ctx)
+{
+    uint32_t i;
+
+    if (ctx->writes_inflight) {
+        return 1;
+    }
+    for (i = 0; ctx->push && i < ctx->npush; i++) {
+        if (push_active(&ctx->push[i])) {
+            return 1;
+        }
+    }
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        if (ctx->rreq[i].used && ctx->rreq[i].state == DPD_REQ_TRANSFERRING) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+
+void
+kv_xfer_timeouts(kv_ctx_t *ctx, uint64_t now)
+{
+    char why[96];
+    uint32_t i;
+    uint64_t keep = (uint64_t) ctx->cfg.retention_ms;
+
+    snprintf(why, sizeof(why), "timed out after %d ms",
+             ctx->cfg.transfer_timeout_ms);
+    for (i = 0; ctx->push && i < ctx->npush; i++) {
+        kv_push_t *p = &ctx->push[i];
+        if (push_active(p) && now > p->deadline_ms) {
+            push_finish(ctx, p, 0, why);
+        } else if ((p->state == KV_PUSH_DONE || p->state == KV_PUSH_FAILED)
+                   && !p->release_pending && now > p->t_final_ms + keep)
+        {
+            kv_push_release(ctx, p);
+        }
+    }
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        kv_rreq_t *r = &ctx->rreq[i];
+        if (!r->used) {
+            continue;
+        }
+        if (r->state == DPD_REQ_TRANSFERRING && now > r->deadline_ms) {
+            kv_rreq_set(ctx, r, DPD_REQ_FAILED, why);
+        } else if (r->state == DPD_REQ_FAILED && r->n == 0
+                   && now > r->t_final_ms + keep)
+        {
+            r->used = 0;
+        }
+    }
+}
+
+
+void
+kv_xfer_fail_all(kv_ctx_t *ctx, const char *why)
+{
+    uint32_t i;
+
+    for (i = 0; ctx->push && i < ctx->npush; i++) {
+        if (push_active(&ctx->push[i])) {
+            push_finish(ctx, &ctx->push[i], 0, why);
+        }
+    }
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        if (ctx->rreq[i].used
+            && (ctx->rreq[i].state == DPD_REQ_TRANSFERRING
+                || ctx->rreq[i].state == DPD_REQ_RESERVED))
+        {
+            kv_rreq_set(ctx, &ctx->rreq[i], DPD_REQ_FAILED, why);
+        }
+    }
+}

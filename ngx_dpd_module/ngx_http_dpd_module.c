@@ -1,0 +1,1099 @@
+/*
+ * ngx_http_dpd_module: directives, configuration, the request phase
+ * handler and the $dpd_* variables.
+ *
+ * Flow of an inference request in a "dpd on" location (PRECONTENT phase,
+ * i.e. after rewrite, limit_req and access checks, before proxy_pass):
+ *   1. read the whole body (mirror pattern: NGX_DONE, resume in the body
+ *      handler through ngx_http_core_run_phases);
+ *   2. parse, validate, count, decide (ngx_http_dpd_openai.c);
+ *   3. disaggregated with a prefill pool: run the prefill hook until it
+ *      declines (auth_request pattern: NGX_AGAIN while waiting);
+ *   4. decline, so that the location's proxy_pass sends the (possibly
+ *      replaced) body to the decode pool.
+ */
+
+
+#include <ngx_config.h>
+#include <ngx_core.h>
+#include <ngx_http.h>
+
+#include <time.h>
+
+#include "ngx_http_dpd_module.h"
+
+
+static ngx_int_t ngx_http_dpd_handler(ngx_http_request_t *r);
+static void ngx_http_dpd_body_handler(ngx_http_request_t *r);
+static void ngx_http_dpd_decide(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_loc_conf_t *dlcf);
+static ngx_int_t ngx_http_dpd_reserialize_body(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx);
+static ngx_int_t ngx_http_dpd_decided(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_loc_conf_t *dlcf);
+static void ngx_http_dpd_cleanup(void *data);
+static ngx_uint_t ngx_http_dpd_classify(ngx_http_request_t *r);
+static ngx_table_elt_t *ngx_http_dpd_find_request_id(ngx_http_request_t *r);
+static ngx_int_t ngx_http_dpd_set_request_id(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx);
+static ngx_int_t ngx_http_dpd_log_handler(ngx_http_request_t *r);
+
+static ngx_int_t ngx_http_dpd_variable(ngx_http_request_t *r,
+    ngx_http_variable_value_t *v, uintptr_t data);
+
+static ngx_int_t ngx_http_dpd_preconfiguration(ngx_conf_t *cf);
+static ngx_int_t ngx_http_dpd_postconfiguration(ngx_conf_t *cf);
+static void *ngx_http_dpd_create_main_conf(ngx_conf_t *cf);
+static void *ngx_http_dpd_create_loc_conf(ngx_conf_t *cf);
+static char *ngx_http_dpd_merge_loc_conf(ngx_conf_t *cf, void *parent,
+    void *child);
+
+static char *ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+static void ngx_http_dpd_tokenizer_cleanup(void *data);
+static char *ngx_http_dpd_chat_template(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+static char *ngx_http_dpd_metrics(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+
+
+static ngx_conf_num_bounds_t  ngx_http_dpd_json_depth_bounds = {
+    ngx_conf_check_num_bounds, 1, NGX_HTTP_DPD_MAX_JSON_DEPTH
+};
+
+
+static ngx_command_t  ngx_http_dpd_commands[] = {
+
+    { ngx_string("dpd"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_FLAG,
+      ngx_conf_set_flag_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_dpd_loc_conf_t, enable),
+      NULL },
+
+    { ngx_string("dpd_tokenizer"),
+      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE12,
+      ngx_http_dpd_tokenizer,
+      NGX_HTTP_MAIN_CONF_OFFSET,
+      0,
+      NULL },
+
+    { ngx_string("dpd_chat_template"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_http_dpd_chat_template,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_dpd_loc_conf_t, chat_template),
+      NULL },
+
+    { ngx_string("dpd_threshold"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_dpd_loc_conf_t, threshold),
+      NULL },
+
+    { ngx_string("dpd_max_json_depth"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_dpd_loc_conf_t, max_json_depth),
+      &ngx_http_dpd_json_depth_bounds },
+
+    { ngx_string("dpd_metrics"),
+      NGX_HTTP_LOC_CONF|NGX_CONF_NOARGS,
+      ngx_http_dpd_metrics,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
+    NGX_HTTP_DPD_PREFILL_COMMANDS
+
+      ngx_null_command
+};
+
+
+static ngx_http_module_t  ngx_http_dpd_module_ctx = {
+    ngx_http_dpd_preconfiguration,         /* preconfiguration */
+    ngx_http_dpd_postconfiguration,        /* postconfiguration */
+
+    ngx_http_dpd_create_main_conf,         /* create main configuration */
+    NULL,                                  /* init main configuration */
+
+    NULL,                                  /* create server configuration */
+    NULL,                                  /* merge server configuration */
+
+    ngx_http_dpd_create_loc_conf,          /* create location configuration */
+    ngx_http_dpd_merge_loc_conf            /* merge location configuration */
+};
+
+
+ngx_module_t  ngx_http_dpd_module = {
+    NGX_MODULE_V1,
+    &ngx_http_dpd_module_ctx,              /* module context */
+    ngx_http_dpd_commands,                 /* module directives */
+    NGX_HTTP_MODULE,                       /* module type */
+    NULL,                                  /* init master */
+    NULL,                                  /* init module */
+    NULL,                                  /* init process */
+    NULL,                                  /* init thread */
+    NULL,                                  /* exit thread */
+    NULL,                                  /* exit process */
+    NULL,                                  /* exit master */
+    NGX_MODULE_V1_PADDING
+};
+
+
+#define NGX_HTTP_DPD_VAR_PROMPT_TOKENS   0
+#define NGX_HTTP_DPD_VAR_ROUTE           1
+#define NGX_HTTP_DPD_VAR_REQUEST_ID      2
+#define NGX_HTTP_DPD_VAR_DECISION_TIME   3
+
+
+static ngx_http_variable_t  ngx_http_dpd_vars[] = {
+
+    { ngx_string("dpd_prompt_tokens"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_PROMPT_TOKENS, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_route"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_ROUTE, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_request_id"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_REQUEST_ID, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_decision_time"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_DECISION_TIME, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+      ngx_http_null_variable
+};
+
+
+static ngx_str_t  ngx_http_dpd_request_id_header = ngx_string("X-Request-Id");
+
+
+static ngx_int_t
+ngx_http_dpd_handler(ngx_http_request_t *r)
+{
+    ngx_int_t                 rc;
+    ngx_http_dpd_ctx_t       *ctx;
+    ngx_http_dpd_loc_conf_t  *dlcf;
+    ngx_http_dpd_main_conf_t *dmcf;
+
+    if (r != r->main) {
+        return NGX_DECLINED;
+    }
+
+    dlcf = ngx_http_get_module_loc_conf(r, ngx_http_dpd_module);
+
+    ctx = ngx_http_dpd_get_ctx(r);
+
+    if (ctx == NULL) {
+
+        if (!dlcf->enable) {
+            return NGX_DECLINED;
+        }
+
+        ctx = ngx_http_dpd_create_ctx(r);
+        if (ctx == NULL) {
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        ctx->kind = ngx_http_dpd_classify(r);
+
+        if (ctx->kind == NGX_HTTP_DPD_KIND_NONE) {
+            /* other methods and paths pass untouched */
+            ctx->route = NGX_HTTP_DPD_ROUTE_BYPASS;
+            ctx->state = NGX_HTTP_DPD_STATE_DONE;
+            return NGX_DECLINED;
+        }
+
+        ngx_log_debug1(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "dpd handler: reading %s request body",
+                       ctx->kind == NGX_HTTP_DPD_KIND_CHAT
+                       ? "chat" : "completions");
+
+        ctx->state = NGX_HTTP_DPD_STATE_READING;
+
+        rc = ngx_http_dpd_read_body(r, ngx_http_dpd_body_handler);
+
+        if (rc >= NGX_HTTP_SPECIAL_RESPONSE || rc == NGX_ERROR) {
+            ctx->state = NGX_HTTP_DPD_STATE_DONE;
+            ctx->err_status = (rc == NGX_ERROR)
+                              ? NGX_HTTP_INTERNAL_SERVER_ERROR : rc;
+            ctx->err_reason = (rc == NGX_HTTP_REQUEST_ENTITY_TOO_LARGE)
+                              ? NGX_HTTP_DPD_E_BODY_TOO_LARGE
+                              : NGX_HTTP_DPD_E_BODY_READ;
+            return rc;
+        }
+
+        ngx_http_finalize_request(r, NGX_DONE);
+        return NGX_DONE;
+    }
+
+    switch (ctx->state) {
+
+    case NGX_HTTP_DPD_STATE_READING:
+        /* not resumed before the body handler runs; wait */
+        return NGX_AGAIN;
+
+    case NGX_HTTP_DPD_STATE_BODY:
+
+        dmcf = ngx_http_get_module_main_conf(r, ngx_http_dpd_module);
+
+        /* first, so that even a rejected request is logged with its id */
+
+        if (ngx_http_dpd_set_request_id(r, ctx) != NGX_OK) {
+            ctx->state = NGX_HTTP_DPD_STATE_DONE;
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        rc = ngx_http_dpd_openai_process(r, ctx, dmcf, dlcf);
+
+        ctx->decision_usec = ngx_http_dpd_now_usec() - ctx->start_usec;
+        ctx->timed = 1;
+        ctx->state = NGX_HTTP_DPD_STATE_DECIDED;
+
+        if (rc == NGX_ERROR) {
+            ctx->state = NGX_HTTP_DPD_STATE_DONE;
+            ctx->err_status = NGX_HTTP_INTERNAL_SERVER_ERROR;
+            ctx->err_reason = NGX_HTTP_DPD_E_INTERNAL;
+            return NGX_HTTP_INTERNAL_SERVER_ERROR;
+        }
+
+        if (ctx->err_status) {
+            /* bad input: the client gets the OpenAI-shaped error */
+            ctx->state = NGX_HTTP_DPD_STATE_DONE;
+
+            ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                          "dpd: rejected request %V: %s",
+                          &ctx->request_id, ctx->err_message);
+
+            rc = ngx_http_dpd_send_error(r, ctx->err_status, ctx->err_type,
+                                         (char *) ctx->err_message);
+            ngx_http_finalize_request(r, rc);
+            return NGX_DONE;
+        }
+
+        ngx_http_dpd_decide(r, ctx, dlcf);
+
+        if (ctx->kv_stripped
+            && (ctx->route != NGX_HTTP_DPD_ROUTE_DISAGGREGATED
+                || ctx->observe))
+        {
+            /* the direct path sends the body as is: without them */
+            if (ngx_http_dpd_reserialize_body(r, ctx) != NGX_OK) {
+                ctx->state = NGX_HTTP_DPD_STATE_DONE;
+                return NGX_HTTP_INTERNAL_SERVER_ERROR;
+            }
+        }
+
+        return ngx_http_dpd_decided(r, ctx, dlcf);
+
+    case NGX_HTTP_DPD_STATE_DECIDED:
+        /* resumed by the prefill subrequest */
+        return ngx_http_dpd_decided(r, ctx, dlcf);
+
+    default: /* NGX_HTTP_DPD_STATE_DONE */
+        return NGX_DECLINED;
+    }
+}
+
+
+static void
+ngx_http_dpd_decide(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_loc_conf_t *dlcf)
+{
+    /* >= threshold: disaggregate (HyperPod's routingThreshold rule) */
+
+    if (dlcf->threshold == 0 || ctx->prompt_tokens >= dlcf->threshold) {
+        ctx->route = NGX_HTTP_DPD_ROUTE_DISAGGREGATED;
+
+    } else {
+        ctx->route = NGX_HTTP_DPD_ROUTE_DIRECT;
+    }
+
+    ctx->observe = (dlcf->prefill.prefill_pass.len == 0);
+
+    if (ctx->observe) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "dpd observe: request \"%V\": %i prompt tokens%s, "
+                      "threshold %i: %s (sent direct: no dpd_prefill_pass)",
+                      &ctx->request_id, ctx->prompt_tokens,
+                      ctx->estimated ? " (estimated)" : "",
+                      dlcf->threshold, ngx_http_dpd_route_name(ctx->route));
+
+    } else {
+        ngx_log_debug4(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "dpd: request \"%V\": %i prompt tokens, "
+                       "threshold %i: %s",
+                       &ctx->request_id, ctx->prompt_tokens,
+                       dlcf->threshold, ngx_http_dpd_route_name(ctx->route));
+    }
+}
+
+
+static ngx_int_t
+ngx_http_dpd_reserialize_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
+{
+    char    *out;
+    size_t   len;
+    u_char  *data;
+
+    out = cJSON_PrintUnformatted(ctx->json);
+    if (out == NULL) {
+        return NGX_ERROR;
+    }
+
+    len = ngx_strlen(out);
+
+    data = ngx_pnalloc(r->pool, len);
+    if (data == NULL) {
+        cJSON_free(out);
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(data, out, len);
+    cJSON_free(out);
+
+    ctx->body.data = data;
+    ctx->body.len = len;
+
+    return ngx_http_dpd_replace_body(r, data, len);
+}
+
+
+static ngx_int_t
+ngx_http_dpd_decided(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_loc_conf_t *dlcf)
+{
+    ngx_int_t  rc;
+
+    if (ctx->route != NGX_HTTP_DPD_ROUTE_DISAGGREGATED
+        || dlcf->prefill.prefill_pass.len == 0)
+    {
+        ctx->state = NGX_HTTP_DPD_STATE_DONE;
+        return NGX_DECLINED;
+    }
+
+    rc = ngx_http_dpd_prefill_handler(r, ctx);
+
+    ngx_log_debug1(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "dpd prefill handler: %i", rc);
+
+    switch (rc) {
+
+    case NGX_AGAIN:
+        /* waiting for the prefill subrequest; it resumes the phases */
+        return NGX_AGAIN;
+
+    case NGX_DONE:
+        /* the prefill code finalized the request itself */
+        ctx->state = NGX_HTTP_DPD_STATE_DONE;
+        return NGX_DONE;
+
+    case NGX_OK:
+    case NGX_DECLINED:
+        /* decode body in place: on to proxy_pass */
+        ctx->state = NGX_HTTP_DPD_STATE_DONE;
+        return NGX_DECLINED;
+
+    default:
+        /* NGX_ERROR or an HTTP status: nginx finalizes, the error filter
+         * gives the body its OpenAI shape */
+        ctx->state = NGX_HTTP_DPD_STATE_DONE;
+        return rc;
+    }
+}
+
+
+static void
+ngx_http_dpd_body_handler(ngx_http_request_t *r)
+{
+    ngx_http_dpd_ctx_t  *ctx;
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_dpd_module);
+
+    ngx_log_debug0(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "dpd body handler");
+
+    if (ctx != NULL && ctx->state == NGX_HTTP_DPD_STATE_READING) {
+        ctx->state = NGX_HTTP_DPD_STATE_BODY;
+    }
+
+    r->write_event_handler = ngx_http_core_run_phases;
+    ngx_http_core_run_phases(r);
+}
+
+
+ngx_http_dpd_ctx_t *
+ngx_http_dpd_create_ctx(ngx_http_request_t *r)
+{
+    ngx_pool_cleanup_t  *cln;
+    ngx_http_dpd_ctx_t  *ctx;
+
+    ctx = ngx_pcalloc(r->pool, sizeof(ngx_http_dpd_ctx_t));
+    if (ctx == NULL) {
+        return NULL;
+    }
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        return NULL;
+    }
+
+    cln->handler = ngx_http_dpd_cleanup;
+    cln->data = ctx;
+
+    ctx->prompt_tokens = -1;
+    ctx->route = NGX_HTTP_DPD_ROUTE_NONE;
+    ctx->start_usec = ngx_http_dpd_now_usec();
+
+    ngx_http_set_ctx(r, ctx, ngx_http_dpd_module);
+
+    return ctx;
+}
+
+
+static void
+ngx_http_dpd_cleanup(void *data)
+{
+    ngx_http_dpd_ctx_t  *ctx = data;
+
+    if (ctx->json) {
+        cJSON_Delete(ctx->json);
+        ctx->json = NULL;
+    }
+}
+
+
+ngx_http_dpd_ctx_t *
+ngx_http_dpd_get_ctx(ngx_http_request_t *r)
+{
+    ngx_pool_cleanup_t  *cln;
+    ngx_http_dpd_ctx_t  *ctx;
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_dpd_module);
+
+    if (ctx || !(r->internal || r->filter_finalize)) {
+        return ctx;
+    }
+
+    /*
+     * an internal redirect (error_page, named location) zeroes the module
+     * contexts: find ours through the pool cleanup, as realip does
+     */
+
+    for (cln = r->pool->cleanup; cln; cln = cln->next) {
+        if (cln->handler == ngx_http_dpd_cleanup) {
+            ctx = cln->data;
+            ngx_http_set_ctx(r, ctx, ngx_http_dpd_module);
+            return ctx;
+        }
+    }
+
+    return NULL;
+}
+
+
+static ngx_uint_t
+ngx_http_dpd_classify(ngx_http_request_t *r)
+{
+    static const u_char  chat[] = "/chat/completions";
+    static const u_char  compl[] = "/completions";
+
+    if (r->method != NGX_HTTP_POST) {
+        return NGX_HTTP_DPD_KIND_NONE;
+    }
+
+    /* match the suffix, so that prefixes and regex locations both work */
+
+    if (r->uri.len >= sizeof(chat) - 1
+        && ngx_strncmp(r->uri.data + r->uri.len - (sizeof(chat) - 1),
+                       chat, sizeof(chat) - 1) == 0)
+    {
+        return NGX_HTTP_DPD_KIND_CHAT;
+    }
+
+    if (r->uri.len >= sizeof(compl) - 1
+        && ngx_strncmp(r->uri.data + r->uri.len - (sizeof(compl) - 1),
+                       compl, sizeof(compl) - 1) == 0)
+    {
+        return NGX_HTTP_DPD_KIND_COMPLETIONS;
+    }
+
+    return NGX_HTTP_DPD_KIND_NONE;
+}
+
+
+static ngx_table_elt_t *
+ngx_http_dpd_find_request_id(ngx_http_request_t *r)
+{
+    ngx_uint_t        i;
+    ngx_list_part_t  *part;
+    ngx_table_elt_t  *h;
+
+    part = &r->headers_in.headers.part;
+    h = part->elts;
+
+    for (i = 0; /* void */; i++) {
+
+        if (i >= part->nelts) {
+            if (part->next == NULL) {
+                return NULL;
+            }
+
+            part = part->next;
+            h = part->elts;
+            i = 0;
+        }
+
+        if (h[i].hash != 0
+            && h[i].key.len == ngx_http_dpd_request_id_header.len
+            && ngx_strncasecmp(h[i].key.data,
+                               ngx_http_dpd_request_id_header.data,
+                               h[i].key.len) == 0)
+        {
+            return &h[i];
+        }
+    }
+}
+
+
+static ngx_uint_t
+ngx_http_dpd_request_id_valid(ngx_str_t *id)
+{
+    u_char  *p, *last;
+
+    /* printable ASCII without quotes or backslashes: the id is echoed in
+     * logs and JSON bodies sent to the engines */
+
+    if (id->len == 0 || id->len > NGX_HTTP_DPD_REQUEST_ID_MAX) {
+        return 0;
+    }
+
+    last = id->data + id->len;
+
+    for (p = id->data; p < last; p++) {
+        if (*p <= 0x20 || *p >= 0x7f || *p == '"' || *p == '\\') {
+            return 0;
+        }
+    }
+
+    return 1;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_set_request_id(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
+{
+    ngx_table_elt_t            *h;
+    ngx_http_variable_value_t  *vv;
+    ngx_http_dpd_main_conf_t   *dmcf;
+
+    h = ngx_http_dpd_find_request_id(r);
+
+    if (h && ngx_http_dpd_request_id_valid(&h->value)) {
+        ctx->request_id = h->value;
+        return NGX_OK;
+    }
+
+    /* none, or unusable: nginx's own $request_id (32 hex digits) */
+
+    dmcf = ngx_http_get_module_main_conf(r, ngx_http_dpd_module);
+
+    vv = ngx_http_get_indexed_variable(r, dmcf->request_id_index);
+    if (vv == NULL || vv->not_found) {
+        return NGX_ERROR;
+    }
+
+    ctx->request_id.data = vv->data;
+    ctx->request_id.len = vv->len;
+
+    if (h) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "dpd: client X-Request-Id replaced by \"%V\"",
+                      &ctx->request_id);
+        h->value = ctx->request_id;
+        return NGX_OK;
+    }
+
+    h = ngx_list_push(&r->headers_in.headers);
+    if (h == NULL) {
+        return NGX_ERROR;
+    }
+
+    h->hash = 1;
+    h->key = ngx_http_dpd_request_id_header;
+    h->value = ctx->request_id;
+    h->lowcase_key = (u_char *) "x-request-id";
+#if (nginx_version >= 1023000)
+    h->next = NULL;
+#endif
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_log_handler(ngx_http_request_t *r)
+{
+    ngx_http_dpd_ctx_t       *ctx;
+    ngx_http_dpd_loc_conf_t  *dlcf;
+
+    if (r != r->main) {
+        return NGX_OK;
+    }
+
+    ctx = ngx_http_dpd_get_ctx(r);
+
+    if (ctx == NULL) {
+        dlcf = ngx_http_get_module_loc_conf(r, ngx_http_dpd_module);
+        if (!dlcf->enable) {
+            return NGX_OK;
+        }
+    }
+
+    ngx_http_dpd_metrics_log_request(r, ctx);
+
+    return NGX_OK;
+}
+
+
+const char *
+ngx_http_dpd_route_name(ngx_uint_t route)
+{
+    switch (route) {
+    case NGX_HTTP_DPD_ROUTE_DIRECT:
+        return "direct";
+    case NGX_HTTP_DPD_ROUTE_DISAGGREGATED:
+        return "disaggregated";
+    case NGX_HTTP_DPD_ROUTE_FALLBACK:
+        return "fallback";
+    case NGX_HTTP_DPD_ROUTE_BYPASS:
+        return "bypass";
+    default:
+        return NULL;
+    }
+}
+
+
+uint64_t
+ngx_http_dpd_now_usec(void)
+{
+    struct timespec  ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+
+    return (uint64_t) ts.tv_sec * 1000000 + (uint64_t) ts.tv_nsec / 1000;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
+    uintptr_t data)
+{
+    u_char              *p;
+    const char          *name;
+    ngx_table_elt_t     *h;
+    ngx_http_dpd_ctx_t  *ctx;
+
+    ctx = ngx_http_dpd_get_ctx(r->main);
+
+    v->not_found = 1;
+
+    if (ctx == NULL) {
+        return NGX_OK;
+    }
+
+    switch (data) {
+
+    case NGX_HTTP_DPD_VAR_PROMPT_TOKENS:
+        if (ctx->prompt_tokens < 0) {
+            return NGX_OK;
+        }
+
+        p = ngx_pnalloc(r->pool, NGX_INT_T_LEN);
+        if (p == NULL) {
+            return NGX_ERROR;
+        }
+
+        v->len = ngx_sprintf(p, "%i", ctx->prompt_tokens) - p;
+        v->data = p;
+        break;
+
+    case NGX_HTTP_DPD_VAR_ROUTE:
+        name = ngx_http_dpd_route_name(ctx->route);
+        if (name == NULL) {
+            return NGX_OK;
+        }
+
+        v->len = ngx_strlen(name);
+        v->data = (u_char *) name;
+        break;
+
+    case NGX_HTTP_DPD_VAR_REQUEST_ID:
+        if (ctx->request_id.len == 0) {
+            /* bypassed or rejected: the client's id, if any */
+            h = ngx_http_dpd_find_request_id(r->main);
+            if (h == NULL || h->value.len == 0) {
+                return NGX_OK;
+            }
+
+            v->len = h->value.len;
+            v->data = h->value.data;
+            break;
+        }
+
+        v->len = ctx->request_id.len;
+        v->data = ctx->request_id.data;
+        break;
+
+    case NGX_HTTP_DPD_VAR_DECISION_TIME:
+        if (!ctx->timed) {
+            return NGX_OK;
+        }
+
+        p = ngx_pnalloc(r->pool, NGX_INT64_LEN);
+        if (p == NULL) {
+            return NGX_ERROR;
+        }
+
+        v->len = ngx_sprintf(p, "%uL", ctx->decision_usec) - p;
+        v->data = p;
+        break;
+
+    default:
+        return NGX_OK;
+    }
+
+    v->valid = 1;
+    v->no_cacheable = 1;
+    v->not_found = 0;
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_preconfiguration(ngx_conf_t *cf)
+{
+    ngx_http_variable_t  *var, *v;
+
+    for (v = ngx_http_dpd_vars; v->name.len; v++) {
+        var = ngx_http_add_variable(cf, &v->name, v->flags);
+        if (var == NULL) {
+            return NGX_ERROR;
+        }
+
+        var->get_handler = v->get_handler;
+        var->data = v->data;
+    }
+
+    return ngx_http_dpd_prefill_add_variables(cf);
+}
+
+
+static ngx_int_t
+ngx_http_dpd_postconfiguration(ngx_conf_t *cf)
+{
+    ngx_str_t                   name = ngx_string("request_id");
+    ngx_http_handler_pt        *h;
+    ngx_http_core_main_conf_t  *cmcf;
+    ngx_http_dpd_main_conf_t   *dmcf;
+
+    dmcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_dpd_module);
+
+    if (!dmcf->used) {
+        /* the module is loaded but not configured in this http{} */
+        return NGX_OK;
+    }
+
+    dmcf->request_id_index = ngx_http_get_variable_index(cf, &name);
+    if (dmcf->request_id_index == NGX_ERROR) {
+        return NGX_ERROR;
+    }
+
+    cmcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_core_module);
+
+    /*
+     * PRECONTENT: after rewrite, limit_req/limit_conn and access checks,
+     * so an unauthorized or rate-limited client never makes us read and
+     * tokenize its body; before try_files, mirror and the content handler
+     */
+
+    h = ngx_array_push(&cmcf->phases[NGX_HTTP_PRECONTENT_PHASE].handlers);
+    if (h == NULL) {
+        return NGX_ERROR;
+    }
+
+    *h = ngx_http_dpd_handler;
+
+    h = ngx_array_push(&cmcf->phases[NGX_HTTP_LOG_PHASE].handlers);
+    if (h == NULL) {
+        return NGX_ERROR;
+    }
+
+    *h = ngx_http_dpd_log_handler;
+
+    if (ngx_http_dpd_error_filter_init(cf) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    return ngx_http_dpd_metrics_init_zone_conf(cf, dmcf);
+}
+
+
+static void *
+ngx_http_dpd_create_main_conf(ngx_conf_t *cf)
+{
+    ngx_http_dpd_main_conf_t  *dmcf;
+
+    dmcf = ngx_pcalloc(cf->pool, sizeof(ngx_http_dpd_main_conf_t));
+    if (dmcf == NULL) {
+        return NULL;
+    }
+
+    /*
+     * set by ngx_pcalloc():
+     *
+     *     dmcf->tok = NULL;
+     *     dmcf->tok_path = { 0, NULL };
+     *     dmcf->tok_config = { 0, NULL };
+     *     dmcf->metrics_zone = NULL;
+     *     dmcf->used = 0;
+     */
+
+    dmcf->tok_template = DPD_CHAT_NONE;
+    dmcf->request_id_index = NGX_ERROR;
+
+    return dmcf;
+}
+
+
+static void *
+ngx_http_dpd_create_loc_conf(ngx_conf_t *cf)
+{
+    ngx_http_dpd_loc_conf_t  *dlcf;
+
+    dlcf = ngx_pcalloc(cf->pool, sizeof(ngx_http_dpd_loc_conf_t));
+    if (dlcf == NULL) {
+        return NULL;
+    }
+
+    dlcf->enable = NGX_CONF_UNSET;
+    dlcf->threshold = NGX_CONF_UNSET;
+    dlcf->chat_template = NGX_CONF_UNSET;
+    dlcf->max_json_depth = NGX_CONF_UNSET;
+    dlcf->metrics = NGX_CONF_UNSET;
+
+    ngx_http_dpd_prefill_init_conf(&dlcf->prefill);
+
+    return dlcf;
+}
+
+
+static char *
+ngx_http_dpd_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
+{
+    ngx_http_dpd_loc_conf_t *prev = parent;
+    ngx_http_dpd_loc_conf_t *conf = child;
+
+    ngx_http_dpd_main_conf_t  *dmcf;
+
+    ngx_conf_merge_value(conf->enable, prev->enable, 0);
+    ngx_conf_merge_value(conf->threshold, prev->threshold,
+                         NGX_HTTP_DPD_DEFAULT_THRESHOLD);
+    ngx_conf_merge_value(conf->chat_template, prev->chat_template,
+                         DPD_CHAT_AUTO);
+    ngx_conf_merge_value(conf->max_json_depth, prev->max_json_depth,
+                         NGX_HTTP_DPD_DEFAULT_JSON_DEPTH);
+    ngx_conf_merge_value(conf->metrics, prev->metrics, 0);
+
+    dmcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_dpd_module);
+
+    if (conf->enable && dmcf->tok == NULL) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"dpd on\" requires \"dpd_tokenizer\" "
+                           "in the http block");
+        return NGX_CONF_ERROR;
+    }
+
+    return ngx_http_dpd_prefill_merge_conf(cf, &prev->prefill,
+                                           &conf->prefill);
+}
+
+
+static char *
+ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_dpd_main_conf_t *dmcf = conf;
+
+    char                 err[512];
+    u_char              *p;
+    ngx_str_t           *value, dir, sibling;
+    ngx_file_info_t      fi;
+    ngx_pool_cleanup_t  *cln;
+
+    if (dmcf->tok) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    dmcf->tok_path = value[1];
+
+    if (cf->args->nelts == 3) {
+        if (value[2].len <= sizeof("config=") - 1
+            || ngx_strncmp(value[2].data, "config=", sizeof("config=") - 1)
+               != 0)
+        {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "invalid parameter \"%V\", "
+                               "expected \"config=FILE\"", &value[2]);
+            return NGX_CONF_ERROR;
+        }
+
+        dmcf->tok_config.data = value[2].data + sizeof("config=") - 1;
+        dmcf->tok_config.len = value[2].len - (sizeof("config=") - 1);
+    }
+
+    /* relative paths are relative to the configuration prefix */
+
+    if (ngx_conf_full_name(cf->cycle, &dmcf->tok_path, 1) != NGX_OK) {
+        return NGX_CONF_ERROR;
+    }
+
+    if (dmcf->tok_config.len) {
+        if (ngx_conf_full_name(cf->cycle, &dmcf->tok_config, 1) != NGX_OK) {
+            return NGX_CONF_ERROR;
+        }
+
+    } else {
+        /* tokenizer_config.json next to tokenizer.json, if it is there */
+
+        dir = dmcf->tok_path;
+        while (dir.len && dir.data[dir.len - 1] != '/') {
+            dir.len--;
+        }
+
+        sibling.len = dir.len + sizeof("tokenizer_config.json") - 1;
+        sibling.data = ngx_pnalloc(cf->pool, sibling.len + 1);
+        if (sibling.data == NULL) {
+            return NGX_CONF_ERROR;
+        }
+
+        p = ngx_cpymem(sibling.data, dir.data, dir.len);
+        p = ngx_cpymem(p, "tokenizer_config.json",
+                       sizeof("tokenizer_config.json") - 1);
+        *p = '\0';
+
+        if (ngx_file_info(sibling.data, &fi) != NGX_FILE_ERROR
+            && ngx_is_file(&fi))
+        {
+            dmcf->tok_config = sibling;
+        }
+    }
+
+    /* ngx_conf_full_name() results are NUL-terminated */
+
+    err[0] = '\0';
+
+    dmcf->tok = dpd_tok_load((char *) dmcf->tok_path.data,
+                             dmcf->tok_config.len
+                             ? (char *) dmcf->tok_config.data : NULL,
+                             err, sizeof(err));
+
+    if (dmcf->tok == NULL) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "dpd_tokenizer \"%V\"%s%V%s: %s",
+                           &dmcf->tok_path,
+                           dmcf->tok_config.len ? " (config \"" : "",
+                           &dmcf->tok_config,
+                           dmcf->tok_config.len ? "\")" : "",
+                           err[0] ? err : "load failed");
+        return NGX_CONF_ERROR;
+    }
+
+    /* loaded once in the master, shared copy-on-write by the workers,
+     * freed with the cycle */
+
+    cln = ngx_pool_cleanup_add(cf->pool, 0);
+    if (cln == NULL) {
+        dpd_tok_free(dmcf->tok);
+        dmcf->tok = NULL;
+        return NGX_CONF_ERROR;
+    }
+
+    cln->handler = ngx_http_dpd_tokenizer_cleanup;
+    cln->data = dmcf->tok;
+
+    dmcf->tok_template = dpd_tok_chat_template(dmcf->tok);
+    dmcf->used = 1;
+
+    ngx_log_error(NGX_LOG_NOTICE, cf->log, 0,
+                  "dpd_tokenizer \"%V\": %uD ids, chat template \"%s\"",
+                  &dmcf->tok_path, dpd_tok_vocab_size(dmcf->tok),
+                  dpd_chat_template_name(dmcf->tok_template));
+
+    return NGX_CONF_OK;
+}
+
+
+static void
+ngx_http_dpd_tokenizer_cleanup(void *data)
+{
+    dpd_tok_free(data);
+}
+
+
+static char *
+ngx_http_dpd_chat_template(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_dpd_loc_conf_t *dlcf = conf;
+
+    int         t;
+    ngx_str_t  *value;
+
+    if (dlcf->chat_template != NGX_CONF_UNSET) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    t = dpd_chat_template_from_name((char *) value[1].data);
+
+    if (t < 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "invalid value \"%V\", expected \"auto\", "
+                           "\"llama3\", \"llama3.1\", \"chatml\" or \"none\"",
+                           &value[1]);
+        return NGX_CONF_ERROR;
+    }
+
+    dlcf->chat_template = t;
+
+    return NGX_CONF_OK;
+}
+
+
+static char *
+ngx_http_dpd_metrics(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_dpd_loc_conf_t *dlcf = conf;
+
+    ngx_http_core_loc_conf_t  *clcf;
+    ngx_http_dpd_main_conf_t  *dmcf;
+
+    if (dlcf->metrics != NGX_CONF_UNSET) {
+        return "is duplicate";
+    }
+
+    dlcf->metrics = 1;
+
+    dmcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_dpd_module);
+    dmcf->used = 1;
+
+    clcf = ngx_http_conf_get_module_loc_conf(cf, ngx_http_core_module);
+    clcf->handler = ngx_http_dpd_metrics_handler;
+
+    return NGX_CONF_OK;
+}

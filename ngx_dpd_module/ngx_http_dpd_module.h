@@ -1,0 +1,174 @@
+/*
+ * ngx_http_dpd_module: shared declarations of the gateway core.
+ *
+ * The core reads an OpenAI request body early, parses it once (cJSON),
+ * counts its prompt tokens with the project's tokenizer, decides the route
+ * (direct / disaggregated) and hands disaggregated requests to the prefill
+ * code (ngx_http_dpd_prefill.h).  This header is the contract between the
+ * core files (module, body, openai, metrics, error) and the prefill work.
+ */
+
+#ifndef _NGX_HTTP_DPD_MODULE_H_INCLUDED_
+#define _NGX_HTTP_DPD_MODULE_H_INCLUDED_
+
+
+#include <ngx_config.h>
+#include <ngx_core.h>
+#include <ngx_http.h>
+
+#include <cjson/cJSON.h>
+
+#include "dpd_tokenizer.h"
+#include "ngx_http_dpd_prefill.h"
+#include "ngx_http_dpd_metrics.h"
+
+
+/* ctx->route; also the value of $dpd_route */
+#define NGX_HTTP_DPD_ROUTE_NONE           0   /* not decided (rejected) */
+#define NGX_HTTP_DPD_ROUTE_DIRECT         1
+#define NGX_HTTP_DPD_ROUTE_DISAGGREGATED  2
+#define NGX_HTTP_DPD_ROUTE_FALLBACK       3
+#define NGX_HTTP_DPD_ROUTE_BYPASS         4
+
+/* ctx->kind */
+#define NGX_HTTP_DPD_KIND_NONE            0   /* not an inference request */
+#define NGX_HTTP_DPD_KIND_COMPLETIONS     1   /* POST .../v1/completions */
+#define NGX_HTTP_DPD_KIND_CHAT            2   /* POST .../chat/completions */
+
+/* ctx->state: where the phase handler stands */
+#define NGX_HTTP_DPD_STATE_NEW            0
+#define NGX_HTTP_DPD_STATE_READING        1   /* body read in progress */
+#define NGX_HTTP_DPD_STATE_BODY           2   /* body read, not parsed */
+#define NGX_HTTP_DPD_STATE_DECIDED        3   /* parsed, counted, routed */
+#define NGX_HTTP_DPD_STATE_DONE           4   /* phases continue */
+
+#define NGX_HTTP_DPD_DEFAULT_THRESHOLD    4096
+#define NGX_HTTP_DPD_DEFAULT_JSON_DEPTH   64
+#define NGX_HTTP_DPD_MAX_JSON_DEPTH       512
+#define NGX_HTTP_DPD_REQUEST_ID_MAX       256
+
+
+/* http{}-level settings */
+typedef struct {
+    dpd_tok_t                   *tok;          /* dpd_tokenizer, shared */
+    ngx_str_t                    tok_path;
+    ngx_str_t                    tok_config;
+    dpd_chat_template_t          tok_template; /* detected from config */
+    ngx_shm_zone_t              *metrics_zone;
+    ngx_uint_t                   used;         /* any dpd directive seen */
+    ngx_int_t                    request_id_index; /* $request_id */
+} ngx_http_dpd_main_conf_t;
+
+
+/* location-level settings (the typedef name is part of the contract) */
+typedef struct {
+    ngx_flag_t                   enable;        /* dpd on|off */
+    ngx_int_t                    threshold;     /* dpd_threshold */
+    ngx_int_t                    chat_template; /* dpd_chat_template */
+    ngx_int_t                    max_json_depth;/* dpd_max_json_depth */
+    ngx_flag_t                   metrics;       /* dpd_metrics handler */
+    ngx_http_dpd_prefill_conf_t  prefill;       /* owned by prefill code */
+} ngx_http_dpd_loc_conf_t;
+
+
+/* per-request state (typedef ngx_http_dpd_ctx_t is in prefill.h) */
+struct ngx_http_dpd_ctx_s {
+    cJSON                       *json;          /* parsed body; freed by a
+                                                   pool cleanup */
+    ngx_str_t                    body;          /* body as parsed (pool or
+                                                   request buffer memory) */
+    ngx_str_t                    request_id;    /* X-Request-Id sent upstream */
+
+    ngx_int_t                    prompt_tokens; /* -1: not counted */
+    ngx_uint_t                   route;         /* NGX_HTTP_DPD_ROUTE_* */
+    ngx_uint_t                   kind;          /* NGX_HTTP_DPD_KIND_* */
+    ngx_uint_t                   state;         /* NGX_HTTP_DPD_STATE_* */
+
+    /* a rejected request: what the client gets and the metric label */
+    ngx_uint_t                   err_status;
+    ngx_uint_t                   err_reason;    /* NGX_HTTP_DPD_E_* */
+    const char                  *err_type;
+    u_char                      *err_message;
+    ngx_str_t                    error_body;    /* error filter's JSON */
+
+    /* CLOCK_MONOTONIC microseconds */
+    uint64_t                     start_usec;    /* phase handler entry */
+    uint64_t                     decision_usec; /* read + parse + count */
+
+    unsigned                     timed:1;       /* decision_usec is set */
+    unsigned                     stream:1;      /* "stream": true */
+    unsigned                     observe:1;     /* no prefill_pass: direct */
+    unsigned                     estimated:1;   /* chat count is estimate */
+    unsigned                     kv_stripped:1; /* client kv_transfer_params
+                                                   removed */
+    unsigned                     own_error:1;   /* send_error() replied */
+    unsigned                     error_page:1;  /* filter rewrites body */
+    unsigned                     error_sent:1;  /* filter body sent */
+    unsigned                     logged:1;      /* counted in metrics */
+
+    ngx_http_dpd_prefill_ctx_t   prefill;       /* owned by prefill code */
+};
+
+
+extern ngx_module_t  ngx_http_dpd_module;
+
+
+/*
+ * The request's ctx, or NULL for requests the module did not handle.
+ * Survives internal redirects (recovered from the pool cleanup).
+ */
+ngx_http_dpd_ctx_t *ngx_http_dpd_get_ctx(ngx_http_request_t *r);
+
+/* a new ctx (route NONE, prompt_tokens -1) set on the request */
+ngx_http_dpd_ctx_t *ngx_http_dpd_create_ctx(ngx_http_request_t *r);
+
+/*
+ * Replace the main request body by len bytes at data, so that a following
+ * proxy_pass (and its retries) sends exactly these bytes with a matching
+ * Content-Length.  data must live as long as the request (r->pool memory).
+ */
+ngx_int_t ngx_http_dpd_replace_body(ngx_http_request_t *r, u_char *data,
+    size_t len);
+
+/*
+ * Send an OpenAI-shaped error response
+ *   {"error":{"message":"...","type":"...","param":null,"code":status}}
+ * Returns what ngx_http_finalize_request() expects after a content handler
+ * sent a response (NGX_OK, NGX_AGAIN, NGX_ERROR): pass it on, e.g.
+ *     ngx_http_finalize_request(r, ngx_http_dpd_send_error(r, 502, ...));
+ * type: OpenAI's error type ("invalid_request_error", "server_error", ...);
+ * NULL picks one from the status.
+ */
+ngx_int_t ngx_http_dpd_send_error(ngx_http_request_t *r, ngx_uint_t status,
+    const char *type, const char *message);
+
+/* default OpenAI error type for an HTTP status */
+const char *ngx_http_dpd_error_type(ngx_uint_t status);
+
+/* route name as in $dpd_route ("direct", ...); NULL for NONE */
+const char *ngx_http_dpd_route_name(ngx_uint_t route);
+
+/* CLOCK_MONOTONIC in microseconds */
+uint64_t ngx_http_dpd_now_usec(void);
+
+
+/* core-internal (body, openai, error, metrics files) */
+
+ngx_int_t ngx_http_dpd_read_body(ngx_http_request_t *r,
+    ngx_http_client_body_handler_pt handler);
+ngx_int_t ngx_http_dpd_body_bytes(ngx_http_request_t *r, ngx_str_t *body);
+
+ngx_int_t ngx_http_dpd_openai_process(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_main_conf_t *dmcf,
+    ngx_http_dpd_loc_conf_t *dlcf);
+
+ngx_int_t ngx_http_dpd_error_filter_init(ngx_conf_t *cf);
+
+ngx_int_t ngx_http_dpd_metrics_init_zone_conf(ngx_conf_t *cf,
+    ngx_http_dpd_main_conf_t *dmcf);
+ngx_int_t ngx_http_dpd_metrics_handler(ngx_http_request_t *r);
+void ngx_http_dpd_metrics_log_request(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx);
+
+
+#endif /* _NGX_HTTP_DPD_MODULE_H_INCLUDED_ */

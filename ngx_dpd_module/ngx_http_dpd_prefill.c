@@ -1,0 +1,1056 @@
+/*
+ * The disaggregated path (DESIGN.md §1, §2).
+ *
+ * For a request routed "disaggregated" the core calls
+ * ngx_http_dpd_prefill_handler() from its phase handler:
+ *
+ *   1. lmcache: choose the decoder now (least outstanding) and pin it;
+ *   2. send the prefill copy of the request as a waited in-memory
+ *      subrequest (auth_request pattern) with its own POST body to
+ *      dpd_prefill_pass + URI, under a dpd_prefill_timeout timer;
+ *   3. the post-subrequest handler records the outcome (once: it runs on
+ *      every finalize of the subrequest) and the parent resumes;
+ *   4. on success build the decode body (nixl: the reply's
+ *      kv_transfer_params with remote_host forced to the prefill peer that
+ *      answered) and replace the main request body; proxy_pass streams the
+ *      decoder's answer;
+ *   5. on failure: a prefill 4xx goes back to the client as it came; 5xx,
+ *      timeout, connection errors and unusable replies fall back to a
+ *      decode-only request (dpd_fallback decode) or end in a 502/504
+ *      OpenAI-shaped error (dpd_fallback error).
+ *
+ * A client that goes away while the prefill runs terminates the main
+ * request and with it the subrequest (nginx does this); the pool cleanup
+ * below stops our timer and the balancer's drops a decoder reservation.
+ */
+
+#include <ngx_config.h>
+#include <ngx_core.h>
+#include <ngx_event.h>
+#include <ngx_http.h>
+
+#include "ngx_http_dpd_module.h"
+#include "ngx_http_dpd_protocol.h"
+#include "ngx_http_dpd_balancer.h"
+
+
+static ngx_int_t ngx_http_dpd_prefill_start(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
+static ngx_int_t ngx_http_dpd_prefill_body(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf,
+    ngx_str_t *body);
+static ngx_int_t ngx_http_dpd_prefill_done(ngx_http_request_t *sr,
+    void *data, ngx_int_t rc);
+static void ngx_http_dpd_prefill_timeout(ngx_event_t *ev);
+static void ngx_http_dpd_prefill_cleanup(void *data);
+static ngx_int_t ngx_http_dpd_prefill_finish(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
+static ngx_int_t ngx_http_dpd_prefill_relay(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx);
+static ngx_int_t ngx_http_dpd_prefill_fail(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf,
+    ngx_uint_t cause, const char *why);
+static ngx_int_t ngx_http_dpd_decode_body(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, cJSON *params, const char *host);
+static u_char *ngx_http_dpd_cstr(ngx_pool_t *pool, ngx_str_t *s);
+static ngx_int_t ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name,
+    ngx_str_t *host);
+static ngx_int_t ngx_http_dpd_prefill_variable(ngx_http_request_t *r,
+    ngx_http_variable_value_t *v, uintptr_t data);
+
+
+ngx_conf_enum_t  ngx_http_dpd_prefill_protocols[] = {
+    { ngx_string("nixl"), NGX_HTTP_DPD_PROTO_NIXL },
+    { ngx_string("lmcache"), NGX_HTTP_DPD_PROTO_LMCACHE },
+    { ngx_null_string, 0 }
+};
+
+
+ngx_conf_enum_t  ngx_http_dpd_prefill_fallbacks[] = {
+    { ngx_string("decode"), NGX_HTTP_DPD_FALLBACK_DECODE },
+    { ngx_string("error"), NGX_HTTP_DPD_FALLBACK_ERROR },
+    { ngx_null_string, 0 }
+};
+
+
+#define NGX_HTTP_DPD_VAR_PREFILL_PEER    0
+#define NGX_HTTP_DPD_VAR_DECODE_PEER     1
+#define NGX_HTTP_DPD_VAR_PREFILL_TIME    2
+#define NGX_HTTP_DPD_VAR_PREFILL_STATUS  3
+
+
+static ngx_http_variable_t  ngx_http_dpd_prefill_vars[] = {
+
+    { ngx_string("dpd_prefill_peer"), NULL, ngx_http_dpd_prefill_variable,
+      NGX_HTTP_DPD_VAR_PREFILL_PEER, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_decode_peer"), NULL, ngx_http_dpd_prefill_variable,
+      NGX_HTTP_DPD_VAR_DECODE_PEER, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_prefill_time"), NULL, ngx_http_dpd_prefill_variable,
+      NGX_HTTP_DPD_VAR_PREFILL_TIME, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_prefill_status"), NULL, ngx_http_dpd_prefill_variable,
+      NGX_HTTP_DPD_VAR_PREFILL_STATUS, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+      ngx_http_null_variable
+};
+
+
+static const char  *ngx_http_dpd_cause_names[] = {
+    "none", "prefill 5xx", "prefill 4xx", "prefill timeout",
+    "prefill connection error", "unusable prefill reply",
+    "no live decoder to pin"
+};
+
+
+/* configuration */
+
+void
+ngx_http_dpd_prefill_init_conf(ngx_http_dpd_prefill_conf_t *conf)
+{
+    /*
+     * set by ngx_pcalloc() in the core:
+     *
+     *     conf->prefill_pass = { 0, NULL };
+     *     conf->decode_name = { 0, NULL };
+     *     conf->decode_upstream = NULL;
+     */
+
+    conf->protocol = NGX_CONF_UNSET_UINT;
+    conf->timeout = NGX_CONF_UNSET_MSEC;
+    conf->fallback = NGX_CONF_UNSET_UINT;
+}
+
+
+char *
+ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
+    ngx_http_dpd_prefill_conf_t *prev, ngx_http_dpd_prefill_conf_t *conf)
+{
+    char  *err;
+
+    if (conf->prefill_pass.data == NULL) {
+        conf->prefill_pass = prev->prefill_pass;
+    }
+
+    ngx_conf_merge_uint_value(conf->protocol, prev->protocol,
+                              NGX_HTTP_DPD_PROTO_NIXL);
+    ngx_conf_merge_msec_value(conf->timeout, prev->timeout, 60000);
+    ngx_conf_merge_uint_value(conf->fallback, prev->fallback,
+                              NGX_HTTP_DPD_FALLBACK_DECODE);
+    ngx_conf_merge_str_value(conf->decode_name, prev->decode_name, "");
+
+    if (conf->prefill_pass.len == 0
+        || conf->protocol != NGX_HTTP_DPD_PROTO_LMCACHE)
+    {
+        return NGX_CONF_OK;
+    }
+
+    /* lmcache chooses the decoder itself: find its pool now */
+
+    if (prev->decode_upstream
+        && conf->decode_name.len == prev->decode_name.len
+        && ngx_strncmp(conf->decode_name.data, prev->decode_name.data,
+                       conf->decode_name.len) == 0)
+    {
+        conf->decode_upstream = prev->decode_upstream;
+        return NGX_CONF_OK;
+    }
+
+    conf->decode_upstream = ngx_http_dpd_balancer_find_upstream(cf,
+                                                    &conf->decode_name, &err);
+
+    if (conf->decode_upstream == NULL) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"dpd_protocol lmcache\"%s%V%s: %s",
+                           conf->decode_name.len ? " with upstream \"" : "",
+                           &conf->decode_name,
+                           conf->decode_name.len ? "\"" : "", err);
+        return NGX_CONF_ERROR;
+    }
+
+    return NGX_CONF_OK;
+}
+
+
+char *
+ngx_http_dpd_prefill_pass(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    ngx_http_dpd_prefill_conf_t  *pcf;
+    ngx_str_t                    *value;
+
+    pcf = (ngx_http_dpd_prefill_conf_t *) ((char *) conf + cmd->offset);
+
+    if (pcf->prefill_pass.data) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    if (ngx_strcmp(value[1].data, "off") == 0) {
+        ngx_str_set(&pcf->prefill_pass, "");
+        pcf->prefill_pass.len = 0;
+        return NGX_CONF_OK;
+    }
+
+    if (value[1].len < 2 || value[1].data[0] != '/') {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"dpd_prefill_pass\" needs the URI of an "
+                           "internal location, e.g. /_dpd_prefill, "
+                           "not \"%V\"", &value[1]);
+        return NGX_CONF_ERROR;
+    }
+
+    pcf->prefill_pass = value[1];
+
+    /* "/_dpd_prefill/" and "/_dpd_prefill" name the same subrequest URI */
+
+    if (pcf->prefill_pass.data[pcf->prefill_pass.len - 1] == '/') {
+        pcf->prefill_pass.len--;
+    }
+
+    return NGX_CONF_OK;
+}
+
+
+ngx_int_t
+ngx_http_dpd_prefill_add_variables(ngx_conf_t *cf)
+{
+    ngx_http_variable_t  *var, *v;
+
+    for (v = ngx_http_dpd_prefill_vars; v->name.len; v++) {
+        var = ngx_http_add_variable(cf, &v->name, v->flags);
+        if (var == NULL) {
+            return NGX_ERROR;
+        }
+
+        var->get_handler = v->get_handler;
+        var->data = v->data;
+    }
+
+    return NGX_OK;
+}
+
+
+/* the request */
+
+ngx_int_t
+ngx_http_dpd_prefill_handler(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
+{
+    ngx_http_dpd_loc_conf_t      *dlcf;
+    ngx_http_dpd_prefill_ctx_t   *p;
+
+    p = &ctx->prefill;
+    dlcf = ngx_http_get_module_loc_conf(r, ngx_http_dpd_module);
+
+    switch (p->state) {
+
+    case NGX_HTTP_DPD_PREFILL_NEW:
+        return ngx_http_dpd_prefill_start(r, ctx, &dlcf->prefill);
+
+    case NGX_HTTP_DPD_PREFILL_WAITING:
+        if (!p->done) {
+            return NGX_AGAIN;
+        }
+
+        p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
+
+        return ngx_http_dpd_prefill_finish(r, ctx, &dlcf->prefill);
+
+    default:
+        return NGX_DECLINED;
+    }
+}
+
+
+static ngx_int_t
+ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefill_conf_t *pcf)
+{
+    u_char                      *u;
+    ngx_str_t                    uri, path, body;
+    ngx_buf_t                   *b;
+    ngx_chain_t                 *cl;
+    ngx_pool_cleanup_t          *cln;
+    ngx_http_request_t          *sr;
+    ngx_http_dpd_pin_t          *pin;
+    ngx_http_request_body_t     *rb;
+    ngx_http_post_subrequest_t  *ps;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+
+    if (ctx->json == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        return NGX_ERROR;
+    }
+
+    cln->handler = ngx_http_dpd_prefill_cleanup;
+    cln->data = p;
+
+    if (pcf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE) {
+
+        /* the prefill pushes the KV to the decoder we choose now */
+
+        switch (ngx_http_dpd_balancer_pin(r, pcf->decode_upstream, &pin)) {
+
+        case NGX_OK:
+            p->decode_peer = pin->name;
+            break;
+
+        case NGX_BUSY:
+            p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
+            return ngx_http_dpd_prefill_fail(r, ctx, pcf,
+                                             NGX_HTTP_DPD_CAUSE_NO_DECODER,
+                                             NULL);
+
+        default:
+            return NGX_ERROR;
+        }
+    }
+
+    if (ngx_http_dpd_prefill_body(r, ctx, pcf, &body) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    /*
+     * dpd_prefill_pass /_dpd_prefill + the engine's own path, whatever the
+     * client's URI was: /_dpd_prefill/v1/chat/completions
+     */
+
+    if (ctx->kind == NGX_HTTP_DPD_KIND_CHAT) {
+        ngx_str_set(&path, "/v1/chat/completions");
+
+    } else {
+        ngx_str_set(&path, "/v1/completions");
+    }
+
+    uri.len = pcf->prefill_pass.len + path.len;
+    uri.data = ngx_pnalloc(r->pool, uri.len);
+    if (uri.data == NULL) {
+        return NGX_ERROR;
+    }
+
+    u = ngx_cpymem(uri.data, pcf->prefill_pass.data, pcf->prefill_pass.len);
+    ngx_memcpy(u, path.data, path.len);
+
+    ps = ngx_palloc(r->pool, sizeof(ngx_http_post_subrequest_t));
+    if (ps == NULL) {
+        return NGX_ERROR;
+    }
+
+    ps->handler = ngx_http_dpd_prefill_done;
+    ps->data = ctx;
+
+    if (ngx_http_subrequest(r, &uri, r->args.len ? &r->args : NULL, &sr, ps,
+                            NGX_HTTP_SUBREQUEST_IN_MEMORY
+                            |NGX_HTTP_SUBREQUEST_WAITED)
+        != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    /* its own POST body; the headers (Authorization, X-Request-Id) are the
+     * client's, shared with the main request */
+
+    rb = ngx_pcalloc(r->pool, sizeof(ngx_http_request_body_t));
+    b = ngx_calloc_buf(r->pool);
+    cl = ngx_alloc_chain_link(r->pool);
+
+    if (rb == NULL || b == NULL || cl == NULL) {
+        return NGX_ERROR;
+    }
+
+    b->start = body.data;
+    b->pos = body.data;
+    b->last = body.data + body.len;
+    b->end = b->last;
+    b->memory = 1;
+    b->last_buf = 1;
+    b->last_in_chain = 1;
+
+    cl->buf = b;
+    cl->next = NULL;
+
+    rb->bufs = cl;
+
+    sr->request_body = rb;
+    sr->method = NGX_HTTP_POST;
+    ngx_str_set(&sr->method_name, "POST");
+    sr->headers_in.content_length_n = body.len;
+    sr->headers_in.chunked = 0;
+
+    p->sr = sr;
+    p->start = ngx_current_msec;
+    p->state = NGX_HTTP_DPD_PREFILL_WAITING;
+
+    p->timer.handler = ngx_http_dpd_prefill_timeout;
+    p->timer.data = r;
+    p->timer.log = r->connection->log;
+
+    ngx_add_timer(&p->timer, pcf->timeout);
+
+    ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_PREFILL_REQUESTS);
+
+    ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "dpd prefill subrequest \"%V\", %uz bytes, decoder \"%V\"",
+                   &uri, body.len, &p->decode_peer);
+
+    return NGX_AGAIN;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_prefill_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefill_conf_t *pcf, ngx_str_t *body)
+{
+    char                              *text;
+    size_t                             len;
+    ngx_uint_t                         i;
+    in_port_t                         *ip, *ap;
+    ngx_http_dpd_pin_t                *pin;
+    ngx_http_dpd_lmcache_spec_t        spec, *sp;
+    ngx_http_dpd_balancer_srv_conf_t  *bscf;
+    unsigned short                     init[NGX_HTTP_DPD_MAX_TP_RANKS];
+    unsigned short                     alloc[NGX_HTTP_DPD_MAX_TP_RANKS];
+
+    sp = NULL;
+
+    if (pcf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE) {
+        pin = ngx_http_dpd_balancer_get_pin(r);
+        bscf = ngx_http_dpd_balancer_srv_conf(pcf->decode_upstream);
+
+        if (pin == NULL || bscf == NULL || bscf->init_ports == NULL) {
+            return NGX_ERROR;
+        }
+
+        ip = bscf->init_ports->elts;
+        ap = bscf->alloc_ports->elts;
+
+        for (i = 0; i < bscf->init_ports->nelts; i++) {
+            init[i] = ip[i];
+            alloc[i] = ap[i];
+        }
+
+        spec.req_id = (char *) ngx_http_dpd_cstr(r->pool, &ctx->request_id);
+        spec.receiver_host = (char *) ngx_http_dpd_cstr(r->pool, &pin->host);
+        spec.init_ports = init;
+        spec.alloc_ports = alloc;
+        spec.nports = bscf->init_ports->nelts;
+
+        if (spec.req_id == NULL || spec.receiver_host == NULL) {
+            return NGX_ERROR;
+        }
+
+        sp = &spec;
+    }
+
+    text = ngx_http_dpd_proto_prefill_body(ctx->json, pcf->protocol, sp,
+                                           &len);
+    if (text == NULL) {
+        return NGX_ERROR;
+    }
+
+    body->data = ngx_pnalloc(r->pool, len);
+    if (body->data == NULL) {
+        cJSON_free(text);
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(body->data, text, len);
+    body->len = len;
+
+    cJSON_free(text);
+
+    return NGX_OK;
+}
+
+
+/*
+ * Runs on every finalize of the subrequest: record the first outcome only.
+ * The subrequest shares the main request's pool, so what is kept here
+ * lives as long as the main request.
+ */
+
+static ngx_int_t
+ngx_http_dpd_prefill_done(ngx_http_request_t *sr, void *data, ngx_int_t rc)
+{
+    ngx_http_dpd_ctx_t *ctx = data;
+
+    ngx_buf_t                   *b;
+    ngx_str_t                   *name;
+    ngx_http_upstream_t         *u;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+
+    if (p->done) {
+        return rc;
+    }
+
+    p->done = 1;
+    p->rc = rc;
+    p->elapsed = ngx_current_msec - p->start;
+
+    if (p->timer.timer_set) {
+        ngx_del_timer(&p->timer);
+    }
+
+    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, sr->connection->log, 0,
+                   "dpd prefill done rc:%i s:%ui", rc,
+                   sr->headers_out.status);
+
+    if (sr->connection->error || rc == NGX_HTTP_CLIENT_CLOSED_REQUEST) {
+        /* nginx terminates the whole request; nothing more to do */
+        p->aborted = 1;
+        return rc;
+    }
+
+    u = sr->upstream;
+
+    if (u) {
+        if (u->headers_in.status_n) {
+            p->answered = 1;
+            p->status = u->headers_in.status_n;
+        }
+
+        name = (u->state && u->state->peer) ? u->state->peer : u->peer.name;
+
+        if (name && name->len) {
+            p->peer.data = ngx_pstrdup(sr->pool, name);
+            if (p->peer.data) {
+                p->peer.len = name->len;
+            }
+        }
+    }
+
+    if (!p->answered) {
+        if (rc >= NGX_HTTP_SPECIAL_RESPONSE) {
+            /* nginx's own verdict: 502 connect/error, 504 timeout */
+            p->status = rc;
+
+        } else if (u == NULL && sr->headers_out.status) {
+            /* the prefill location answered without an upstream */
+            p->answered = 1;
+            p->status = sr->headers_out.status;
+        }
+    }
+
+    if (sr->out && sr->out->buf) {
+        b = sr->out->buf;
+        p->reply.data = b->pos;
+        p->reply.len = b->last - b->pos;
+    }
+
+    if (sr->headers_out.content_type.len) {
+        p->content_type = sr->headers_out.content_type;
+    }
+
+    if (rc == NGX_ERROR) {
+        /*
+         * a reply over subrequest_output_buffer_size, or a broken one: an
+         * error of this prefill, not of the client's request, which must
+         * not be terminated with it
+         */
+        p->broken = 1;
+        return NGX_OK;
+    }
+
+    return rc;
+}
+
+
+/*
+ * dpd_prefill_timeout: the deadline for the whole prefill, retries
+ * included.  Expire the subrequest's upstream read event as its own timer
+ * would, with no try left, so the upstream ends it with a 504 through its
+ * usual path (which frees the connection and finalizes the subrequest).
+ */
+
+static void
+ngx_http_dpd_prefill_timeout(ngx_event_t *ev)
+{
+    ngx_http_request_t          *r, *sr;
+    ngx_connection_t            *c;
+    ngx_http_upstream_t         *u;
+    ngx_http_dpd_ctx_t          *ctx;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    r = ev->data;
+
+    ctx = ngx_http_dpd_get_ctx(r);
+    if (ctx == NULL) {
+        return;
+    }
+
+    p = &ctx->prefill;
+
+    if (p->done) {
+        return;
+    }
+
+    p->timed_out = 1;
+
+    ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                  "dpd: prefill of request \"%V\" timed out",
+                  &ctx->request_id);
+
+    sr = p->sr;
+    u = sr->upstream;
+
+    if (u == NULL || u->peer.connection == NULL) {
+        /* between tries: the next upstream step sees the flag */
+        return;
+    }
+
+    u->peer.tries = 1;
+
+    c = u->peer.connection;
+
+    if (c->read->timer_set) {
+        ngx_del_timer(c->read);
+    }
+
+    c->read->timedout = 1;
+
+    ngx_post_event(c->read, &ngx_posted_events);
+}
+
+
+static void
+ngx_http_dpd_prefill_cleanup(void *data)
+{
+    ngx_http_dpd_prefill_ctx_t  *p = data;
+
+    if (p->timer.timer_set) {
+        ngx_del_timer(&p->timer);
+    }
+}
+
+
+static ngx_int_t
+ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefill_conf_t *pcf)
+{
+    int                          kind;
+    cJSON                       *params;
+    ngx_int_t                    rc;
+    ngx_str_t                    host;
+    const char                  *why;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+
+    ngx_http_dpd_metrics_observe(r, NGX_HTTP_DPD_H_PREFILL_SECONDS,
+                                 (double) p->elapsed / 1000);
+
+    if (p->aborted) {
+        return NGX_HTTP_CLIENT_CLOSED_REQUEST;
+    }
+
+    if (p->timed_out) {
+        return ngx_http_dpd_prefill_fail(r, ctx, pcf,
+                                         NGX_HTTP_DPD_CAUSE_TIMEOUT, NULL);
+    }
+
+    if (p->broken) {
+        return ngx_http_dpd_prefill_fail(r, ctx, pcf,
+                                         NGX_HTTP_DPD_CAUSE_BAD_REPLY,
+                                         "prefill reply too large or broken "
+                                         "(see subrequest_output_buffer_size)");
+    }
+
+    if (!p->answered) {
+        return ngx_http_dpd_prefill_fail(r, ctx, pcf,
+                                         p->status == NGX_HTTP_GATEWAY_TIME_OUT
+                                         ? NGX_HTTP_DPD_CAUSE_TIMEOUT
+                                         : NGX_HTTP_DPD_CAUSE_CONNECT,
+                                         NULL);
+    }
+
+    if (p->status >= NGX_HTTP_BAD_REQUEST
+        && p->status < NGX_HTTP_INTERNAL_SERVER_ERROR)
+    {
+        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_PREFILL_FAIL_4XX);
+        p->cause = NGX_HTTP_DPD_CAUSE_4XX;
+
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "dpd: prefill of request \"%V\" answered %ui, "
+                      "returned to the client", &ctx->request_id, p->status);
+
+        ngx_http_dpd_balancer_unpin(r);
+
+        return ngx_http_dpd_prefill_relay(r, ctx);
+    }
+
+    if (p->status < NGX_HTTP_OK || p->status >= NGX_HTTP_SPECIAL_RESPONSE) {
+        return ngx_http_dpd_prefill_fail(r, ctx, pcf,
+                                         p->status >= 500
+                                         ? NGX_HTTP_DPD_CAUSE_5XX
+                                         : NGX_HTTP_DPD_CAUSE_BAD_REPLY,
+                                         NULL);
+    }
+
+    kind = ngx_http_dpd_proto_parse_reply((char *) p->reply.data,
+                                          p->reply.len, pcf->protocol,
+                                          &params, &why);
+
+    if (kind == NGX_HTTP_DPD_REPLY_INVALID) {
+        return ngx_http_dpd_prefill_fail(r, ctx, pcf,
+                                         NGX_HTTP_DPD_CAUSE_BAD_REPLY, why);
+    }
+
+    host.len = 0;
+    host.data = NULL;
+
+    if (params) {
+        /* the decoder may pull only from the peer that answered */
+
+        if (ngx_http_dpd_peer_host(r->pool, &p->peer, &host) != NGX_OK) {
+            cJSON_Delete(params);
+            params = NULL;
+            why = "the prefill peer's address is unknown";
+        }
+    }
+
+    rc = ngx_http_dpd_decode_body(r, ctx, params,
+                                  host.len ? (char *) host.data : NULL);
+
+    if (params) {
+        cJSON_Delete(params);
+    }
+
+    if (rc != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    if (pcf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE || host.len) {
+        p->params = 1;
+        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS);
+
+    } else {
+        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS);
+
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "dpd: request \"%V\" decodes without KV transfer "
+                      "params (%s), the decoder recomputes the prompt",
+                      &ctx->request_id, why ? why : "none in the reply");
+    }
+
+    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "dpd prefill by %V in %M ms", &p->peer, p->elapsed);
+
+    return NGX_DECLINED;
+}
+
+
+/* a prefill 4xx: the client gets it as the prefill engine sent it */
+
+static ngx_int_t
+ngx_http_dpd_prefill_relay(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
+{
+    ngx_int_t                    rc;
+    ngx_buf_t                   *b;
+    ngx_chain_t                  out;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+
+    ngx_http_clear_content_length(r);
+    ngx_http_clear_accept_ranges(r);
+
+    r->headers_out.status = p->status;
+    r->headers_out.content_length_n = p->reply.len;
+
+    if (p->content_type.len) {
+        r->headers_out.content_type = p->content_type;
+        r->headers_out.content_type_len = p->content_type.len;
+
+    } else {
+        ngx_str_set(&r->headers_out.content_type, "application/json");
+        r->headers_out.content_type_len = r->headers_out.content_type.len;
+    }
+
+    /* the body is final: the core's error filter leaves it alone */
+    ctx->own_error = 1;
+
+    if (p->reply.len == 0) {
+        r->header_only = 1;
+    }
+
+    rc = ngx_http_send_header(r);
+
+    if (rc == NGX_ERROR || rc > NGX_OK || r->header_only) {
+        ngx_http_finalize_request(r, rc);
+        return NGX_DONE;
+    }
+
+    b = ngx_calloc_buf(r->pool);
+    if (b == NULL) {
+        ngx_http_finalize_request(r, NGX_ERROR);
+        return NGX_DONE;
+    }
+
+    b->pos = p->reply.data;
+    b->last = p->reply.data + p->reply.len;
+    b->memory = 1;
+    b->last_buf = 1;
+    b->last_in_chain = 1;
+
+    out.buf = b;
+    out.next = NULL;
+
+    ngx_http_finalize_request(r, ngx_http_output_filter(r, &out));
+
+    return NGX_DONE;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefill_conf_t *pcf, ngx_uint_t cause, const char *why)
+{
+    ngx_uint_t                   status, metric;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+    p->cause = cause;
+
+    switch (cause) {
+    case NGX_HTTP_DPD_CAUSE_5XX:
+        metric = NGX_HTTP_DPD_M_PREFILL_FAIL_5XX;
+        break;
+    case NGX_HTTP_DPD_CAUSE_TIMEOUT:
+        metric = NGX_HTTP_DPD_M_PREFILL_FAIL_TIMEOUT;
+        break;
+    case NGX_HTTP_DPD_CAUSE_CONNECT:
+        metric = NGX_HTTP_DPD_M_PREFILL_FAIL_CONNECT;
+        break;
+    case NGX_HTTP_DPD_CAUSE_BAD_REPLY:
+        metric = NGX_HTTP_DPD_M_PREFILL_FAIL_BAD_REPLY;
+        break;
+    default:
+        metric = NGX_HTTP_DPD_M_N;
+    }
+
+    if (metric != NGX_HTTP_DPD_M_N) {
+        ngx_http_dpd_metrics_inc(r, metric);
+    }
+
+    /* the KV (if any) went nowhere: any decoder will do */
+    ngx_http_dpd_balancer_unpin(r);
+
+    status = (cause == NGX_HTTP_DPD_CAUSE_TIMEOUT)
+             ? NGX_HTTP_GATEWAY_TIME_OUT : NGX_HTTP_BAD_GATEWAY;
+
+    if (pcf->fallback == NGX_HTTP_DPD_FALLBACK_ERROR) {
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "dpd: %s (status %ui) for request \"%V\"%s%s, "
+                      "answering %ui",
+                      ngx_http_dpd_cause_names[cause], p->status,
+                      &ctx->request_id, why ? ": " : "", why ? why : "",
+                      status);
+
+        ngx_http_finalize_request(r,
+            ngx_http_dpd_send_error(r, status, "server_error",
+                                    status == NGX_HTTP_GATEWAY_TIME_OUT
+                                    ? "the prefill pool timed out"
+                                    : "the prefill pool failed"));
+        return NGX_DONE;
+    }
+
+    ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                  "dpd: %s (status %ui) for request \"%V\"%s%s, "
+                  "falling back to decode only",
+                  ngx_http_dpd_cause_names[cause], p->status,
+                  &ctx->request_id, why ? ": " : "", why ? why : "");
+
+    ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
+    ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
+
+    if (ngx_http_dpd_decode_body(r, ctx, NULL, NULL) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    return NGX_DECLINED;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_decode_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    cJSON *params, const char *host)
+{
+    char    *text;
+    size_t   len;
+    u_char  *data;
+
+    text = ngx_http_dpd_proto_decode_body(ctx->json, params, host, &len);
+    if (text == NULL) {
+        return NGX_ERROR;
+    }
+
+    data = ngx_pnalloc(r->pool, len);
+    if (data == NULL) {
+        cJSON_free(text);
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(data, text, len);
+    cJSON_free(text);
+
+    return ngx_http_dpd_replace_body(r, data, len);
+}
+
+
+static u_char *
+ngx_http_dpd_cstr(ngx_pool_t *pool, ngx_str_t *s)
+{
+    u_char  *p;
+
+    p = ngx_pnalloc(pool, s->len + 1);
+    if (p == NULL) {
+        return NULL;
+    }
+
+    ngx_memcpy(p, s->data, s->len);
+    p[s->len] = '\0';
+
+    return p;
+}
+
+
+/* "127.0.0.2:8000" or "[::1]:8000" -> NUL-terminated host, via the parser
+ * nginx uses for addresses, so only a real address comes out */
+
+static ngx_int_t
+ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name, ngx_str_t *host)
+{
+    u_char     *p;
+    ngx_addr_t  addr;
+
+    if (name->len == 0) {
+        return NGX_ERROR;
+    }
+
+    ngx_memzero(&addr, sizeof(ngx_addr_t));
+
+    if (ngx_parse_addr_port(pool, &addr, name->data, name->len) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    if (ngx_http_dpd_sockaddr_host(pool, addr.sockaddr, addr.socklen, host)
+        != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    p = ngx_http_dpd_cstr(pool, host);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    host->data = p;
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_prefill_variable(ngx_http_request_t *r,
+    ngx_http_variable_value_t *v, uintptr_t data)
+{
+    u_char                      *s;
+    ngx_str_t                   *peer;
+    ngx_uint_t                   i;
+    ngx_http_dpd_ctx_t          *ctx;
+    ngx_http_upstream_state_t   *state;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    v->not_found = 1;
+
+    ctx = ngx_http_dpd_get_ctx(r->main);
+    if (ctx == NULL) {
+        return NGX_OK;
+    }
+
+    p = &ctx->prefill;
+
+    switch (data) {
+
+    case NGX_HTTP_DPD_VAR_PREFILL_PEER:
+        if (p->peer.len == 0) {
+            return NGX_OK;
+        }
+
+        v->data = p->peer.data;
+        v->len = p->peer.len;
+        break;
+
+    case NGX_HTTP_DPD_VAR_DECODE_PEER:
+
+        /* the peer proxy_pass last used, else the pinned one */
+
+        peer = NULL;
+
+        if (r->main->upstream_states) {
+            state = r->main->upstream_states->elts;
+
+            for (i = r->main->upstream_states->nelts; i > 0; i--) {
+                if (state[i - 1].peer) {
+                    peer = state[i - 1].peer;
+                    break;
+                }
+            }
+        }
+
+        if (peer == NULL && p->decode_peer.len) {
+            peer = &p->decode_peer;
+        }
+
+        if (peer == NULL) {
+            return NGX_OK;
+        }
+
+        v->data = peer->data;
+        v->len = peer->len;
+        break;
+
+    case NGX_HTTP_DPD_VAR_PREFILL_TIME:
+        if (!p->done) {
+            return NGX_OK;
+        }
+
+        s = ngx_pnalloc(r->pool, NGX_TIME_T_LEN);
+        if (s == NULL) {
+            return NGX_ERROR;
+        }
+
+        v->data = s;
+        v->len = ngx_sprintf(s, "%M", p->elapsed) - s;
+        break;
+
+    default: /* NGX_HTTP_DPD_VAR_PREFILL_STATUS */
+        if (!p->done || p->status == 0) {
+            return NGX_OK;
+        }
+
+        s = ngx_pnalloc(r->pool, NGX_INT_T_LEN);
+        if (s == NULL) {
+            return NGX_ERROR;
+        }
+
+        v->data = s;
+        v->len = ngx_sprintf(s, "%ui", p->status) - s;
+        break;
+    }
+
+    v->valid = 1;
+    v->no_cacheable = 0;
+    v->not_found = 0;
+
+    return NGX_OK;
+}

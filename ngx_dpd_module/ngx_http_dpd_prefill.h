@@ -1,0 +1,154 @@
+/*
+ * Disaggregated path: the prefill subrequest, the prefill protocols (nixl,
+ * lmcache) and the hand-off to the decoder.  Owned by ngx_http_dpd_prefill.c
+ * and ngx_http_dpd_protocol.c; the core (ngx_http_dpd_module.c) embeds the
+ * structs below in its location conf and request ctx and calls the hooks.
+ *
+ * Directives (location level, inherited):
+ *   dpd_protocol nixl|lmcache;        default nixl
+ *   dpd_prefill_pass URI|off;         internal location of the prefill pool;
+ *                                     the subrequest goes to URI followed by
+ *                                     the engine path (/v1/completions or
+ *                                     /v1/chat/completions)
+ *   dpd_prefill_timeout TIME;         default 60s, whole prefill incl. retries
+ *   dpd_fallback decode|error;        default decode
+ *   dpd_decode_upstream NAME;         lmcache: the decode pool to pin in
+ *                                     (default: the one upstream{} that has
+ *                                     dpd_lmcache_ports)
+ * Variables: $dpd_prefill_peer $dpd_decode_peer $dpd_prefill_time (ms)
+ *            $dpd_prefill_status
+ */
+
+#ifndef _NGX_HTTP_DPD_PREFILL_H_INCLUDED_
+#define _NGX_HTTP_DPD_PREFILL_H_INCLUDED_
+
+
+#include <ngx_config.h>
+#include <ngx_core.h>
+#include <ngx_event.h>
+#include <ngx_http.h>
+
+
+typedef struct ngx_http_dpd_ctx_s  ngx_http_dpd_ctx_t;
+
+
+#define NGX_HTTP_DPD_FALLBACK_DECODE   1
+#define NGX_HTTP_DPD_FALLBACK_ERROR    2
+
+/* ngx_http_dpd_prefill_ctx_t.state */
+#define NGX_HTTP_DPD_PREFILL_NEW       0
+#define NGX_HTTP_DPD_PREFILL_WAITING   1   /* subrequest in flight */
+#define NGX_HTTP_DPD_PREFILL_FINISHED  2   /* outcome applied */
+
+/* ngx_http_dpd_prefill_ctx_t.cause: why the prefill did not hand off */
+#define NGX_HTTP_DPD_CAUSE_NONE        0
+#define NGX_HTTP_DPD_CAUSE_5XX         1
+#define NGX_HTTP_DPD_CAUSE_4XX         2
+#define NGX_HTTP_DPD_CAUSE_TIMEOUT     3
+#define NGX_HTTP_DPD_CAUSE_CONNECT     4
+#define NGX_HTTP_DPD_CAUSE_BAD_REPLY   5
+#define NGX_HTTP_DPD_CAUSE_NO_DECODER  6
+
+
+/* location-level settings of the disaggregated path */
+typedef struct {
+    ngx_str_t                    prefill_pass;  /* dpd_prefill_pass URI; empty: observe mode */
+    ngx_uint_t                   protocol;      /* dpd_protocol */
+    ngx_msec_t                   timeout;       /* dpd_prefill_timeout */
+    ngx_uint_t                   fallback;      /* dpd_fallback */
+    ngx_str_t                    decode_name;   /* dpd_decode_upstream */
+    ngx_http_upstream_srv_conf_t *decode_upstream; /* lmcache: resolved */
+} ngx_http_dpd_prefill_conf_t;
+
+
+/* per-request state of the disaggregated path */
+typedef struct {
+    ngx_uint_t                   state;
+    ngx_uint_t                   cause;         /* NGX_HTTP_DPD_CAUSE_* */
+    ngx_http_request_t          *sr;            /* the prefill subrequest */
+    ngx_event_t                  timer;         /* dpd_prefill_timeout */
+    ngx_msec_t                   start;
+    ngx_msec_t                   elapsed;       /* $dpd_prefill_time */
+    ngx_int_t                    rc;            /* subrequest finalize rc */
+    ngx_uint_t                   status;        /* $dpd_prefill_status */
+    ngx_str_t                    peer;          /* $dpd_prefill_peer */
+    ngx_str_t                    decode_peer;   /* pinned decoder */
+    ngx_str_t                    reply;         /* prefill reply body */
+    ngx_str_t                    content_type;  /* of the reply */
+    unsigned                     done:1;        /* subrequest finalized */
+    unsigned                     answered:1;    /* a prefill peer replied */
+    unsigned                     timed_out:1;   /* our deadline passed */
+    unsigned                     aborted:1;     /* client went away */
+    unsigned                     broken:1;      /* reply too large etc. */
+    unsigned                     params:1;      /* decode got KV params */
+} ngx_http_dpd_prefill_ctx_t;
+
+
+extern ngx_conf_enum_t  ngx_http_dpd_prefill_protocols[];
+extern ngx_conf_enum_t  ngx_http_dpd_prefill_fallbacks[];
+
+char *ngx_http_dpd_prefill_pass(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+
+
+/* directive entries spliced into the module's command table */
+#define NGX_HTTP_DPD_PREFILL_COMMANDS                                         \
+                                                                              \
+    { ngx_string("dpd_protocol"),                                             \
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,  \
+      ngx_conf_set_enum_slot,                                                 \
+      NGX_HTTP_LOC_CONF_OFFSET,                                               \
+      offsetof(ngx_http_dpd_loc_conf_t, prefill.protocol),                    \
+      ngx_http_dpd_prefill_protocols },                                       \
+                                                                              \
+    { ngx_string("dpd_prefill_pass"),                                         \
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,  \
+      ngx_http_dpd_prefill_pass,                                              \
+      NGX_HTTP_LOC_CONF_OFFSET,                                               \
+      offsetof(ngx_http_dpd_loc_conf_t, prefill),                             \
+      NULL },                                                                 \
+                                                                              \
+    { ngx_string("dpd_prefill_timeout"),                                      \
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,  \
+      ngx_conf_set_msec_slot,                                                 \
+      NGX_HTTP_LOC_CONF_OFFSET,                                               \
+      offsetof(ngx_http_dpd_loc_conf_t, prefill.timeout),                     \
+      NULL },                                                                 \
+                                                                              \
+    { ngx_string("dpd_fallback"),                                             \
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,  \
+      ngx_conf_set_enum_slot,                                                 \
+      NGX_HTTP_LOC_CONF_OFFSET,                                               \
+      offsetof(ngx_http_dpd_loc_conf_t, prefill.fallback),                    \
+      ngx_http_dpd_prefill_fallbacks },                                       \
+                                                                              \
+    { ngx_string("dpd_decode_upstream"),                                      \
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,  \
+      ngx_conf_set_str_slot,                                                  \
+      NGX_HTTP_LOC_CONF_OFFSET,                                               \
+      offsetof(ngx_http_dpd_loc_conf_t, prefill.decode_name),                 \
+      NULL },
+
+void ngx_http_dpd_prefill_init_conf(ngx_http_dpd_prefill_conf_t *conf);
+char *ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
+    ngx_http_dpd_prefill_conf_t *prev, ngx_http_dpd_prefill_conf_t *conf);
+ngx_int_t ngx_http_dpd_prefill_add_variables(ngx_conf_t *cf);
+
+/*
+ * Called by the core phase handler once the body is read, parsed and the
+ * route decided as disaggregated, and again each time the phase handler
+ * runs while the prefill is in flight.  Returns:
+ *   NGX_AGAIN     waiting for the prefill subrequest (phase handler returns
+ *                 NGX_AGAIN / NGX_DONE as auth_request does)
+ *   NGX_DECLINED  done: the decode body is in place (and the decode peer
+ *                 pinned where the protocol needs it); continue phases
+ *   NGX_DONE      the response was sent here (a prefill 4xx relayed as is,
+ *                 or the dpd_fallback error reply) and the request was
+ *                 finalized: do not touch r
+ *   >= NGX_HTTP_SPECIAL_RESPONSE / NGX_ERROR   finalize with that
+ */
+ngx_int_t ngx_http_dpd_prefill_handler(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx);
+
+
+#endif /* _NGX_HTTP_DPD_PREFILL_H_INCLUDED_ */

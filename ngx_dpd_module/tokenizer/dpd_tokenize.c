@@ -1,0 +1,472 @@
+/*
+ * dpd-tokenize: the tokenizer library on the command line.
+ *
+ *   dpd-tokenize --tokenizer tokenizer.json [--config tokenizer_config.json]
+ *                [--ids | --count | --render] [--special] [--jsonl]
+ *                [--chat] [--template auto|llama3|llama3.1|chatml|none]
+ *
+ * Reads stdin.  Plain mode tokenizes all of it; --jsonl reads one JSON
+ * string per line (raw bytes inside the quotes are passed through, so
+ * invalid UTF-8 can be tested) and writes one line per input; --chat reads
+ * an OpenAI chat request body (or a bare messages array) and tokenizes the
+ * rendered prompt; with --jsonl, one request per line.  --render prints
+ * the rendered prompt as a JSON string instead of ids.
+ * Exit 0 on success, 2 on bad input or usage, 1 on internal failure.
+ */
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cjson/cJSON.h>
+
+#include "dpd_tokenizer.h"
+
+typedef struct {
+    const char           *tokenizer, *config;
+    int                   count, render, special, jsonl, chat;
+    dpd_chat_template_t   tmpl;
+} opts_t;
+
+static uint32_t  *ids;
+static size_t     ids_cap;
+
+
+static void
+usage(void)
+{
+    fprintf(stderr,
+        "usage: dpd-tokenize --tokenizer FILE [--config FILE] [--ids|--count"
+        "|--render]\n"
+        "                    [--special] [--jsonl] [--chat] [--template "
+        "NAME]\n"
+        "  reads stdin; --jsonl: one JSON string (or, with --chat, one chat "
+        "request)\n"
+        "  per line; templates: auto llama3 llama3.1 chatml none\n");
+}
+
+
+static char *
+read_all(FILE *f, size_t *len)
+{
+    size_t   cap = 65536, n = 0, r;
+    char    *buf = malloc(cap), *p;
+
+    if (buf == NULL) {
+        return NULL;
+    }
+    while ((r = fread(buf + n, 1, cap - n - 1, f)) > 0) {
+        n += r;
+        if (cap - n - 1 == 0) {
+            p = realloc(buf, cap * 2);
+            if (p == NULL) {
+                free(buf);
+                return NULL;
+            }
+            buf = p;
+            cap *= 2;
+        }
+    }
+    buf[n] = '\0';
+    *len = n;
+    return buf;
+}
+
+
+static int
+hex4(const char *s, unsigned *v)
+{
+    unsigned  i, c, r = 0;
+
+    for (i = 0; i < 4; i++) {
+        c = (unsigned char) s[i];
+        r <<= 4;
+        if (c >= '0' && c <= '9') {
+            r |= c - '0';
+        } else if (c >= 'a' && c <= 'f') {
+            r |= c - 'a' + 10;
+        } else if (c >= 'A' && c <= 'F') {
+            r |= c - 'A' + 10;
+        } else {
+            return -1;
+        }
+    }
+    *v = r;
+    return 0;
+}
+
+
+static size_t
+put_utf8(unsigned cp, char *o)
+{
+    if (cp < 0x80) {
+        o[0] = (char) cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        o[0] = (char) (0xC0 | (cp >> 6));
+        o[1] = (char) (0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        o[0] = (char) (0xE0 | (cp >> 12));
+        o[1] = (char) (0x80 | ((cp >> 6) & 0x3F));
+        o[2] = (char) (0x80 | (cp & 0x3F));
+        return 3;
+    }
+    o[0] = (char) (0xF0 | (cp >> 18));
+    o[1] = (char) (0x80 | ((cp >> 12) & 0x3F));
+    o[2] = (char) (0x80 | ((cp >> 6) & 0x3F));
+    o[3] = (char) (0x80 | (cp & 0x3F));
+    return 4;
+}
+
+
+/*
+ * Decode one JSON string occupying the line s[0..len) (surrounding blanks
+ * allowed) into out (at least len bytes).  Lone surrogates become U+FFFD.
+ */
+static int
+json_string_line(const char *s, size_t len, char *out, size_t *outlen,
+    const char **why)
+{
+    size_t    i = 0, o = 0;
+    unsigned  v, lo;
+
+    while (i < len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\r')) {
+        i++;
+    }
+    if (i >= len || s[i] != '"') {
+        *why = "expected a JSON string";
+        return -1;
+    }
+    i++;
+    for ( ;; ) {
+        if (i >= len) {
+            *why = "unterminated JSON string";
+            return -1;
+        }
+        if (s[i] == '"') {
+            i++;
+            break;
+        }
+        if (s[i] != '\\') {
+            out[o++] = s[i++];
+            continue;
+        }
+        if (++i >= len) {
+            *why = "bad escape";
+            return -1;
+        }
+        switch (s[i++]) {
+        case '"': out[o++] = '"'; break;
+        case '\\': out[o++] = '\\'; break;
+        case '/': out[o++] = '/'; break;
+        case 'b': out[o++] = '\b'; break;
+        case 'f': out[o++] = '\f'; break;
+        case 'n': out[o++] = '\n'; break;
+        case 'r': out[o++] = '\r'; break;
+        case 't': out[o++] = '\t'; break;
+        case 'u':
+            if (i + 4 > len || hex4(s + i, &v) != 0) {
+                *why = "bad \\u escape";
+                return -1;
+            }
+            i += 4;
+            if (v >= 0xD800 && v <= 0xDBFF && i + 6 <= len && s[i] == '\\'
+                && s[i + 1] == 'u' && hex4(s + i + 2, &lo) == 0
+                && lo >= 0xDC00 && lo <= 0xDFFF)
+            {
+                v = 0x10000 + ((v - 0xD800) << 10) + (lo - 0xDC00);
+                i += 6;
+            } else if (v >= 0xD800 && v <= 0xDFFF) {
+                v = 0xFFFD;
+            }
+            o += put_utf8(v, out + o);
+            break;
+        default:
+            *why = "bad escape";
+            return -1;
+        }
+    }
+    while (i < len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\r')) {
+        i++;
+    }
+    if (i != len) {
+        *why = "trailing characters after the JSON string";
+        return -1;
+    }
+    *outlen = o;
+    return 0;
+}
+
+
+static int
+ensure_ids(long n)
+{
+    uint32_t  *p;
+
+    if ((size_t) n <= ids_cap) {
+        return 0;
+    }
+    p = realloc(ids, (size_t) n * sizeof(uint32_t));
+    if (p == NULL) {
+        return -1;
+    }
+    ids = p;
+    ids_cap = (size_t) n;
+    return 0;
+}
+
+
+static int
+print_tokens(const dpd_tok_t *tok, const opts_t *o, const char *text,
+    size_t len)
+{
+    long    n;
+    size_t  i;
+
+    if (o->count) {
+        n = dpd_tok_count(tok, text, len, o->special);
+        if (n < 0) {
+            fprintf(stderr, "dpd-tokenize: tokenizer failure\n");
+            return 1;
+        }
+        printf("%ld\n", n);
+        return 0;
+    }
+    n = dpd_tok_encode(tok, text, len, o->special, ids, ids_cap);
+    if (n >= 0 && (size_t) n > ids_cap) {
+        if (ensure_ids(n) != 0) {
+            fprintf(stderr, "dpd-tokenize: out of memory\n");
+            return 1;
+        }
+        n = dpd_tok_encode(tok, text, len, o->special, ids, ids_cap);
+    }
+    if (n < 0) {
+        fprintf(stderr, "dpd-tokenize: tokenizer failure\n");
+        return 1;
+    }
+    for (i = 0; i < (size_t) n; i++) {
+        printf(i ? " %u" : "%u", ids[i]);
+    }
+    putchar('\n');
+    return 0;
+}
+
+
+static void
+print_json_string(const char *s, size_t len)
+{
+    cJSON  *str;
+    char   *p;
+
+    /* rendered prompts have no NUL: cJSON's printer is enough here */
+    (void) len;
+    str = cJSON_CreateString(s);
+    p = str ? cJSON_PrintUnformatted(str) : NULL;
+    if (p) {
+        puts(p);
+    }
+    free(p);
+    cJSON_Delete(str);
+}
+
+
+static int
+do_chat(const dpd_tok_t *tok, const opts_t *o, const char *body, size_t len,
+    const char *where)
+{
+    cJSON        *root;
+    const cJSON  *msgs;
+    char          err[512], *text;
+    size_t        tlen;
+    int           rc, est;
+    long          n;
+
+    root = cJSON_ParseWithLength(body, len);
+    if (root == NULL) {
+        fprintf(stderr, "dpd-tokenize: %sinvalid JSON chat request\n", where);
+        return 2;
+    }
+    msgs = cJSON_IsArray(root) ? root
+                               : cJSON_GetObjectItemCaseSensitive(root,
+                                                                  "messages");
+    if (msgs == NULL) {
+        fprintf(stderr, "dpd-tokenize: %smessages: missing\n", where);
+        cJSON_Delete(root);
+        return 2;
+    }
+    rc = dpd_chat_render_json(tok, o->tmpl, msgs, &text, &tlen, err,
+                              sizeof(err));
+    if (rc < 0) {
+        fprintf(stderr, "dpd-tokenize: %s%s\n", where, err);
+        cJSON_Delete(root);
+        return 2;
+    }
+    if (rc == 1) {
+        if (!o->count) {
+            fprintf(stderr, "dpd-tokenize: %sno known chat template: only "
+                    "--count gives an estimate\n", where);
+            cJSON_Delete(root);
+            return 2;
+        }
+        n = dpd_chat_count_json(tok, o->tmpl, msgs, &est, err, sizeof(err));
+        cJSON_Delete(root);
+        if (n < 0) {
+            fprintf(stderr, "dpd-tokenize: %s%s\n", where, err);
+            return 2;
+        }
+        fprintf(stderr, "dpd-tokenize: no known chat template, the count is "
+                "an estimate (content tokens + %d per message + %d)\n",
+                DPD_CHAT_EST_PER_MESSAGE, DPD_CHAT_EST_PRIMING);
+        printf("%ld\n", n);
+        return 0;
+    }
+    cJSON_Delete(root);
+    if (o->render) {
+        print_json_string(text, tlen);
+        rc = 0;
+    } else {
+        rc = print_tokens(tok, o, text, tlen);
+    }
+    free(text);
+    return rc;
+}
+
+
+static int
+run(const dpd_tok_t *tok, const opts_t *o, char *in, size_t len)
+{
+    char        *line, *nl, *buf = NULL, where[64];
+    const char  *why;
+    size_t       llen, blen, lineno = 0;
+    int          rc = 0;
+
+    if (!o->jsonl) {
+        if (o->chat) {
+            return do_chat(tok, o, in, len, "");
+        }
+        if (o->render) {
+            fprintf(stderr, "dpd-tokenize: --render needs --chat\n");
+            return 2;
+        }
+        return print_tokens(tok, o, in, len);
+    }
+
+    buf = malloc(len + 1);
+    if (buf == NULL) {
+        fprintf(stderr, "dpd-tokenize: out of memory\n");
+        return 1;
+    }
+    line = in;
+    while (line < in + len && rc == 0) {
+        nl = memchr(line, '\n', (size_t) (in + len - line));
+        llen = nl ? (size_t) (nl - line) : (size_t) (in + len - line);
+        lineno++;
+        snprintf(where, sizeof(where), "line %zu: ", lineno);
+        if (o->chat) {
+            rc = do_chat(tok, o, line, llen, where);
+        } else if (json_string_line(line, llen, buf, &blen, &why) != 0) {
+            fprintf(stderr, "dpd-tokenize: line %zu: %s\n", lineno, why);
+            rc = 2;
+        } else if (o->render) {
+            fprintf(stderr, "dpd-tokenize: --render needs --chat\n");
+            rc = 2;
+        } else {
+            rc = print_tokens(tok, o, buf, blen);
+        }
+        line += llen + 1;
+    }
+    free(buf);
+    return rc;
+}
+
+
+int
+main(int argc, char **argv)
+{
+    opts_t      o;
+    dpd_tok_t  *tok;
+    char        err[1024], *in;
+    size_t      len;
+    int         i, t, rc;
+
+    memset(&o, 0, sizeof(o));
+    o.tmpl = DPD_CHAT_AUTO;
+
+    for (i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if ((strcmp(a, "--tokenizer") == 0 || strcmp(a, "--config") == 0
+             || strcmp(a, "--template") == 0) && i + 1 >= argc)
+        {
+            fprintf(stderr, "dpd-tokenize: %s needs a value\n", a);
+            return 2;
+        }
+        if (strcmp(a, "--tokenizer") == 0) {
+            o.tokenizer = argv[++i];
+        } else if (strcmp(a, "--config") == 0) {
+            o.config = argv[++i];
+        } else if (strcmp(a, "--template") == 0) {
+            t = dpd_chat_template_from_name(argv[++i]);
+            if (t < 0) {
+                fprintf(stderr, "dpd-tokenize: --template: unknown \"%s\" "
+                        "(auto, llama3, llama3.1, chatml, none)\n", argv[i]);
+                return 2;
+            }
+            o.tmpl = (dpd_chat_template_t) t;
+        } else if (strcmp(a, "--ids") == 0) {
+            o.count = 0;
+        } else if (strcmp(a, "--count") == 0) {
+            o.count = 1;
+        } else if (strcmp(a, "--render") == 0) {
+            o.render = 1;
+        } else if (strcmp(a, "--special") == 0) {
+            o.special = 1;
+        } else if (strcmp(a, "--jsonl") == 0) {
+            o.jsonl = 1;
+        } else if (strcmp(a, "--chat") == 0) {
+            o.chat = 1;
+        } else if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            usage();
+            return 0;
+        } else {
+            fprintf(stderr, "dpd-tokenize: unknown option \"%s\"\n", a);
+            usage();
+            return 2;
+        }
+    }
+    if (o.tokenizer == NULL) {
+        fprintf(stderr, "dpd-tokenize: --tokenizer FILE is required\n");
+        usage();
+        return 2;
+    }
+
+    tok = dpd_tok_load(o.tokenizer, o.config, err, sizeof(err));
+    if (tok == NULL) {
+        fprintf(stderr, "dpd-tokenize: %s\n", err);
+        return 2;
+    }
+    if (o.chat && o.tmpl == DPD_CHAT_AUTO
+        && dpd_tok_chat_template(tok) == DPD_CHAT_NONE)
+    {
+        fprintf(stderr, "dpd-tokenize: no chat template detected%s\n",
+                o.config ? "" : " (no --config given)");
+    }
+
+    in = read_all(stdin, &len);
+    if (in == NULL) {
+        fprintf(stderr, "dpd-tokenize: cannot read stdin: %s\n",
+                strerror(errno));
+        dpd_tok_free(tok);
+        return 1;
+    }
+    rc = run(tok, &o, in, len);
+    if (fflush(stdout) != 0 && rc == 0) {
+        rc = 1;
+    }
+    free(in);
+    free(ids);
+    dpd_tok_free(tok);
+    return rc;
+}

@@ -1,0 +1,213 @@
+/*
+ * Byte-level BPE on one pre-token, merge for merge as Hugging Face's
+ * Word::merge_all: a min-heap of candidate pairs ordered by (rank, left
+ * position); a popped candidate is applied if the pair now at that
+ * position still produces the same merged id (Hugging Face checks the id,
+ * not the rank, and so must we to give the same ids in every case).
+ */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "tok_internal.h"
+
+
+typedef struct {
+    uint32_t  id;
+    int32_t   prev;
+    int32_t   next;
+    uint32_t  len;      /* 0 once merged into its left neighbour */
+} tok_sym_t;
+
+typedef struct {
+    uint32_t  rank;
+    uint32_t  pos;
+    uint32_t  merged;
+} tok_cand_t;
+
+
+static inline int
+tok_cand_less(const tok_cand_t *a, const tok_cand_t *b)
+{
+    return a->rank < b->rank || (a->rank == b->rank && a->pos < b->pos);
+}
+
+
+static void
+tok_heap_push(tok_cand_t *h, size_t *n, tok_cand_t c)
+{
+    size_t  i = (*n)++, p;
+
+    while (i > 0) {
+        p = (i - 1) / 2;
+        if (!tok_cand_less(&c, &h[p])) {
+            break;
+        }
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = c;
+}
+
+
+static tok_cand_t
+tok_heap_pop(tok_cand_t *h, size_t *n)
+{
+    tok_cand_t  top = h[0], last = h[--(*n)];
+    size_t      i = 0, c;
+
+    for ( ;; ) {
+        c = 2 * i + 1;
+        if (c >= *n) {
+            break;
+        }
+        if (c + 1 < *n && tok_cand_less(&h[c + 1], &h[c])) {
+            c++;
+        }
+        if (!tok_cand_less(&h[c], &last)) {
+            break;
+        }
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n > 0) {
+        h[i] = last;
+    }
+    return top;
+}
+
+
+static int
+tok_work_reserve(tok_work_t *w, size_t len)
+{
+    void  *p;
+
+    if (w->sym_cap < len) {
+        p = realloc(w->sym, len * sizeof(tok_sym_t));
+        if (p == NULL) {
+            return -1;
+        }
+        w->sym = p;
+        w->sym_cap = len;
+    }
+    /* each merge pushes at most 2 candidates: len + 2 * len bounds it */
+    if (w->heap_cap < 3 * len) {
+        p = realloc(w->heap, 3 * len * sizeof(tok_cand_t));
+        if (p == NULL) {
+            return -1;
+        }
+        w->heap = p;
+        w->heap_cap = 3 * len;
+    }
+    return 0;
+}
+
+
+void
+tok_bpe(tok_work_t *w, const char *s, size_t len)
+{
+    const dpd_tok_t  *tok = w->tok;
+    tok_sym_t        *sym;
+    tok_cand_t       *heap, c;
+    size_t            i, nh = 0;
+    int32_t           n = 0, prev, nx;
+    uint32_t          id, rank, merged;
+
+    if (len == 0) {
+        return;
+    }
+    if (tok->ignore_merges || len == 1) {
+        id = tok_strmap_get(&tok->vocab, s, len);
+        if (id != TOK_NO_ID) {
+            tok_emit(w->sink, id);
+            return;
+        }
+    }
+    if (tok_work_reserve(w, len) != 0) {
+        w->oom = 1;
+        return;
+    }
+    sym = w->sym;
+    heap = w->heap;
+
+    /* one symbol per byte; bytes the vocabulary lacks are dropped, as
+     * Hugging Face does without unk_token and byte_fallback */
+    for (i = 0; i < len; i++) {
+        id = tok->byte_id[(uint8_t) s[i]];
+        if (id == TOK_NO_ID) {
+            continue;
+        }
+        sym[n].id = id;
+        sym[n].prev = n - 1;
+        sym[n].next = n + 1;
+        sym[n].len = 1;
+        n++;
+    }
+    if (n == 0) {
+        return;
+    }
+    sym[n - 1].next = -1;
+
+    for (i = 0; i + 1 < (size_t) n; i++) {
+        if (tok_pairmap_get(&tok->merges, sym[i].id, sym[i + 1].id,
+                            &rank, &merged))
+        {
+            c.rank = rank;
+            c.pos = (uint32_t) i;
+            c.merged = merged;
+            tok_heap_push(heap, &nh, c);
+        }
+    }
+
+    while (nh > 0) {
+        c = tok_heap_pop(heap, &nh);
+        tok_sym_t *l = &sym[c.pos];
+        if (l->len == 0 || l->next < 0) {
+            continue;
+        }
+        nx = l->next;
+        if (!tok_pairmap_get(&tok->merges, l->id, sym[nx].id, &rank, &merged)
+            || merged != c.merged)
+        {
+            continue;
+        }
+        l->id = c.merged;
+        l->len += sym[nx].len;
+        l->next = sym[nx].next;
+        sym[nx].len = 0;
+        if (l->next >= 0) {
+            sym[l->next].prev = (int32_t) c.pos;
+        }
+
+        prev = l->prev;
+        if (prev >= 0 && tok_pairmap_get(&tok->merges, sym[prev].id, l->id,
+                                         &rank, &merged))
+        {
+            c.rank = rank;
+            c.pos = (uint32_t) prev;
+            c.merged = merged;
+            if (nh < w->heap_cap) {
+                tok_heap_push(heap, &nh, c);
+            }
+        }
+        nx = l->next;
+        if (nx >= 0 && tok_pairmap_get(&tok->merges, l->id, sym[nx].id,
+                                       &rank, &merged))
+        {
+            c.rank = rank;
+            c.pos = (uint32_t) (l - sym);
+            c.merged = merged;
+            if (nh < w->heap_cap) {
+                tok_heap_push(heap, &nh, c);
+            }
+        }
+    }
+
+    for (i = 0; (int32_t) i >= 0 && i < (size_t) n; ) {
+        tok_emit(w->sink, sym[i].id);
+        if (sym[i].next < 0) {
+            break;
+        }
+        i = (size_t) sym[i].next;
+    }
+}

@@ -1,0 +1,272 @@
+/*
+ * Internal structures of the tokenizer library.  Not installed, not used
+ * outside ngx_dpd_module/tokenizer/.
+ *
+ * Everything below is built once by dpd_tok_load() and only read by the
+ * encoders: a loaded tokenizer carries no mutable state, so concurrent
+ * encodes need no locking.  Per-call scratch lives in tok_work_t.
+ */
+
+#ifndef DPD_TOK_INTERNAL_H
+#define DPD_TOK_INTERNAL_H
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+
+#include <pcre2.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dpd_tokenizer.h"
+
+#define TOK_NO_ID  UINT32_MAX
+
+/* ---- string -> id hash (vocab, byte strings after byte-level decoding) */
+
+typedef struct {
+    uint32_t   *slots;      /* index + 1 into entries, 0 = empty */
+    uint32_t    mask;
+    uint32_t   *off;        /* per entry: offset into pool */
+    uint32_t   *len;        /* per entry: byte length */
+    uint32_t   *id;         /* per entry: token id */
+    uint32_t    n, cap;
+    char       *pool;
+    size_t      pool_len, pool_cap;
+} tok_strmap_t;
+
+int tok_strmap_init(tok_strmap_t *m, uint32_t expect);
+void tok_strmap_free(tok_strmap_t *m);
+/* returns 0 on success, 1 if key existed (id overwritten), -1 on ENOMEM */
+int tok_strmap_put(tok_strmap_t *m, const char *s, size_t len, uint32_t id);
+uint32_t tok_strmap_get(const tok_strmap_t *m, const char *s, size_t len);
+
+/* ---- (left id, right id) -> (rank, merged id) hash */
+
+typedef struct {
+    uint64_t   *keys;       /* (left << 32 | right) + 1, 0 = empty */
+    uint32_t   *rank;
+    uint32_t   *merged;
+    uint32_t    mask;
+    uint32_t    n;
+} tok_pairmap_t;
+
+int tok_pairmap_init(tok_pairmap_t *m, uint32_t expect);
+void tok_pairmap_free(tok_pairmap_t *m);
+int tok_pairmap_put(tok_pairmap_t *m, uint32_t l, uint32_t r, uint32_t rank,
+    uint32_t merged);
+/* returns 1 and fills rank/merged if the pair merges */
+static inline int tok_pairmap_get(const tok_pairmap_t *m, uint32_t l,
+    uint32_t r, uint32_t *rank, uint32_t *merged);
+
+static inline uint64_t
+tok_mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static inline int
+tok_pairmap_get(const tok_pairmap_t *m, uint32_t l, uint32_t r,
+    uint32_t *rank, uint32_t *merged)
+{
+    uint64_t  key = (((uint64_t) l << 32) | r) + 1;
+    uint32_t  i = (uint32_t) tok_mix64(key) & m->mask;
+
+    for ( ;; ) {
+        uint64_t k = m->keys[i];
+        if (k == key) {
+            *rank = m->rank[i];
+            *merged = m->merged[i];
+            return 1;
+        }
+        if (k == 0) {
+            return 0;
+        }
+        i = (i + 1) & m->mask;
+    }
+}
+
+/* ---- added tokens: byte trie, leftmost-longest as Hugging Face */
+
+typedef struct {
+    uint32_t    first_edge;  /* index into edges */
+    uint16_t    n_edges;
+    int32_t     token;       /* index into added[], -1 if not terminal */
+} tok_trie_node_t;
+
+typedef struct {
+    uint8_t     byte;
+    uint32_t    child;
+} tok_trie_edge_t;
+
+typedef struct {
+    tok_trie_node_t  *nodes;
+    tok_trie_edge_t  *edges;
+    uint32_t          n_nodes;
+    uint8_t           first[256];   /* 1 if some token starts with byte */
+    int               empty;
+} tok_trie_t;
+
+typedef struct {
+    char       *content;
+    size_t      len;
+    uint32_t    id;
+    unsigned    special:1;
+    unsigned    lstrip:1;
+    unsigned    rstrip:1;
+    unsigned    single_word:1;
+    unsigned    normalized:1;
+} tok_added_t;
+
+/* ---- normalizer: a list of Unicode normal forms applied in order */
+
+#define TOK_MAX_NORM 8
+
+/* ---- pre-tokenizer stages */
+
+typedef enum {
+    TOK_PRE_SPLIT = 1,      /* Split (regex or literal) with a behaviour */
+    TOK_PRE_BYTELEVEL,      /* ByteLevel: prefix space, optional GPT-2 regex */
+    TOK_PRE_DIGITS          /* Digits (individual_digits or runs) */
+} tok_pre_kind_t;
+
+typedef enum {
+    TOK_SPLIT_REMOVED = 0,
+    TOK_SPLIT_ISOLATED,
+    TOK_SPLIT_MERGED_PREV,
+    TOK_SPLIT_MERGED_NEXT,
+    TOK_SPLIT_CONTIGUOUS
+} tok_split_behavior_t;
+
+typedef struct {
+    tok_pre_kind_t        kind;
+    tok_split_behavior_t  behavior;
+    int                   invert;
+    int                   add_prefix_space;   /* ByteLevel */
+    int                   individual;         /* Digits */
+    pcre2_code           *re;                 /* Split, ByteLevel regex */
+} tok_pre_t;
+
+#define TOK_MAX_PRE 8
+
+/* ---- the loaded tokenizer */
+
+struct dpd_tok_s {
+    tok_strmap_t   vocab;       /* raw bytes -> id */
+    tok_pairmap_t  merges;
+    uint32_t       byte_id[256];/* id of each single byte token */
+    int            ignore_merges;
+    uint32_t       vocab_size;  /* max id + 1 */
+
+    tok_strmap_t   other;       /* vocab strings outside the byte alphabet */
+
+    tok_added_t   *added;
+    uint32_t       n_added;
+    tok_trie_t     trie_raw;    /* added tokens with normalized=false */
+    tok_trie_t     trie_norm;   /* added tokens with normalized=true */
+
+    int            norm[TOK_MAX_NORM];  /* utf8proc option sets */
+    int            n_norm;
+
+    tok_pre_t      pre[TOK_MAX_PRE];
+    int            n_pre;
+
+    uint32_t      *post_prefix; /* ids added before the text (add_special) */
+    uint32_t       n_prefix;
+    uint32_t      *post_suffix; /* ids added after */
+    uint32_t       n_suffix;
+
+    /* tokenizer_config.json */
+    char          *bos_token;
+    char          *eos_token;
+    char          *chat_template;
+    dpd_chat_template_t  detected;
+};
+
+/* ---- per-call work area and output sink */
+
+typedef struct {
+    uint32_t   *ids;
+    size_t      cap;
+    size_t      n;          /* total produced (may exceed cap) */
+} tok_sink_t;
+
+typedef struct {
+    const dpd_tok_t   *tok;
+    tok_sink_t        *sink;
+    pcre2_match_data  *md;
+    pcre2_match_context *mctx;      /* only after a JIT stack overflow */
+    pcre2_jit_stack   *jstack;
+    /* BPE scratch */
+    void              *sym;
+    size_t             sym_cap;
+    void              *heap;
+    size_t             heap_cap;
+    /* prefix-space scratch */
+    char              *pbuf;
+    size_t             pbuf_cap;
+    int                oom;
+} tok_work_t;
+
+static inline void
+tok_emit(tok_sink_t *s, uint32_t id)
+{
+    if (s->n < s->cap) {
+        s->ids[s->n] = id;
+    }
+    s->n++;
+}
+
+/* tok_utf8.c */
+size_t tok_utf8_sanitize_len(const char *s, size_t len, int *valid);
+size_t tok_utf8_sanitize(const char *s, size_t len, char *out);
+int tok_byte_level_decode(const char *s, size_t len, char *out,
+    size_t *outlen);
+size_t tok_utf8_encode(uint32_t cp, char *out);
+size_t tok_utf8_decode(const char *s, size_t len, uint32_t *cp);
+int tok_is_unicode_space(uint32_t cp);
+int tok_is_word_char(uint32_t cp);
+
+/* tok_trie.c */
+int tok_trie_build(tok_trie_t *t, const tok_added_t *added, uint32_t n,
+    int normalized);
+void tok_trie_free(tok_trie_t *t);
+/* longest token starting at s[0..len); returns added index or -1 */
+int32_t tok_trie_match(const tok_trie_t *t, const char *s, size_t len,
+    size_t *mlen);
+
+/* tok_bpe.c */
+void tok_bpe(tok_work_t *w, const char *s, size_t len);
+void tok_work_free(tok_work_t *w);
+
+/* tok_pretok.c */
+pcre2_code *tok_regex_compile(const char *pattern, size_t len, int literal,
+    char *err, size_t errlen);
+void tok_pretokenize(tok_work_t *w, int stage, const char *s, size_t len);
+
+/* tok_encode.c */
+long tok_encode_sink(const dpd_tok_t *tok, const char *text, size_t len,
+    int add_special, tok_sink_t *sink);
+
+/* tok_config.c */
+int tok_load_config(dpd_tok_t *tok, const char *path, char *err,
+    size_t errlen);
+dpd_chat_template_t tok_detect_template(const char *tmpl);
+
+/* tok_load.c */
+struct cJSON;
+char *tok_read_file(const char *path, size_t *len, char *err, size_t errlen);
+struct cJSON *tok_parse_json(const char *path, const char *buf, size_t len,
+    char *err, size_t errlen);
+
+/* error helper */
+void tok_err(char *err, size_t errlen, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+#endif /* DPD_TOK_INTERNAL_H */

@@ -1,0 +1,973 @@
+/*
+ * Loading a Hugging Face tokenizer.json with cJSON.  Every refusal names
+ * the field it is about ("model.merges[12]: ...") so that nginx -t and the
+ * CLI can tell the user what is wrong with the file.
+ */
+
+#include <errno.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cjson/cJSON.h>
+#include <utf8proc.h>
+
+#include "tok_internal.h"
+
+#define TOK_MAX_FILE  (1024L * 1024 * 1024)
+
+
+void
+tok_err(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list  ap;
+
+    if (err == NULL || errlen == 0) {
+        return;
+    }
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+
+char *
+tok_read_file(const char *path, size_t *len, char *err, size_t errlen)
+{
+    FILE   *f;
+    long    sz;
+    char   *buf;
+
+    f = fopen(path, "rb");
+    if (f == NULL) {
+        tok_err(err, errlen, "%s: %s", path, strerror(errno));
+        return NULL;
+    }
+    if (fseek(f, 0, SEEK_END) != 0 || (sz = ftell(f)) < 0
+        || fseek(f, 0, SEEK_SET) != 0)
+    {
+        tok_err(err, errlen, "%s: cannot size the file", path);
+        fclose(f);
+        return NULL;
+    }
+    if (sz > TOK_MAX_FILE) {
+        tok_err(err, errlen, "%s: file too large", path);
+        fclose(f);
+        return NULL;
+    }
+    buf = malloc((size_t) sz + 1);
+    if (buf == NULL) {
+        tok_err(err, errlen, "%s: out of memory", path);
+        fclose(f);
+        return NULL;
+    }
+    if (fread(buf, 1, (size_t) sz, f) != (size_t) sz) {
+        tok_err(err, errlen, "%s: read error", path);
+        free(buf);
+        fclose(f);
+        return NULL;
+    }
+    fclose(f);
+    buf[sz] = '\0';
+    *len = (size_t) sz;
+    return buf;
+}
+
+
+cJSON *
+tok_parse_json(const char *path, const char *buf, size_t len, char *err,
+    size_t errlen)
+{
+    cJSON       *root;
+    const char  *ep;
+    size_t       line = 1, i, off;
+
+    root = cJSON_ParseWithLength(buf, len);
+    if (root == NULL) {
+        ep = cJSON_GetErrorPtr();
+        off = (ep && ep >= buf && ep <= buf + len) ? (size_t) (ep - buf) : 0;
+        for (i = 0; i < off; i++) {
+            line += buf[i] == '\n';
+        }
+        tok_err(err, errlen, "%s: invalid JSON near byte %zu (line %zu)",
+                path, off, line);
+    }
+    return root;
+}
+
+
+static int
+tok_json_bool(const cJSON *o, const char *key, int dflt)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+
+    if (cJSON_IsBool(v)) {
+        return cJSON_IsTrue(v);
+    }
+    return dflt;
+}
+
+
+/* A JSON number that is an integer id in [0, 2^31). */
+static int
+tok_json_id(const cJSON *v, uint32_t *id)
+{
+    double d;
+
+    if (!cJSON_IsNumber(v)) {
+        return -1;
+    }
+    d = v->valuedouble;
+    if (d < 0 || d >= 2147483648.0 || d != (double) (uint32_t) d) {
+        return -1;
+    }
+    *id = (uint32_t) d;
+    return 0;
+}
+
+
+/* ---- model */
+
+static int
+tok_load_vocab(dpd_tok_t *tok, const cJSON *vocab, char *err, size_t errlen)
+{
+    const cJSON  *e;
+    uint32_t      id, n = 0;
+    char         *raw = NULL;
+    size_t        rawcap = 0, rawlen, klen;
+    int           rc;
+
+    if (!cJSON_IsObject(vocab)) {
+        tok_err(err, errlen, "model.vocab: missing or not an object");
+        return -1;
+    }
+    cJSON_ArrayForEach(e, vocab) {
+        n++;
+    }
+    if (n == 0) {
+        tok_err(err, errlen, "model.vocab: empty");
+        return -1;
+    }
+    if (tok_strmap_init(&tok->vocab, n) != 0
+        || tok_strmap_init(&tok->other, 16) != 0)
+    {
+        tok_err(err, errlen, "model.vocab: out of memory");
+        return -1;
+    }
+
+    cJSON_ArrayForEach(e, vocab) {
+        if (tok_json_id(e, &id) != 0) {
+            tok_err(err, errlen, "model.vocab[\"%.64s\"]: id is not a "
+                    "non-negative integer", e->string);
+            free(raw);
+            return -1;
+        }
+        klen = strlen(e->string);
+        if (klen + 1 > rawcap) {
+            char *p = realloc(raw, klen + 64);
+            if (p == NULL) {
+                free(raw);
+                tok_err(err, errlen, "model.vocab: out of memory");
+                return -1;
+            }
+            raw = p;
+            rawcap = klen + 64;
+        }
+        if (tok_byte_level_decode(e->string, klen, raw, &rawlen) == 0) {
+            rc = tok_strmap_put(&tok->vocab, raw, rawlen, id);
+        } else {
+            /* not reachable from byte-level text; kept to check merges */
+            rc = tok_strmap_put(&tok->other, e->string, klen, id);
+        }
+        if (rc < 0) {
+            free(raw);
+            tok_err(err, errlen, "model.vocab: out of memory");
+            return -1;
+        }
+        if (id + 1 > tok->vocab_size) {
+            tok->vocab_size = id + 1;
+        }
+    }
+    free(raw);
+    return 0;
+}
+
+
+/* Find a merge side in the vocab; 1 = byte-level id, 0 = other, -1 none */
+static int
+tok_merge_side(const dpd_tok_t *tok, const char *s, size_t len, char *raw,
+    uint32_t *id, size_t *rawlen)
+{
+    if (tok_byte_level_decode(s, len, raw, rawlen) == 0) {
+        *id = tok_strmap_get(&tok->vocab, raw, *rawlen);
+        return *id == TOK_NO_ID ? -1 : 1;
+    }
+    *id = tok_strmap_get(&tok->other, s, len);
+    return *id == TOK_NO_ID ? -1 : 0;
+}
+
+
+static int
+tok_load_merges(dpd_tok_t *tok, const cJSON *merges, char *err,
+    size_t errlen)
+{
+    const cJSON  *e, *a, *b;
+    const char   *ls, *rs, *sp;
+    size_t        ll, rl, maxlen = 0, alen, blen;
+    uint32_t      n = 0, rank = 0, lid, rid, mid;
+    char         *buf = NULL, *ra, *rb;
+    int           ka, kb;
+
+    if (!cJSON_IsArray(merges)) {
+        tok_err(err, errlen, "model.merges: missing or not an array");
+        return -1;
+    }
+    cJSON_ArrayForEach(e, merges) {
+        n++;
+        if (cJSON_IsString(e)) {
+            ll = strlen(e->valuestring);
+        } else if (cJSON_IsArray(e) && cJSON_GetArraySize(e) == 2
+                   && cJSON_IsString(a = cJSON_GetArrayItem(e, 0))
+                   && cJSON_IsString(b = cJSON_GetArrayItem(e, 1)))
+        {
+            ll = strlen(a->valuestring) + strlen(b->valuestring) + 1;
+        } else {
+            tok_err(err, errlen, "model.merges[%u]: expected \"a b\" or "
+                    "[\"a\", \"b\"]", n - 1);
+            return -1;
+        }
+        if (ll > maxlen) {
+            maxlen = ll;
+        }
+    }
+    if (tok_pairmap_init(&tok->merges, n) != 0
+        || (buf = malloc(3 * maxlen + 8)) == NULL)
+    {
+        tok_err(err, errlen, "model.merges: out of memory");
+        return -1;
+    }
+    ra = buf;
+    rb = buf + maxlen + 2;
+
+    cJSON_ArrayForEach(e, merges) {
+        if (cJSON_IsString(e)) {
+            ls = e->valuestring;
+            sp = strchr(ls, ' ');
+            /* exactly one space, as Hugging Face requires */
+            if (sp == NULL || strchr(sp + 1, ' ') != NULL) {
+                tok_err(err, errlen, "model.merges[%u]: \"%.64s\" is not two "
+                        "tokens separated by one space", rank, ls);
+                goto fail;
+            }
+            ll = (size_t) (sp - ls);
+            rs = sp + 1;
+            rl = strlen(rs);
+        } else {
+            ls = cJSON_GetArrayItem(e, 0)->valuestring;
+            rs = cJSON_GetArrayItem(e, 1)->valuestring;
+            ll = strlen(ls);
+            rl = strlen(rs);
+        }
+        ka = tok_merge_side(tok, ls, ll, ra, &lid, &alen);
+        if (ka < 0) {
+            tok_err(err, errlen, "model.merges[%u]: token \"%.*s\" is not in "
+                    "model.vocab", rank, (int) (ll > 64 ? 64 : ll), ls);
+            goto fail;
+        }
+        kb = tok_merge_side(tok, rs, rl, rb, &rid, &blen);
+        if (kb < 0) {
+            tok_err(err, errlen, "model.merges[%u]: token \"%.*s\" is not in "
+                    "model.vocab", rank, (int) (rl > 64 ? 64 : rl), rs);
+            goto fail;
+        }
+        if (ka == 1 && kb == 1) {
+            memmove(ra + alen, rb, blen);   /* ra and rb do not overlap */
+            mid = tok_strmap_get(&tok->vocab, ra, alen + blen);
+        } else {
+            /* outside the byte alphabet: check, but it can never apply */
+            char *cat = malloc(ll + rl + 1);
+            if (cat == NULL) {
+                tok_err(err, errlen, "model.merges: out of memory");
+                goto fail;
+            }
+            memcpy(cat, ls, ll);
+            memcpy(cat + ll, rs, rl);
+            mid = tok_strmap_get(&tok->other, cat, ll + rl);
+            if (mid == TOK_NO_ID && tok_byte_level_decode(cat, ll + rl, ra,
+                                                          &alen) == 0)
+            {
+                mid = tok_strmap_get(&tok->vocab, ra, alen);
+            }
+            free(cat);
+            if (mid != TOK_NO_ID) {
+                rank++;
+                continue;
+            }
+        }
+        if (mid == TOK_NO_ID) {
+            tok_err(err, errlen, "model.merges[%u]: merged token \"%.*s%.*s\" "
+                    "is not in model.vocab", rank, (int) (ll > 64 ? 64 : ll),
+                    ls, (int) (rl > 64 ? 64 : rl), rs);
+            goto fail;
+        }
+        if (ka == 1 && kb == 1
+            && tok_pairmap_put(&tok->merges, lid, rid, rank, mid) != 0)
+        {
+            tok_err(err, errlen, "model.merges: out of memory");
+            goto fail;
+        }
+        rank++;
+    }
+    free(buf);
+    return 0;
+
+fail:
+    free(buf);
+    return -1;
+}
+
+
+static int
+tok_load_model(dpd_tok_t *tok, cJSON *model, char *err, size_t errlen)
+{
+    const cJSON  *v;
+    unsigned      b;
+    char          c;
+
+    if (!cJSON_IsObject(model)) {
+        tok_err(err, errlen, "model: missing or not an object");
+        return -1;
+    }
+    v = cJSON_GetObjectItemCaseSensitive(model, "type");
+    if (v != NULL && !(cJSON_IsString(v) && strcmp(v->valuestring, "BPE")
+                                              == 0))
+    {
+        tok_err(err, errlen, "model.type: unsupported \"%.32s\" (only BPE)",
+                cJSON_IsString(v) ? v->valuestring : "?");
+        return -1;
+    }
+    v = cJSON_GetObjectItemCaseSensitive(model, "dropout");
+    if (v != NULL && !cJSON_IsNull(v)
+        && !(cJSON_IsNumber(v) && v->valuedouble == 0))
+    {
+        tok_err(err, errlen, "model.dropout: unsupported (must be null)");
+        return -1;
+    }
+    if (tok_json_bool(model, "byte_fallback", 0)) {
+        tok_err(err, errlen, "model.byte_fallback: unsupported (true)");
+        return -1;
+    }
+    v = cJSON_GetObjectItemCaseSensitive(model, "continuing_subword_prefix");
+    if (v != NULL && !cJSON_IsNull(v)
+        && !(cJSON_IsString(v) && v->valuestring[0] == '\0'))
+    {
+        tok_err(err, errlen, "model.continuing_subword_prefix: unsupported");
+        return -1;
+    }
+    v = cJSON_GetObjectItemCaseSensitive(model, "end_of_word_suffix");
+    if (v != NULL && !cJSON_IsNull(v)
+        && !(cJSON_IsString(v) && v->valuestring[0] == '\0'))
+    {
+        tok_err(err, errlen, "model.end_of_word_suffix: unsupported");
+        return -1;
+    }
+    tok->ignore_merges = tok_json_bool(model, "ignore_merges", 0);
+
+    if (tok_load_vocab(tok, cJSON_GetObjectItemCaseSensitive(model, "vocab"),
+                       err, errlen) != 0)
+    {
+        return -1;
+    }
+    /* the parsed vocab is no longer needed: give its memory to the merges */
+    cJSON_DeleteItemFromObjectCaseSensitive(model, "vocab");
+
+    v = cJSON_GetObjectItemCaseSensitive(model, "merges");
+    if (v == NULL) {
+        tok_err(err, errlen, "model.merges: missing");
+        return -1;
+    }
+    if (tok_load_merges(tok, v, err, errlen) != 0) {
+        return -1;
+    }
+    cJSON_DeleteItemFromObjectCaseSensitive(model, "merges");
+    for (b = 0; b < 256; b++) {
+        c = (char) b;
+        tok->byte_id[b] = tok_strmap_get(&tok->vocab, &c, 1);
+    }
+    return 0;
+}
+
+
+/* ---- added tokens */
+
+/*
+ * A token whose content is already a vocabulary entry keeps the model's id
+ * (Hugging Face's AddedVocabulary::add_tokens); others use the file's id.
+ */
+static uint32_t
+tok_added_vocab_id(const dpd_tok_t *tok, const char *s, size_t len,
+    uint32_t id)
+{
+    char      small[256];
+    size_t    rl;
+    uint32_t  v;
+
+    if (len <= sizeof(small) && tok_byte_level_decode(s, len, small, &rl) == 0
+        && (v = tok_strmap_get(&tok->vocab, small, rl)) != TOK_NO_ID)
+    {
+        return v;
+    }
+    v = tok_strmap_get(&tok->other, s, len);
+    return v != TOK_NO_ID ? v : id;
+}
+
+static int
+tok_load_added(dpd_tok_t *tok, const cJSON *arr, char *err, size_t errlen)
+{
+    const cJSON  *e, *c;
+    uint32_t      n = 0, i = 0, id;
+    tok_added_t  *a;
+
+    if (arr == NULL || cJSON_IsNull(arr)) {
+        return 0;
+    }
+    if (!cJSON_IsArray(arr)) {
+        tok_err(err, errlen, "added_tokens: not an array");
+        return -1;
+    }
+    n = (uint32_t) cJSON_GetArraySize(arr);
+    tok->added = calloc(n ? n : 1, sizeof(tok_added_t));
+    if (tok->added == NULL) {
+        tok_err(err, errlen, "added_tokens: out of memory");
+        return -1;
+    }
+    cJSON_ArrayForEach(e, arr) {
+        if (!cJSON_IsObject(e)) {
+            tok_err(err, errlen, "added_tokens[%u]: not an object", i);
+            return -1;
+        }
+        c = cJSON_GetObjectItemCaseSensitive(e, "content");
+        if (!cJSON_IsString(c)) {
+            tok_err(err, errlen, "added_tokens[%u].content: missing or not a "
+                    "string", i);
+            return -1;
+        }
+        if (tok_json_id(cJSON_GetObjectItemCaseSensitive(e, "id"), &id)
+            != 0)
+        {
+            tok_err(err, errlen, "added_tokens[%u].id: missing or not a "
+                    "non-negative integer", i);
+            return -1;
+        }
+        a = &tok->added[i];
+        a->content = strdup(c->valuestring);
+        if (a->content == NULL) {
+            tok_err(err, errlen, "added_tokens: out of memory");
+            return -1;
+        }
+        a->len = strlen(a->content);
+        a->id = tok_added_vocab_id(tok, a->content, a->len, id);
+        a->special = tok_json_bool(e, "special", 0);
+        a->lstrip = tok_json_bool(e, "lstrip", 0);
+        a->rstrip = tok_json_bool(e, "rstrip", 0);
+        a->single_word = tok_json_bool(e, "single_word", 0);
+        /* Hugging Face's default: special tokens are not normalized */
+        a->normalized = tok_json_bool(e, "normalized", !a->special);
+        if (id + 1 > tok->vocab_size) {
+            tok->vocab_size = id + 1;
+        }
+        tok->n_added = ++i;
+    }
+    return 0;
+}
+
+
+/* Normalized added tokens are matched in their normalized form. */
+static int
+tok_normalize_added(dpd_tok_t *tok, char *err, size_t errlen)
+{
+    uint32_t            i;
+    int                 k;
+    utf8proc_uint8_t   *dst;
+    utf8proc_ssize_t    n;
+
+    for (i = 0; i < tok->n_added; i++) {
+        tok_added_t *a = &tok->added[i];
+        if (!a->normalized) {
+            continue;
+        }
+        for (k = 0; k < tok->n_norm; k++) {
+            n = utf8proc_map((const utf8proc_uint8_t *) a->content,
+                             (utf8proc_ssize_t) a->len, &dst,
+                             (utf8proc_option_t) tok->norm[k]);
+            if (n < 0) {
+                tok_err(err, errlen, "added_tokens[%u].content: cannot "
+                        "normalize", i);
+                return -1;
+            }
+            free(a->content);
+            a->content = (char *) dst;
+            a->len = (size_t) n;
+        }
+    }
+    return 0;
+}
+
+
+/* ---- normalizer */
+
+static int
+tok_load_normalizer(dpd_tok_t *tok, const cJSON *n, const char *path,
+    char *err, size_t errlen)
+{
+    const cJSON  *t, *e;
+    const char   *type;
+    char          sub[128];
+    int           i = 0, opt;
+
+    if (n == NULL || cJSON_IsNull(n)) {
+        return 0;
+    }
+    t = cJSON_GetObjectItemCaseSensitive(n, "type");
+    if (!cJSON_IsObject(n) || !cJSON_IsString(t)) {
+        tok_err(err, errlen, "%s.type: missing", path);
+        return -1;
+    }
+    type = t->valuestring;
+    if (strcmp(type, "Sequence") == 0) {
+        e = cJSON_GetObjectItemCaseSensitive(n, "normalizers");
+        if (!cJSON_IsArray(e)) {
+            tok_err(err, errlen, "%s.normalizers: missing or not an array",
+                    path);
+            return -1;
+        }
+        for (e = e->child; e; e = e->next, i++) {
+            snprintf(sub, sizeof(sub), "%s.normalizers[%d]", path, i);
+            if (tok_load_normalizer(tok, e, sub, err, errlen) != 0) {
+                return -1;
+            }
+        }
+        return 0;
+    }
+    if (strcmp(type, "NFC") == 0) {
+        opt = UTF8PROC_STABLE | UTF8PROC_COMPOSE;
+    } else if (strcmp(type, "NFD") == 0) {
+        opt = UTF8PROC_STABLE | UTF8PROC_DECOMPOSE;
+    } else if (strcmp(type, "NFKC") == 0) {
+        opt = UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+    } else if (strcmp(type, "NFKD") == 0) {
+        opt = UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+    } else {
+        tok_err(err, errlen, "%s.type: unsupported \"%.32s\" (NFC, NFD, NFKC, "
+                "NFKD, Sequence)", path, type);
+        return -1;
+    }
+    if (tok->n_norm == TOK_MAX_NORM) {
+        tok_err(err, errlen, "%s: too many normalizers", path);
+        return -1;
+    }
+    tok->norm[tok->n_norm++] = opt;
+    return 0;
+}
+
+
+/* ---- pre-tokenizer */
+
+#define TOK_GPT2_REGEX \
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+" \
+    "|\\s+(?!\\S)|\\s+"
+
+
+static int
+tok_load_pre(dpd_tok_t *tok, const cJSON *p, const char *path, char *err,
+    size_t errlen)
+{
+    const cJSON  *t, *e, *pat, *v;
+    const char   *type, *b;
+    char          sub[128], rerr[256];
+    int           i = 0, literal;
+    tok_pre_t    *pre;
+
+    if (p == NULL || cJSON_IsNull(p)) {
+        return 0;
+    }
+    t = cJSON_GetObjectItemCaseSensitive(p, "type");
+    if (!cJSON_IsObject(p) || !cJSON_IsString(t)) {
+        tok_err(err, errlen, "%s.type: missing", path);
+        return -1;
+    }
+    type = t->valuestring;
+    if (strcmp(type, "Sequence") == 0) {
+        e = cJSON_GetObjectItemCaseSensitive(p, "pretokenizers");
+        if (!cJSON_IsArray(e)) {
+            tok_err(err, errlen, "%s.pretokenizers: missing or not an array",
+                    path);
+            return -1;
+        }
+        for (e = e->child; e; e = e->next, i++) {
+            snprintf(sub, sizeof(sub), "%s.pretokenizers[%d]", path, i);
+            if (tok_load_pre(tok, e, sub, err, errlen) != 0) {
+                return -1;
+            }
+        }
+        return 0;
+    }
+    if (tok->n_pre == TOK_MAX_PRE) {
+        tok_err(err, errlen, "%s: too many pre-tokenizers", path);
+        return -1;
+    }
+    pre = &tok->pre[tok->n_pre];
+    memset(pre, 0, sizeof(*pre));
+
+    if (strcmp(type, "Split") == 0) {
+        pre->kind = TOK_PRE_SPLIT;
+        pat = cJSON_GetObjectItemCaseSensitive(p, "pattern");
+        v = NULL;
+        literal = 0;
+        if (cJSON_IsObject(pat)) {
+            v = cJSON_GetObjectItemCaseSensitive(pat, "Regex");
+            if (v == NULL) {
+                v = cJSON_GetObjectItemCaseSensitive(pat, "String");
+                literal = 1;
+            }
+        }
+        if (!cJSON_IsString(v)) {
+            tok_err(err, errlen, "%s.pattern: expected {\"Regex\": ...} or "
+                    "{\"String\": ...}", path);
+            return -1;
+        }
+        pre->re = tok_regex_compile(v->valuestring, strlen(v->valuestring),
+                                    literal, rerr, sizeof(rerr));
+        if (pre->re == NULL) {
+            tok_err(err, errlen, "%s.pattern.%s: %s", path,
+                    literal ? "String" : "Regex", rerr);
+            return -1;
+        }
+        v = cJSON_GetObjectItemCaseSensitive(p, "behavior");
+        b = cJSON_IsString(v) ? v->valuestring : "";
+        if (strcmp(b, "Removed") == 0) {
+            pre->behavior = TOK_SPLIT_REMOVED;
+        } else if (strcmp(b, "Isolated") == 0) {
+            pre->behavior = TOK_SPLIT_ISOLATED;
+        } else if (strcmp(b, "MergedWithPrevious") == 0) {
+            pre->behavior = TOK_SPLIT_MERGED_PREV;
+        } else if (strcmp(b, "MergedWithNext") == 0) {
+            pre->behavior = TOK_SPLIT_MERGED_NEXT;
+        } else if (strcmp(b, "Contiguous") == 0) {
+            pre->behavior = TOK_SPLIT_CONTIGUOUS;
+        } else {
+            pcre2_code_free(pre->re);
+            pre->re = NULL;
+            tok_err(err, errlen, "%s.behavior: unsupported \"%.32s\"", path,
+                    b);
+            return -1;
+        }
+        pre->invert = tok_json_bool(p, "invert", 0);
+
+    } else if (strcmp(type, "ByteLevel") == 0) {
+        pre->kind = TOK_PRE_BYTELEVEL;
+        pre->add_prefix_space = tok_json_bool(p, "add_prefix_space", 1);
+        if (tok_json_bool(p, "use_regex", 1)) {
+            pre->re = tok_regex_compile(TOK_GPT2_REGEX,
+                                        sizeof(TOK_GPT2_REGEX) - 1, 0, rerr,
+                                        sizeof(rerr));
+            if (pre->re == NULL) {
+                tok_err(err, errlen, "%s: %s", path, rerr);
+                return -1;
+            }
+        }
+
+    } else if (strcmp(type, "Digits") == 0) {
+        pre->kind = TOK_PRE_DIGITS;
+        pre->individual = tok_json_bool(p, "individual_digits", 0);
+
+    } else {
+        tok_err(err, errlen, "%s.type: unsupported \"%.32s\" (Split, "
+                "ByteLevel, Digits, Sequence)", path, type);
+        return -1;
+    }
+    tok->n_pre++;
+    return 0;
+}
+
+
+/* ---- post-processor: the ids add_special_tokens=True puts around text */
+
+static int
+tok_post_append(uint32_t **arr, uint32_t *n, uint32_t id)
+{
+    uint32_t *p = realloc(*arr, (*n + 1) * sizeof(uint32_t));
+
+    if (p == NULL) {
+        return -1;
+    }
+    p[(*n)++] = id;
+    *arr = p;
+    return 0;
+}
+
+
+static int
+tok_load_template(dpd_tok_t *tok, const cJSON *p, const char *path,
+    char *err, size_t errlen)
+{
+    const cJSON  *single, *specials, *item, *st, *idv, *sp, *ids, *x;
+    int           i = 0, seen_a = 0;
+    uint32_t      id;
+
+    single = cJSON_GetObjectItemCaseSensitive(p, "single");
+    specials = cJSON_GetObjectItemCaseSensitive(p, "special_tokens");
+    if (!cJSON_IsArray(single)) {
+        tok_err(err, errlen, "%s.single: missing or not an array", path);
+        return -1;
+    }
+    cJSON_ArrayForEach(item, single) {
+        if ((st = cJSON_GetObjectItemCaseSensitive(item, "Sequence"))) {
+            seen_a = 1;
+            i++;
+            continue;
+        }
+        st = cJSON_GetObjectItemCaseSensitive(item, "SpecialToken");
+        idv = cJSON_GetObjectItemCaseSensitive(st, "id");
+        if (!cJSON_IsString(idv)) {
+            tok_err(err, errlen, "%s.single[%d]: expected Sequence or "
+                    "SpecialToken with an id", path, i);
+            return -1;
+        }
+        sp = cJSON_GetObjectItemCaseSensitive(specials, idv->valuestring);
+        ids = cJSON_GetObjectItemCaseSensitive(sp, "ids");
+        if (!cJSON_IsArray(ids)) {
+            tok_err(err, errlen, "%s.special_tokens[\"%.64s\"].ids: missing",
+                    path, idv->valuestring);
+            return -1;
+        }
+        cJSON_ArrayForEach(x, ids) {
+            if (tok_json_id(x, &id) != 0) {
+                tok_err(err, errlen, "%s.special_tokens[\"%.64s\"].ids: not "
+                        "an id", path, idv->valuestring);
+                return -1;
+            }
+            if (seen_a ? tok_post_append(&tok->post_suffix, &tok->n_suffix,
+                                         id)
+                       : tok_post_append(&tok->post_prefix, &tok->n_prefix,
+                                         id))
+            {
+                tok_err(err, errlen, "%s: out of memory", path);
+                return -1;
+            }
+        }
+        i++;
+    }
+    return 0;
+}
+
+
+static int
+tok_special_pair(dpd_tok_t *tok, const cJSON *p, const char *key,
+    const char *path, int suffix, char *err, size_t errlen)
+{
+    const cJSON  *v = cJSON_GetObjectItemCaseSensitive(p, key);
+    uint32_t      id;
+
+    if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != 2
+        || tok_json_id(cJSON_GetArrayItem(v, 1), &id) != 0)
+    {
+        tok_err(err, errlen, "%s.%s: expected [\"token\", id]", path, key);
+        return -1;
+    }
+    if (suffix ? tok_post_append(&tok->post_suffix, &tok->n_suffix, id)
+               : tok_post_append(&tok->post_prefix, &tok->n_prefix, id))
+    {
+        tok_err(err, errlen, "%s: out of memory", path);
+        return -1;
+    }
+    return 0;
+}
+
+
+static int
+tok_load_post(dpd_tok_t *tok, const cJSON *p, const char *path, char *err,
+    size_t errlen)
+{
+    const cJSON  *t, *e;
+    const char   *type;
+    char          sub[128];
+    int           i = 0;
+
+    if (p == NULL || cJSON_IsNull(p)) {
+        return 0;
+    }
+    t = cJSON_GetObjectItemCaseSensitive(p, "type");
+    if (!cJSON_IsObject(p) || !cJSON_IsString(t)) {
+        tok_err(err, errlen, "%s.type: missing", path);
+        return -1;
+    }
+    type = t->valuestring;
+    if (strcmp(type, "ByteLevel") == 0) {
+        return 0;   /* offsets only */
+    }
+    if (strcmp(type, "TemplateProcessing") == 0) {
+        return tok_load_template(tok, p, path, err, errlen);
+    }
+    if (strcmp(type, "BertProcessing") == 0
+        || strcmp(type, "RobertaProcessing") == 0)
+    {
+        if (tok_special_pair(tok, p, "cls", path, 0, err, errlen) != 0) {
+            return -1;
+        }
+        return tok_special_pair(tok, p, "sep", path, 1, err, errlen);
+    }
+    if (strcmp(type, "Sequence") == 0) {
+        e = cJSON_GetObjectItemCaseSensitive(p, "processors");
+        if (!cJSON_IsArray(e)) {
+            tok_err(err, errlen, "%s.processors: missing or not an array",
+                    path);
+            return -1;
+        }
+        for (e = e->child; e; e = e->next, i++) {
+            snprintf(sub, sizeof(sub), "%s.processors[%d]", path, i);
+            if (tok_load_post(tok, e, sub, err, errlen) != 0) {
+                return -1;
+            }
+        }
+        return 0;
+    }
+    tok_err(err, errlen, "%s.type: unsupported \"%.32s\" (ByteLevel, "
+            "TemplateProcessing, BertProcessing, RobertaProcessing, "
+            "Sequence)", path, type);
+    return -1;
+}
+
+
+/* ---- the whole file */
+
+static int
+tok_load_json(dpd_tok_t *tok, cJSON *root, char *err, size_t errlen)
+{
+    int  i, byte_level = 0;
+
+    if (!cJSON_IsObject(root)) {
+        tok_err(err, errlen, "tokenizer.json: not a JSON object");
+        return -1;
+    }
+    if (tok_load_model(tok, cJSON_GetObjectItemCaseSensitive(root, "model"),
+                       err, errlen) != 0
+        || tok_load_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root,
+                               "normalizer"), "normalizer", err, errlen) != 0
+        || tok_load_added(tok, cJSON_GetObjectItemCaseSensitive(root,
+                          "added_tokens"), err, errlen) != 0
+        || tok_load_pre(tok, cJSON_GetObjectItemCaseSensitive(root,
+                        "pre_tokenizer"), "pre_tokenizer", err, errlen) != 0
+        || tok_load_post(tok, cJSON_GetObjectItemCaseSensitive(root,
+                         "post_processor"), "post_processor", err, errlen)
+           != 0)
+    {
+        return -1;
+    }
+    for (i = 0; i < tok->n_pre; i++) {
+        byte_level |= tok->pre[i].kind == TOK_PRE_BYTELEVEL;
+    }
+    if (!byte_level) {
+        tok_err(err, errlen, "pre_tokenizer: no ByteLevel pre-tokenizer "
+                "(only byte-level BPE is supported)");
+        return -1;
+    }
+    if (tok_normalize_added(tok, err, errlen) != 0) {
+        return -1;
+    }
+    if (tok_trie_build(&tok->trie_raw, tok->added, tok->n_added, 0) != 0
+        || tok_trie_build(&tok->trie_norm, tok->added, tok->n_added, 1) != 0)
+    {
+        tok_err(err, errlen, "added_tokens: out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+
+dpd_tok_t *
+dpd_tok_load(const char *tokenizer_path, const char *config_path,
+    char *err, size_t errlen)
+{
+    dpd_tok_t  *tok;
+    cJSON      *root;
+    char       *buf, ferr[512];
+    size_t      len;
+
+    if (tokenizer_path == NULL) {
+        tok_err(err, errlen, "no tokenizer.json given");
+        return NULL;
+    }
+    buf = tok_read_file(tokenizer_path, &len, err, errlen);
+    if (buf == NULL) {
+        return NULL;
+    }
+    root = tok_parse_json(tokenizer_path, buf, len, err, errlen);
+    free(buf);
+    if (root == NULL) {
+        return NULL;
+    }
+    tok = calloc(1, sizeof(*tok));
+    if (tok == NULL) {
+        cJSON_Delete(root);
+        tok_err(err, errlen, "out of memory");
+        return NULL;
+    }
+    tok->detected = DPD_CHAT_NONE;
+
+    ferr[0] = '\0';
+    if (tok_load_json(tok, root, ferr, sizeof(ferr)) != 0) {
+        tok_err(err, errlen, "%s: %s", tokenizer_path, ferr);
+        cJSON_Delete(root);
+        dpd_tok_free(tok);
+        return NULL;
+    }
+    cJSON_Delete(root);
+#ifdef __GLIBC__
+    /* hand the parse tree's pages back: workers keep only the tables */
+    malloc_trim(0);
+#endif
+
+    if (config_path != NULL
+        && tok_load_config(tok, config_path, err, errlen) != 0)
+    {
+        dpd_tok_free(tok);
+        return NULL;
+    }
+    return tok;
+}
+
+
+void
+dpd_tok_free(dpd_tok_t *tok)
+{
+    uint32_t  i;
+    int       k;
+
+    if (tok == NULL) {
+        return;
+    }
+    tok_strmap_free(&tok->vocab);
+    tok_strmap_free(&tok->other);
+    tok_pairmap_free(&tok->merges);
+    for (i = 0; i < tok->n_added; i++) {
+        free(tok->added[i].content);
+    }
+    free(tok->added);
+    tok_trie_free(&tok->trie_raw);
+    tok_trie_free(&tok->trie_norm);
+    for (k = 0; k < tok->n_pre; k++) {
+        if (tok->pre[k].re) {
+            pcre2_code_free(tok->pre[k].re);
+        }
+    }
+    free(tok->post_prefix);
+    free(tok->post_suffix);
+    free(tok->bos_token);
+    free(tok->eos_token);
+    free(tok->chat_template);
+    free(tok);
+}

@@ -1,0 +1,241 @@
+/*
+ * UTF-8 helpers: lossy sanitising (every maximal invalid subpart becomes
+ * one U+FFFD, as Rust's String::from_utf8_lossy and the WHATWG decoder do,
+ * so the result equals what Hugging Face sees after a lossy decode), the
+ * GPT-2 byte-level alphabet, and a few character classes.
+ */
+
+#include <string.h>
+#include <utf8proc.h>
+
+#include "tok_internal.h"
+
+
+/*
+ * Length of the next valid sequence at s (1..4), or 0 if invalid; then
+ * *bad is the length of the maximal invalid subpart to replace.
+ */
+static size_t
+tok_utf8_seq(const unsigned char *s, size_t len, size_t *bad)
+{
+    unsigned char  c = s[0];
+    unsigned char  lo = 0x80, hi = 0xBF;
+    size_t         need, i;
+
+    if (c < 0x80) {
+        return 1;
+    }
+    if (c >= 0xC2 && c <= 0xDF) {
+        need = 1;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+        need = 2;
+        if (c == 0xE0) {
+            lo = 0xA0;
+        } else if (c == 0xED) {
+            hi = 0x9F;
+        }
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        need = 3;
+        if (c == 0xF0) {
+            lo = 0x90;
+        } else if (c == 0xF4) {
+            hi = 0x8F;
+        }
+    } else {
+        *bad = 1;
+        return 0;
+    }
+
+    for (i = 1; i <= need; i++) {
+        if (i >= len || s[i] < lo || s[i] > hi) {
+            *bad = i;
+            return 0;
+        }
+        lo = 0x80;
+        hi = 0xBF;
+    }
+    return need + 1;
+}
+
+
+/* Length after sanitising; *valid = 1 if the text is already valid. */
+size_t
+tok_utf8_sanitize_len(const char *s, size_t len, int *valid)
+{
+    const unsigned char  *p = (const unsigned char *) s;
+    size_t                i = 0, out = 0, n, bad;
+
+    *valid = 1;
+    while (i < len) {
+        if (p[i] < 0x80) {
+            i++;
+            out++;
+            continue;
+        }
+        n = tok_utf8_seq(p + i, len - i, &bad);
+        if (n) {
+            i += n;
+            out += n;
+        } else {
+            *valid = 0;
+            i += bad;
+            out += 3;
+        }
+    }
+    return out;
+}
+
+
+size_t
+tok_utf8_sanitize(const char *s, size_t len, char *out)
+{
+    const unsigned char  *p = (const unsigned char *) s;
+    size_t                i = 0, o = 0, n, bad;
+
+    while (i < len) {
+        if (p[i] < 0x80) {
+            out[o++] = (char) p[i++];
+            continue;
+        }
+        n = tok_utf8_seq(p + i, len - i, &bad);
+        if (n) {
+            memcpy(out + o, p + i, n);
+            i += n;
+            o += n;
+        } else {
+            out[o++] = (char) 0xEF;
+            out[o++] = (char) 0xBF;
+            out[o++] = (char) 0xBD;
+            i += bad;
+        }
+    }
+    return o;
+}
+
+
+size_t
+tok_utf8_encode(uint32_t cp, char *out)
+{
+    unsigned char  *o = (unsigned char *) out;
+
+    if (cp < 0x80) {
+        o[0] = (unsigned char) cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        o[0] = (unsigned char) (0xC0 | (cp >> 6));
+        o[1] = (unsigned char) (0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        o[0] = (unsigned char) (0xE0 | (cp >> 12));
+        o[1] = (unsigned char) (0x80 | ((cp >> 6) & 0x3F));
+        o[2] = (unsigned char) (0x80 | (cp & 0x3F));
+        return 3;
+    }
+    o[0] = (unsigned char) (0xF0 | (cp >> 18));
+    o[1] = (unsigned char) (0x80 | ((cp >> 12) & 0x3F));
+    o[2] = (unsigned char) (0x80 | ((cp >> 6) & 0x3F));
+    o[3] = (unsigned char) (0x80 | (cp & 0x3F));
+    return 4;
+}
+
+
+/* Decode one code point of valid UTF-8; returns its length (0 at end). */
+size_t
+tok_utf8_decode(const char *s, size_t len, uint32_t *cp)
+{
+    const unsigned char  *p = (const unsigned char *) s;
+    size_t                n, bad, i;
+    uint32_t              c;
+
+    if (len == 0) {
+        return 0;
+    }
+    n = tok_utf8_seq(p, len, &bad);
+    if (n == 0) {
+        *cp = 0xFFFD;
+        return bad;
+    }
+    if (n == 1) {
+        *cp = p[0];
+        return 1;
+    }
+    c = p[0] & (0x7F >> n);
+    for (i = 1; i < n; i++) {
+        c = (c << 6) | (p[i] & 0x3F);
+    }
+    *cp = c;
+    return n;
+}
+
+
+/*
+ * GPT-2 byte-level alphabet: printable Latin-1 bytes stand for themselves,
+ * the other 68 bytes map to U+0100.. in byte order.  Decode a vocabulary
+ * string to the raw bytes it stands for; -1 if it uses another character.
+ */
+static int
+tok_byte_printable(unsigned b)
+{
+    return (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC)
+           || (b >= 0xAE && b <= 0xFF);
+}
+
+
+int
+tok_byte_level_decode(const char *s, size_t len, char *out, size_t *outlen)
+{
+    size_t    i = 0, o = 0, n;
+    uint32_t  cp, k;
+
+    while (i < len) {
+        n = tok_utf8_decode(s + i, len - i, &cp);
+        if (cp < 256 && tok_byte_printable(cp)) {
+            out[o++] = (char) cp;
+        } else if (cp >= 256 && cp < 256 + 68) {
+            /* the non-printable bytes in order: 0x00-0x20, 0x7F-0xA0, 0xAD */
+            k = cp - 256;
+            out[o++] = (char) (k < 33 ? k : k < 67 ? 0x7F + (k - 33) : 0xAD);
+        } else {
+            return -1;
+        }
+        i += n;
+    }
+    *outlen = o;
+    return 0;
+}
+
+
+/* Unicode White_Space, as Rust's char::is_whitespace and regex \s. */
+int
+tok_is_unicode_space(uint32_t cp)
+{
+    return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85
+           || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A)
+           || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F
+           || cp == 0x3000;
+}
+
+
+/* Unicode \w (letters, marks, decimal digits, connector punctuation). */
+int
+tok_is_word_char(uint32_t cp)
+{
+    utf8proc_category_t  c = utf8proc_category((utf8proc_int32_t) cp);
+
+    if (cp == 0x200C || cp == 0x200D) {
+        return 1;
+    }
+    switch (c) {
+    case UTF8PROC_CATEGORY_LU: case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT: case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO: case UTF8PROC_CATEGORY_MN:
+    case UTF8PROC_CATEGORY_MC: case UTF8PROC_CATEGORY_ME:
+    case UTF8PROC_CATEGORY_ND: case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_PC:
+        return 1;
+    default:
+        return 0;
+    }
+}

@@ -1,0 +1,254 @@
+# ngx_http_dpd_module: every directive of the gateway core, its accepted
+# values and the "nginx -t" errors for bad ones.
+use strict;
+use warnings;
+
+use Test::Nginx::Socket 'no_plan';
+use DPD::Emu;
+
+my ($tj, $tc) = DPD::Emu->tokenizer_files('llama3');
+plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
+    unless $tj && $tc;
+
+$ENV{TEST_NGINX_LLAMA3} = $tj;
+$ENV{TEST_NGINX_LLAMA3_CONFIG} = $tc;
+$ENV{TEST_NGINX_BAD_TOKENIZER} = "$ENV{TEST_NGINX_SERVROOT}/html/bad.json"
+    if $ENV{TEST_NGINX_SERVROOT};
+
+no_shuffle();
+log_level('info');
+run_tests();
+
+__DATA__
+
+=== TEST 1: all directives accepted, defaults load
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3 config=$TEST_NGINX_LLAMA3_CONFIG;
+    dpd_chat_template llama3;
+    dpd_threshold 2048;
+    dpd_max_json_depth 32;
+--- config
+    location /v1/ {
+        dpd on;
+        dpd_threshold 0;
+        dpd_chat_template auto;
+        return 200 "ok\n";
+    }
+    location = /metrics { dpd_metrics; }
+--- request
+GET /v1/models
+--- response_body
+ok
+--- error_log
+dpd_tokenizer
+128256 ids, chat template "llama3"
+--- no_error_log
+[error]
+
+
+=== TEST 2: tokenizer_config.json next to tokenizer.json is found
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /t { dpd on; return 200 "ok\n"; }
+--- request
+GET /t
+--- response_body
+ok
+--- error_log
+chat template "llama3"
+
+
+=== TEST 3: dpd_tokenizer: missing file fails nginx -t with the reason
+--- http_config
+    dpd_tokenizer /nonexistent/tokenizer.json;
+--- config
+    location /t { dpd on; }
+--- must_die
+--- error_log
+dpd_tokenizer "/nonexistent/tokenizer.json"
+
+
+=== TEST 4: dpd_tokenizer: a file that is not a tokenizer fails nginx -t
+--- user_files
+>>> bad.json
+{"model": {"type": "WordPiece"}}
+--- http_config
+    dpd_tokenizer html/bad.json;
+--- config
+    location /t { dpd on; }
+--- must_die
+--- error_log eval
+qr/\[emerg\].*dpd_tokenizer ".*bad\.json".*: \S+/
+
+
+=== TEST 5: dpd_tokenizer: bad second parameter
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3 cfg=$TEST_NGINX_LLAMA3_CONFIG;
+--- config
+    location /t { dpd on; }
+--- must_die
+--- error_log
+invalid parameter "cfg=
+
+
+=== TEST 6: dpd_tokenizer: only in the http block
+--- config
+    location /t {
+        dpd_tokenizer $TEST_NGINX_LLAMA3;
+    }
+--- must_die
+--- error_log
+"dpd_tokenizer" directive is not allowed here
+
+
+=== TEST 7: dpd_tokenizer: duplicate
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+--- must_die
+--- error_log
+"dpd_tokenizer" directive is duplicate
+
+
+=== TEST 8: dpd on without dpd_tokenizer
+--- config
+    location /t { dpd on; }
+--- must_die
+--- error_log
+"dpd on" requires "dpd_tokenizer"
+
+
+=== TEST 9: dpd: not a flag
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /t { dpd yes; }
+--- must_die
+--- error_log
+invalid value "yes" in "dpd" directive, it must be "on" or "off"
+
+
+=== TEST 10: dpd_chat_template: unknown name
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /t { dpd on; dpd_chat_template mistral; }
+--- must_die
+--- error_log
+invalid value "mistral", expected "auto", "llama3", "llama3.1", "chatml" or "none"
+
+
+=== TEST 11: dpd_chat_template: every name accepted
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /a { dpd on; dpd_chat_template auto; return 204; }
+    location /b { dpd on; dpd_chat_template llama3; return 204; }
+    location /c { dpd on; dpd_chat_template llama3.1; return 204; }
+    location /d { dpd on; dpd_chat_template chatml; return 204; }
+    location /e { dpd on; dpd_chat_template none; return 204; }
+--- request
+GET /a
+--- error_code: 204
+--- response_body
+
+
+=== TEST 12: dpd_threshold: negative
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /t { dpd on; dpd_threshold -1; }
+--- must_die
+--- error_log
+"dpd_threshold" directive invalid number
+
+
+=== TEST 13: dpd_threshold: not a number
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /t { dpd on; dpd_threshold 4k; }
+--- must_die
+--- error_log
+"dpd_threshold" directive invalid number
+
+
+=== TEST 14: dpd_max_json_depth: zero
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /t { dpd on; dpd_max_json_depth 0; }
+--- must_die
+--- error_log
+"dpd_max_json_depth" directive value must be between 1 and 512
+
+
+=== TEST 15: dpd_max_json_depth: above the parser's limit
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /t { dpd on; dpd_max_json_depth 1000; }
+--- must_die
+--- error_log
+"dpd_max_json_depth" directive value must be between 1 and 512
+
+
+=== TEST 16: dpd_metrics takes no arguments
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /m { dpd_metrics on; }
+--- must_die
+--- error_log
+invalid number of arguments in "dpd_metrics" directive
+
+
+=== TEST 17: dpd_metrics: only in a location
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+    dpd_metrics;
+--- config
+--- must_die
+--- error_log
+"dpd_metrics" directive is not allowed here
+
+
+=== TEST 18: dpd_metrics without a tokenizer still serves (all zero)
+--- config
+    location = /metrics { dpd_metrics; }
+--- request
+GET /metrics
+--- response_headers
+Content-Type: text/plain; version=0.0.4; charset=utf-8
+--- response_body_like
+^# HELP dpd_requests_total .*dpd_requests_total\{route="direct",status="2xx"\} 0\n
+
+
+=== TEST 19: dpd_metrics: other methods are refused
+--- config
+    location = /metrics { dpd_metrics; }
+--- request
+POST /metrics
+x
+--- error_code: 405
+
+
+=== TEST 20: dpd off in a nested location turns the module off there
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /v1/ {
+        dpd on;
+        location /v1/off/ {
+            dpd off;
+            proxy_pass http://127.0.0.1:$TEST_NGINX_SERVER_PORT/echo;
+        }
+    }
+    location = /echo { return 200 "route=$dpd_route\n"; }
+--- request
+POST /v1/off/completions
+{"prompt": 1}
+--- response_body
+route=
