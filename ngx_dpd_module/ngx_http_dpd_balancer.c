@@ -56,7 +56,7 @@ static ngx_command_t  ngx_http_dpd_balancer_commands[] = {
       NULL },
 
     { ngx_string("dpd_lmcache_ports"),
-      NGX_HTTP_UPS_CONF|NGX_CONF_TAKE2,
+      NGX_HTTP_UPS_CONF|NGX_CONF_TAKE12,
       ngx_http_dpd_lmcache_ports,
       NGX_HTTP_SRV_CONF_OFFSET,
       0,

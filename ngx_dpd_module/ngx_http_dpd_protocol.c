@@ -315,7 +315,7 @@ ngx_http_dpd_proto_parse_reply(const char *data, size_t len, int protocol,
     cJSON **params, const char **why)
 {
     cJSON         *reply, *ktp;
-    const char    *bad;
+    const char    *bad, *end;
 
     *params = NULL;
     *why = NULL;
@@ -325,7 +325,19 @@ ngx_http_dpd_proto_parse_reply(const char *data, size_t len, int protocol,
         return NGX_HTTP_DPD_REPLY_INVALID;
     }
 
-    reply = cJSON_ParseWithLength(data, len);
+    reply = cJSON_ParseWithLengthOpts(data, len, &end, 0);
+
+    /* one JSON object and nothing after it but white space */
+
+    while (reply != NULL && end < data + len) {
+        if (*end != ' ' && *end != '\t' && *end != '\r' && *end != '\n') {
+            cJSON_Delete(reply);
+            reply = NULL;
+            break;
+        }
+
+        end++;
+    }
 
     if (reply == NULL || !cJSON_IsObject(reply)) {
         cJSON_Delete(reply);

@@ -384,3 +384,18 @@ len=100000
 "POST /small\n" . ("y" x 2000000)
 --- error_code: 413
 --- response_body_like: 413 Request Entity Too Large
+
+
+
+=== TEST 28: chunked request body from more_headers (no Content-Length added)
+--- config
+    location /front {
+        proxy_pass http://127.0.0.1:$TEST_NGINX_SERVER_PORT/back;
+    }
+    location /back { return 200 "len=$content_length\n"; }
+--- more_headers
+Transfer-Encoding: chunked
+--- request eval
+"POST /front\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+--- response_body
+len=11

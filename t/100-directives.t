@@ -182,7 +182,7 @@ GET /a
     location /t { dpd on; dpd_max_json_depth 0; }
 --- must_die
 --- error_log
-"dpd_max_json_depth" directive value must be between 1 and 512
+value must be between 1 and 512
 
 
 === TEST 15: dpd_max_json_depth: above the parser's limit
@@ -192,7 +192,7 @@ GET /a
     location /t { dpd on; dpd_max_json_depth 1000; }
 --- must_die
 --- error_log
-"dpd_max_json_depth" directive value must be between 1 and 512
+value must be between 1 and 512
 
 
 === TEST 16: dpd_metrics takes no arguments
@@ -222,8 +222,8 @@ invalid number of arguments in "dpd_metrics" directive
 GET /metrics
 --- response_headers
 Content-Type: text/plain; version=0.0.4; charset=utf-8
---- response_body_like
-^# HELP dpd_requests_total .*dpd_requests_total\{route="direct",status="2xx"\} 0\n
+--- response_body_like eval
+qr/^# HELP dpd_requests_total .*\ndpd_requests_total\{route="direct",status="2xx"\} 0\n/s
 
 
 === TEST 19: dpd_metrics: other methods are refused
@@ -241,7 +241,7 @@ x
 --- config
     location /v1/ {
         dpd on;
-        location /v1/off/ {
+        location = /v1/off/completions {
             dpd off;
             proxy_pass http://127.0.0.1:$TEST_NGINX_SERVER_PORT/echo;
         }

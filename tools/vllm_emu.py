@@ -11,6 +11,7 @@ Run `tools/vllm_emu.py --help` for flags, endpoints and formats.
 """
 
 import argparse
+import array
 import ctypes
 import hashlib
 import json
@@ -23,6 +24,7 @@ import socketserver
 import sys
 import threading
 import time
+import traceback
 import uuid
 import zlib
 from collections import deque
@@ -36,13 +38,17 @@ ENDPOINTS (as vLLM)
   POST /v1/chat/completions   messages (rendered with the chat template)
   GET  /v1/models   GET /health   GET /metrics (Prometheus text)
   Bodies, SSE framing (`data: {...}\n\n` ... `data: [DONE]\n\n`, chunked
-  transfer encoding on HTTP/1.1, close-delimited on HTTP/1.0), ids
-  ("cmpl-<X-Request-Id>-0"-style: cmpl-/chatcmpl- + X-Request-Id or a uuid),
-  errors ({"object":"error","message":..,"type":..,"param":null,"code":N})
-  follow vLLM 0.9.  n must be 1.  Unknown fields are ignored.
+  transfer encoding on HTTP/1.1, close-delimited on HTTP/1.0) and errors
+  ({"object":"error","message":..,"type":..,"param":null,"code":N}) follow
+  vLLM 0.9.  Response ids: "cmpl-<X-Request-Id>" / "chatcmpl-<X-Request-Id>"
+  (a uuid without the header); engine request ids (NIXL remote_request_id):
+  "cmpl-<X-Request-Id>-<prompt index>" / "chatcmpl-<X-Request-Id>".
+  n must be 1.  Unknown fields are ignored.  Any "model" is accepted.
   Deviations: max_tokens defaults to --default-max-tokens for chat as well;
   prompt_tokens_details is filled (as with --enable-prompt-tokens-details);
-  generation never emits EOS: finish_reason is "length" or "stop" (stop=).
+  generation never emits EOS: finish_reason is "length" or "stop" (stop=);
+  no automatic prefix caching (vLLM V1 has it on by default), so
+  cached_tokens counts only KV that came from a prefill instance.
 
 EMULATOR ENDPOINTS (tests)
   GET  /emu/stats[?since=N]  JSON: {"instance":{..},"counters":{..},
@@ -50,12 +56,28 @@ EMULATOR ENDPOINTS (tests)
         [{"request_id","blocks","tokens","age_s"}],"nixl_held_blocks",
         "lmcache_held":[{"key","req_id","tokens","age_s"}],
         "lmcache_held_chunks","lmcache_held_tokens"},
+        "scheduler":{"running","waiting","pulling","steps","busy_s"},
         "faults":[rules], "requests":[records], "next":N}
+        counters (present once non-zero): requests_total,
+        responses_{2,4,5}xx_total, aborted_total, faults_total, steps_total,
+        prefill_tokens_computed_total, decode_tokens_total,
+        cached_tokens_total, prefill_requests_total, nixl_held_total,
+        nixl_served_total, nixl_pull_{ok,failed,mismatch}_total,
+        nixl_expired_total, nixl_replaced_total,
+        lmcache_push_{ok,failed}_total,
+        lmcache_inits_total, lmcache_received_chunks_total,
+        lmcache_hit_tokens_total, lmcache_expired_chunks_total (the same
+        names with an emu_ prefix are in /metrics).
         A record: {"n","t","method","path","request_id" (X-Request-Id),
         "headers" (lower-case names),"body" (parsed JSON, or null and
         "body_raw"),"status","fault","stream","prompt_tokens",
         "cached_tokens","completion_tokens","finish_reason","text",
-        "aborted","kv":{..protocol outcome..},"ttft_ms","duration_ms"}.
+        "aborted","kv":{..protocol outcome..},"ttft_ms","duration_ms"};
+        status 0 = connection closed before a full answer.  kv, e.g.
+        {"protocol":"nixl","side":"consumer","outcome":"ok"|"mismatch"|
+        "failed: ..","cached_tokens":N,"remote_host",..} or
+        {"protocol":"lmcache","side":"producer","outcome":"pushed"|
+        "push failed: ..","chunks":N,"receiver":"host:port",..}.
   POST /emu/reset            forget request records and zero counters
   GET|POST|DELETE /emu/fault fault rules (see FAULTS)
 
@@ -67,9 +89,10 @@ FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
   "count":K}.  kv_override merges its fields into the reply's
   kv_transfer_params (e.g. a foreign remote_host); kv_drop answers without
   them (blocks stay held until they expire); pad_bytes adds a field of N
-  bytes to a non-streaming JSON reply (oversized reply).  path/role scope it (role = the request's:
-  "prefill" when it carries do_remote_decode or a disagg_spec, else
-  "decode"); count = only the next K matching requests.  disconnect_after:
+  bytes to a non-streaming JSON reply (oversized reply).  path/role scope
+  a rule (role = the request's: "prefill" when it carries do_remote_decode
+  or a disagg_spec, else "decode"); count = only the next K matching
+  requests; the first matching rule applies.  disconnect_after:
   streaming: close after N SSE events; non-streaming: send the headers and N
   bytes of the body (N=0: close without answering).  delay_ms is real time
   (not scaled).  Rules apply to /v1/* generation endpoints unless "path"
@@ -92,7 +115,11 @@ PREFILL PROTOCOLS
     answers with the prompt's token hash and block list; tokens must match.
     cached_tokens = block_size * floor((prompt_tokens-1)/block_size), capped
     by the blocks pulled (the last token is always recomputed).  A failed or
-    mismatching pull recomputes (cached_tokens 0), counted.
+    mismatching pull recomputes (cached_tokens 0), counted.  Wire: one
+    JSON line {"op":"pull","request_id","engine_id","block_ids"} -> one
+    line {"ok":true,"engine_id","request_id","block_ids","n_blocks",
+    "tokens","n_prompt","token_hash","block_size"} (or {"ok":false,
+    "error"}); the blocks are freed once answered.
   lmcache (push): a request with kv_transfer_params.disagg_spec on a
     prefill/both instance is prefilled, then its KV chunks
     (--lmcache-chunk-size tokens, last partial chunk included, keyed by a
@@ -104,7 +131,11 @@ PREFILL PROTOCOLS
     on --lmcache-init-port/--lmcache-alloc-port and reports as cached the
     leading prompt tokens whose chunks it holds (minus one if that is the
     whole prompt), then frees them.  Chunks not used expire after
-    --kv-hold-timeout.
+    --kv-hold-timeout.  Wire: {"op":"init","sender","req_id"} on the init
+    port, then {"op":"alloc","req_id","chunks":[{"key","n_tokens"}]} on the
+    alloc port, each answered by one line {"ok":true,..}.
+  Transfer time: --kv-transfer-gbps > 0 adds tokens*kv-bytes-per-token/rate
+  (times --time-scale) to the pull (nixl) or the push (lmcache).
 """
 
 WORDS = (
@@ -321,9 +352,15 @@ class Seq(object):
 def token_hash(ids, n=None):
     if n is not None:
         ids = ids[:n]
-    h = hashlib.sha256()
-    h.update(b"".join(int(i).to_bytes(4, "little") for i in ids))
-    return h.hexdigest()[:32]
+    return hashlib.sha256(ids_bytes(ids)).hexdigest()[:32]
+
+
+def ids_bytes(ids):
+    """Token ids as little-endian uint32 bytes (hash input)."""
+    a = array.array("I", ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
 
 
 class Scheduler(threading.Thread):
@@ -438,7 +475,9 @@ class Scheduler(threading.Thread):
                 time.sleep(0.001)
                 continue
             dur = self.step_s + ptoks / self.tps
-            deadline = max(deadline, time.monotonic() - 0.005) + dur * self.scale
+            # next step end; catch up at most 5 ms when the thread was late
+            deadline = (max(deadline, time.monotonic() - 0.005)
+                        + dur * self.scale)
             delay = deadline - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -499,7 +538,7 @@ class Scheduler(threading.Thread):
             else:
                 self.free(s.blocks)
             s.blocks = []
-        s.events.put((s.index, delta, reason, s.stop_reason))
+        s.events.put((s.index, delta, reason, s.stop_reason, s.out_n))
 
 
 # ---------------------------------------------------------------------------
@@ -587,7 +626,7 @@ def lmc_chunk_keys(ids, chunk):
     h = hashlib.sha256(b"lmcache")
     for i in range(0, len(ids), chunk):
         part = ids[i:i + chunk]
-        h.update(b"".join(int(x).to_bytes(4, "little") for x in part))
+        h.update(ids_bytes(part))
         out.append((h.copy().hexdigest()[:32], len(part)))
     return out
 
@@ -603,7 +642,10 @@ def line_rpc(host, port, msg, timeout):
             if not d:
                 break
             buf += d
-        return json.loads(buf.split(b"\n", 1)[0].decode())
+        r = json.loads(buf.split(b"\n", 1)[0].decode())
+        if not isinstance(r, dict):
+            raise ValueError("peer reply is not a JSON object")
+        return r
     finally:
         s.close()
 
@@ -731,6 +773,7 @@ class Emu(object):
                 r["count"] = args.fault_count
             self.faults.set([r])
         self.prom = {"prompt": 0, "gen": 0, "success": {}}
+        self.pulling = 0    # NIXL pulls in flight (vLLM: waiting for KVs)
 
     def _load_tokenizer(self):
         a = self.args
@@ -791,6 +834,7 @@ class Emu(object):
                 "time_scale": a.time_scale, "pid": os.getpid()},
             "counters": counters,
             "scheduler": {"running": running, "waiting": waiting,
+                          "pulling": self.pulling,
                           "steps": self.sched.steps,
                           "busy_s": round(self.sched.busy_s, 6)},
             "kv": {"block_size": a.block_size, "total_blocks": a.kv_blocks,
@@ -809,6 +853,7 @@ class Emu(object):
 
     def metrics(self):
         running, waiting, used = self.sched.counts()
+        waiting += self.pulling
         a = self.args
         lab = 'model_name="%s"' % a.model.replace('"', '\\"')
         usage = min(1.0, used / float(a.kv_blocks)) if a.kv_blocks else 0.0
@@ -1017,6 +1062,7 @@ class Conn(socketserver.BaseRequestHandler):
     # -- writing -----------------------------------------------------------
 
     def _head(self, status, ctype, length=None, chunked=False, extra=()):
+        self.status = status
         h = ["HTTP/1.1 %d %s" % (status, REASONS.get(status, "Unknown")),
              "date: " + formatdate(usegmt=True), "server: uvicorn"]
         if length is not None:
@@ -1069,13 +1115,36 @@ class Conn(socketserver.BaseRequestHandler):
                 self.version = version
                 conn = headers.get("connection", "").lower()
                 self.keep = version == "HTTP/1.1" and "close" not in conn
-                self.dispatch(method, target, headers, body)
+                self.status = 0
+                t0 = now_ms()
+                try:
+                    self.dispatch(method, target, headers, body)
+                except (ClientGone, OSError):
+                    raise
+                except Exception:
+                    # a bug here must look like vLLM's 500, not a hang
+                    traceback.print_exc()
+                    self.keep = False
+                    if not self.status:
+                        self.respond(500, ApiError(
+                            500, "emulator internal error").body())
+                    return
+                finally:
+                    if self.emu.args.verbose:
+                        self.access_log(method, target, headers, t0)
                 if not self.keep:
                     return
         except ClientGone:
             return
         except OSError:
             return
+
+    def access_log(self, method, target, headers, t0):
+        sys.stderr.write("%s %s:%d %s %s %s rid=%s %.1fms\n" % (
+            time.strftime("%H:%M:%S"), self.client_address[0],
+            self.client_address[1], method, target, self.status or "-",
+            headers.get("x-request-id", "-"), now_ms() - t0))
+        sys.stderr.flush()
 
     def dispatch(self, method, target, headers, body):
         emu = self.emu
@@ -1298,8 +1367,10 @@ class Conn(socketserver.BaseRequestHandler):
             rec["kv"] = kvinfo
             self.count_status(status)
 
+        ntok = [0] * len(prompts)   # tokens delivered so far, per choice
+
         def usage_obj(final):
-            comp = sum(s.out_n for s in seqs)
+            comp = sum(ntok)
             u = {"prompt_tokens": n_prompt,
                  "total_tokens": n_prompt + comp,
                  "completion_tokens": comp}
@@ -1338,7 +1409,7 @@ class Conn(socketserver.BaseRequestHandler):
                     if self.client_closed():
                         raise ClientGone()
                     continue
-                idx, delta, reason, stop_reason = ev
+                idx, delta, reason, stop_reason, ntok[idx] = ev
                 if rec["ttft_ms"] is None:
                     rec["ttft_ms"] = round(now_ms() - t_start, 3)
                 texts[idx] += delta
@@ -1613,6 +1684,17 @@ class Conn(socketserver.BaseRequestHandler):
             info["outcome"] = "failed: incomplete kv_transfer_params"
             emu.counter_add("nixl_pull_failed_total", 1)
             return info
+        with emu.lock:
+            emu.pulling += 1
+        try:
+            return self._nixl_pull(info, kvp, ids, host, port, blocks)
+        finally:
+            with emu.lock:
+                emu.pulling -= 1
+
+    def _nixl_pull(self, info, kvp, ids, host, port, blocks):
+        emu = self.emu
+        a = emu.args
         try:
             r = line_rpc(host, port, {
                 "op": "pull", "request_id": info["remote_request_id"],
@@ -1722,22 +1804,28 @@ class QueueLite(object):
 
 # ---------------------------------------------------------------------------
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(
         prog="vllm_emu.py", description=__doc__.split("\n\n")[0] + " "
         "Emulates one vLLM instance (pod).",
-        epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=HELP_EPILOG, formatter_class=HelpFormatter)
     g = ap.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (127.0.0.2, 127.0.0.3... let "
                    "instances share a port)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="HTTP port")
     g.add_argument("--role", choices=("prefill", "decode", "both"),
                    default="both", help="prefill: NIXL producer + side "
                    "channel; decode: NIXL puller + LMCache receiver; both")
     g.add_argument("--model", default="emu-model",
                    help="served model name (any request model accepted)")
-    g.add_argument("--max-model-len", type=int, default=32768)
+    g.add_argument("--max-model-len", type=int, default=32768,
+                   help="prompt + max_tokens limit (400 beyond)")
     g.add_argument("--default-max-tokens", type=int, default=16,
                    help="max_tokens when the request gives none")
     g.add_argument("--engine-id", default=None,
@@ -1761,7 +1849,8 @@ def parse_args(argv):
                    help="path of libdpdtok.so (default $DPD_BUILD or "
                    "build/ next to tools/)")
     g.add_argument("--chat-template", default="auto",
-                   choices=("auto", "llama3", "llama3.1", "chatml", "none"))
+                   choices=("auto", "llama3", "llama3.1", "chatml", "none"),
+                   help="chat template family (auto: from the config)")
     g = ap.add_argument_group("timing model")
     g.add_argument("--prefill-tps", type=float, default=10000.0,
                    help="prompt tokens per second of compute-bound prefill")
@@ -1769,11 +1858,14 @@ def parse_args(argv):
                    help="duration of one memory-bound decode step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per scheduler step (chunked prefill)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences running at once (others wait)")
     g.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every modelled time (0.01 = 100x faster)")
-    g.add_argument("--kv-blocks", type=int, default=8192)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-blocks", type=int, default=8192,
+                   help="KV cache capacity in blocks (gpu_cache_usage_perc)")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block")
     g = ap.add_argument_group("prefill protocols")
     g.add_argument("--side-channel-host", default=None,
                    help="NIXL side channel address (default --host)")
@@ -1785,25 +1877,35 @@ def parse_args(argv):
                    help="LMCache receiver alloc port (default --port + 3000)")
     g.add_argument("--no-lmcache", action="store_true",
                    help="decode/both: do not listen on the LMCache ports")
-    g.add_argument("--lmcache-chunk-size", type=int, default=256)
+    g.add_argument("--lmcache-chunk-size", type=int, default=256,
+                   help="tokens per LMCache chunk")
     g.add_argument("--kv-hold-timeout", type=float, default=120.0,
                    help="seconds (real time) held KV waits for its user")
-    g.add_argument("--kv-connect-timeout", type=float, default=5.0)
+    g.add_argument("--kv-connect-timeout", type=float, default=5.0,
+                   help="seconds for a side-channel / LMCache connection")
     g.add_argument("--kv-transfer-gbps", type=float, default=0.0,
                    help="modelled transfer rate in GB/s (0: instant)")
     g.add_argument("--kv-bytes-per-token", type=int, default=131072,
                    help="KV bytes per token (Llama 3 8B: 128 KiB)")
     g = ap.add_argument_group("faults (see FAULTS below)")
-    g.add_argument("--fail-status", type=int, default=None, metavar="CODE")
-    g.add_argument("--delay-ms", type=int, default=0)
-    g.add_argument("--hang", action="store_true")
-    g.add_argument("--disconnect-after", type=int, default=None, metavar="N")
-    g.add_argument("--malformed-json", action="store_true")
-    g.add_argument("--fault-path", default=None)
+    g.add_argument("--fail-status", type=int, default=None, metavar="CODE",
+                   help="answer CODE with an error JSON")
+    g.add_argument("--delay-ms", type=int, default=0,
+                   help="wait before answering (real ms)")
+    g.add_argument("--hang", action="store_true",
+                   help="accept, never answer")
+    g.add_argument("--disconnect-after", type=int, default=None, metavar="N",
+                   help="close after N SSE events / N body bytes")
+    g.add_argument("--malformed-json", action="store_true",
+                   help="answer broken JSON")
+    g.add_argument("--fault-path", default=None,
+                   help="only requests to this path")
     g.add_argument("--fault-role", choices=("prefill", "decode", "any"),
-                   default=None)
-    g.add_argument("--fault-count", type=int, default=None, metavar="K")
-    g.add_argument("-v", "--verbose", action="store_true")
+                   default=None, help="only prefill copies / other requests")
+    g.add_argument("--fault-count", type=int, default=None, metavar="K",
+                   help="only the next K matching requests")
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="log one line per HTTP request to stderr")
     a = ap.parse_args(argv)
     if a.side_channel_port is None:
         a.side_channel_port = a.port + 1000

@@ -41,7 +41,7 @@ typedef struct {
     char         rails[KV_MAX_RAILS][64];
     int          nrails;
     uint64_t     size, block, max_size;
-    int          iters, json, window, llama, coalesce;
+    int          iters, json, window, llama, coalesce, spin;
     kv_fabric_t  fab;
     char        *buf;
     uint64_t     buflen;
@@ -135,7 +135,10 @@ bench_target(bench_t *b, int sock)
     for ( ;; ) {
         /* the target's provider needs progress for RMA data to land */
         for (i = 0; i < b->fab.nrails; i++) {
-            if (fi_cq_read(b->fab.rail[i].cq, ce, 64) == -FI_EAVAIL) {
+            ssize_t rc = b->spin ? fi_cq_read(b->fab.rail[i].cq, ce, 64)
+                         : fi_cq_sread(b->fab.rail[i].cq, ce, 64, NULL,
+                                       b->fab.nrails > 1 ? 1 : 20);
+            if (rc == -FI_EAVAIL) {
                 kv_rail_cq_error(&b->fab.rail[i], &ee);
             }
         }
@@ -208,14 +211,16 @@ bench_round(bench_t *b, kv_segiter_t *it, uint64_t plain_size)
             return (int64_t) total;
         }
         for (i = 0; i < b->fab.nrails; i++) {
-            rc = fi_cq_read(b->fab.rail[i].cq, ce, 64);
+            rc = (b->spin || b->fab.nrails > 1)
+                 ? fi_cq_read(b->fab.rail[i].cq, ce, 64)
+                 : fi_cq_sread(b->fab.rail[i].cq, ce, 64, NULL, 1);
             if (rc > 0) {
                 inflight -= (uint32_t) rc;
             } else if (rc == -FI_EAVAIL) {
                 kv_rail_cq_error(&b->fab.rail[i], &ee);
                 kv_err("bench: write failed: %s", kv_fi_err(ee.err));
                 return -1;
-            } else if (rc != -FI_EAGAIN) {
+            } else if (rc != -FI_EAGAIN && rc != -FI_ETIMEDOUT) {
                 kv_err("bench: fi_cq_read: %s", kv_fi_err((int) rc));
                 return -1;
             }
@@ -410,6 +415,9 @@ kv_bench_main(int argc, char **argv)
 
         if (strcmp(a, "--json") == 0) {
             b.json = 1;
+        } else if (strcmp(a, "--spin") == 0) {
+            b.spin = 1;
+            setenv("KV_CQ_SPIN", "1", 1);
         } else if (strcmp(a, "--no-coalesce") == 0) {
             b.coalesce = 0;
         } else if (val == NULL) {

@@ -1,5 +1,5 @@
 /*
- * config.c - the agent's JSON configuration (see conf/kv_agent/*.json).
+ * config.c - the agent's JSON configuration (examples in conf/kv_agent/).
  * Unknown keys are rejected so a typo never silently changes behaviour.
  */
 

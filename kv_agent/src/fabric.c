@@ -155,7 +155,9 @@ rail_open(kv_rail_t *r, const char *provider, int allow_fallback,
     }
     memset(&cqa, 0, sizeof(cqa));
     cqa.format = FI_CQ_FORMAT_DATA;
-    cqa.wait_obj = FI_WAIT_NONE;
+    /* a wait object lets an idle side sleep in fi_cq_sread / poll()
+     * instead of spinning against its peer for the CPU */
+    cqa.wait_obj = getenv("KV_CQ_SPIN") ? FI_WAIT_NONE : FI_WAIT_FD;
     cqa.size = r->info->tx_attr->size + r->info->rx_attr->size;
     if (cqa.size < 1024) {
         cqa.size = 1024;

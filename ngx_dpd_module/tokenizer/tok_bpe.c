@@ -2,14 +2,21 @@
  * Byte-level BPE on one pre-token, merge for merge as Hugging Face's
  * Word::merge_all: a min-heap of candidate pairs ordered by (rank, left
  * position); a popped candidate is applied if the pair now at that
- * position still produces the same merged id (Hugging Face checks the id,
- * not the rank, and so must we to give the same ids in every case).
+ * position still produces the same merged id.
+ *
+ * Pieces of up to TOK_BPE_SMALL bytes take a simpler path with the same
+ * result: keep the rank of every adjacent pair, apply the lowest (the
+ * leftmost among equal ranks), update the two pairs around it.  The heap
+ * applies exactly that sequence: symbols only ever grow, so a popped entry
+ * whose merged id still matches is the very pair it was pushed for.
  */
 
 #include <stdlib.h>
 #include <string.h>
 
 #include "tok_internal.h"
+
+#define TOK_BPE_SMALL  64
 
 
 typedef struct {
@@ -103,6 +110,68 @@ tok_work_reserve(tok_work_t *w, size_t len)
 }
 
 
+static void
+tok_bpe_small(tok_work_t *w, const char *s, size_t len)
+{
+    const dpd_tok_t  *tok = w->tok;
+    uint32_t          id[TOK_BPE_SMALL], rk[TOK_BPE_SMALL];
+    uint32_t          mid[TOK_BPE_SMALL], best, x;
+    size_t            i, n = 0, b;
+
+    for (i = 0; i < len; i++) {
+        x = tok->byte_id[(uint8_t) s[i]];
+        if (x != TOK_NO_ID) {
+            id[n++] = x;
+        }
+    }
+    if (n == 0) {
+        return;
+    }
+    for (i = 0; i + 1 < n; i++) {
+        if (!tok_pairmap_get(&tok->merges, id[i], id[i + 1], &rk[i], &mid[i])) {
+            rk[i] = UINT32_MAX;
+        }
+    }
+    rk[n - 1] = UINT32_MAX;
+
+    while (n > 1) {
+        best = UINT32_MAX;
+        b = 0;
+        for (i = 0; i + 1 < n; i++) {
+            if (rk[i] < best) {
+                best = rk[i];
+                b = i;
+            }
+        }
+        if (best == UINT32_MAX) {
+            break;
+        }
+        id[b] = mid[b];
+        n--;
+        memmove(&id[b + 1], &id[b + 2], (n - b - 1) * sizeof(uint32_t));
+        memmove(&rk[b + 1], &rk[b + 2], (n - b - 1) * sizeof(uint32_t));
+        memmove(&mid[b + 1], &mid[b + 2], (n - b - 1) * sizeof(uint32_t));
+        if (b > 0 && !tok_pairmap_get(&tok->merges, id[b - 1], id[b],
+                                      &rk[b - 1], &mid[b - 1]))
+        {
+            rk[b - 1] = UINT32_MAX;
+        }
+        if (b + 1 < n) {
+            if (!tok_pairmap_get(&tok->merges, id[b], id[b + 1], &rk[b],
+                                 &mid[b]))
+            {
+                rk[b] = UINT32_MAX;
+            }
+        } else {
+            rk[b] = UINT32_MAX;
+        }
+    }
+    for (i = 0; i < n; i++) {
+        tok_emit(w->sink, id[i]);
+    }
+}
+
+
 void
 tok_bpe(tok_work_t *w, const char *s, size_t len)
 {
@@ -122,6 +191,10 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
             tok_emit(w->sink, id);
             return;
         }
+    }
+    if (len <= TOK_BPE_SMALL) {
+        tok_bpe_small(w, s, len);
+        return;
     }
     if (tok_work_reserve(w, len) != 0) {
         w->oom = 1;

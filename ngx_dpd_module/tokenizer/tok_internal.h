@@ -20,17 +20,24 @@
 
 #define TOK_NO_ID  UINT32_MAX
 
-/* ---- string -> id hash (vocab, byte strings after byte-level decoding) */
+/* ---- string -> id hash (vocab, byte strings after byte-level decoding)
+ *
+ * A slot holds 32 bits of the key's hash and the entry index, so a probe
+ * touches one slot and, on a tag match only, one entry and the pool. */
 
 typedef struct {
-    uint32_t   *slots;      /* index + 1 into entries, 0 = empty */
-    uint32_t    mask;
-    uint32_t   *off;        /* per entry: offset into pool */
-    uint32_t   *len;        /* per entry: byte length */
-    uint32_t   *id;         /* per entry: token id */
-    uint32_t    n, cap;
-    char       *pool;
-    size_t      pool_len, pool_cap;
+    uint32_t    off;        /* offset into pool */
+    uint32_t    len;        /* byte length */
+    uint32_t    id;
+} tok_strent_t;
+
+typedef struct {
+    uint64_t      *slots;   /* hash tag << 32 | (entry index + 1), 0 = empty */
+    uint32_t       mask;
+    tok_strent_t  *ent;
+    uint32_t       n, cap;
+    char          *pool;
+    size_t         pool_len, pool_cap;
 } tok_strmap_t;
 
 int tok_strmap_init(tok_strmap_t *m, uint32_t expect);
@@ -39,23 +46,24 @@ void tok_strmap_free(tok_strmap_t *m);
 int tok_strmap_put(tok_strmap_t *m, const char *s, size_t len, uint32_t id);
 uint32_t tok_strmap_get(const tok_strmap_t *m, const char *s, size_t len);
 
-/* ---- (left id, right id) -> (rank, merged id) hash */
+/* ---- (left id, right id) -> (rank, merged id) hash, one slot per line */
 
 typedef struct {
-    uint64_t   *keys;       /* (left << 32 | right) + 1, 0 = empty */
-    uint32_t   *rank;
-    uint32_t   *merged;
-    uint32_t    mask;
-    uint32_t    n;
+    uint64_t    key;        /* (left << 32 | right) + 1, 0 = empty */
+    uint32_t    rank;
+    uint32_t    merged;
+} tok_pairslot_t;
+
+typedef struct {
+    tok_pairslot_t  *slots;
+    uint32_t         mask;
+    uint32_t         n;
 } tok_pairmap_t;
 
 int tok_pairmap_init(tok_pairmap_t *m, uint32_t expect);
 void tok_pairmap_free(tok_pairmap_t *m);
 int tok_pairmap_put(tok_pairmap_t *m, uint32_t l, uint32_t r, uint32_t rank,
     uint32_t merged);
-/* returns 1 and fills rank/merged if the pair merges */
-static inline int tok_pairmap_get(const tok_pairmap_t *m, uint32_t l,
-    uint32_t r, uint32_t *rank, uint32_t *merged);
 
 static inline uint64_t
 tok_mix64(uint64_t x)
@@ -68,6 +76,7 @@ tok_mix64(uint64_t x)
     return x;
 }
 
+/* returns 1 and fills rank/merged if the pair merges */
 static inline int
 tok_pairmap_get(const tok_pairmap_t *m, uint32_t l, uint32_t r,
     uint32_t *rank, uint32_t *merged)
@@ -76,13 +85,13 @@ tok_pairmap_get(const tok_pairmap_t *m, uint32_t l, uint32_t r,
     uint32_t  i = (uint32_t) tok_mix64(key) & m->mask;
 
     for ( ;; ) {
-        uint64_t k = m->keys[i];
-        if (k == key) {
-            *rank = m->rank[i];
-            *merged = m->merged[i];
+        const tok_pairslot_t *s = &m->slots[i];
+        if (s->key == key) {
+            *rank = s->rank;
+            *merged = s->merged;
             return 1;
         }
-        if (k == 0) {
+        if (s->key == 0) {
             return 0;
         }
         i = (i + 1) & m->mask;

@@ -227,6 +227,12 @@ tok_load_merges(dpd_tok_t *tok, const cJSON *merges, char *err,
     }
     cJSON_ArrayForEach(e, merges) {
         n++;
+        /* one form for the whole list, as Hugging Face's MergeType */
+        if (n > 1 && cJSON_IsString(e) != cJSON_IsString(merges->child)) {
+            tok_err(err, errlen, "model.merges[%u]: mixes \"a b\" strings "
+                    "and [\"a\", \"b\"] pairs", n - 1);
+            return -1;
+        }
         if (cJSON_IsString(e)) {
             ll = strlen(e->valuestring);
         } else if (cJSON_IsArray(e) && cJSON_GetArraySize(e) == 2

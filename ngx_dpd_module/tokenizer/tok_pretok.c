@@ -95,7 +95,7 @@ tok_regex_compile(const char *pattern, size_t len, int literal, char *err,
     uint32_t     opts = PCRE2_UTF | PCRE2_UCP;
 
     if (literal) {
-        opts |= PCRE2_LITERAL;
+        opts = PCRE2_UTF | PCRE2_LITERAL;     /* UCP is refused with it */
     } else {
         pat = tok_regex_rewrite(pattern, len, &plen);
         if (pat == NULL) {

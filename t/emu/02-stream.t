@@ -149,9 +149,11 @@ sub sse {
                        body => {prompt => 'x', max_tokens => 5, stream => $T});
     my @t = map { $_->[0] } @{ $r->{events} };
     my @gaps = map { $t[$_] - $t[$_ - 1] } 1 .. 4;
+    # a loaded client may read two events at once: allow one short gap
     my $small = grep { $_ < 0.03 } @gaps;
-    is $small, 0, 'each token arrives in its own step (gaps '
+    ok $small <= 1, 'each token arrives in its own step (gaps '
         . join(',', map { sprintf '%.3f', $_ } @gaps) . ')';
+    ok $t[-1] - $t[0] > 4 * 0.06 * 0.8, 'spread over the decode steps';
     my $n = () = $r->{body} =~ /data: /g;
     is $n, 6, 'all events delivered';
     $slow->stop;

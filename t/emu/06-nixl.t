@@ -198,6 +198,23 @@ like $d->last_request->{kv}{outcome}, qr/failed: unknown request/,
     $b->stop;
 }
 
+# --- client gone during the prefill: nothing held, nothing leaked --------------
+{
+    my $slow = DPD::Emu->start(host => '127.0.0.6', role => 'prefill', %ports,
+                               time_scale => 1, prefill_tps => 10000);
+    my $body = prefill_body(prompt => join(' ', map { "x$_" } 1 .. 6000));
+    my $rr = $slow->raw(method => 'POST', path => '/v1/completions',
+                        body => $body, timeout => 0.2,
+                        headers => {'X-Request-Id' => 'gone-1'});
+    ok $rr->{timeout}, 'client left before the prefill finished';
+    ok $slow->wait_idle(3), 'prefill dropped from the scheduler';
+    my $rec = $slow->last_request(request_id => 'gone-1');
+    ok $rec->{aborted}, 'prefill record aborted';
+    is $slow->stats->{kv}{nixl_held_blocks}, 0, 'no blocks held';
+    is $slow->stats->{kv}{used_blocks}, 0, 'no blocks leaked';
+    $slow->stop;
+}
+
 # --- many handoffs, nothing leaks --------------------------------------------------
 {
     for my $i (1 .. 20) {

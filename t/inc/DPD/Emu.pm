@@ -35,7 +35,8 @@ sub emulator { File::Spec->catfile(root(), 'tools', 'vllm_emu.py') }
 sub build_dir { $ENV{DPD_BUILD} || File::Spec->catdir(root(), 'build') }
 
 sub npm_dir {
-    $ENV{DPD_NPM} || File::Spec->catdir(root(), 'tools', 'npm', 'node_modules');
+    return $ENV{DPD_NPM}
+        || File::Spec->catdir(root(), 'tools', 'npm', 'node_modules');
 }
 
 sub port_default {
@@ -108,6 +109,7 @@ sub start {
     for my $k (sort keys %flag) {
         push @cmd, "--$flag{$k}", $o{$k} if defined $o{$k};
     }
+    push @cmd, '-v' if $o{verbose} || $ENV{DPD_EMU_VERBOSE};
     push @cmd, @{ $o{args} || [] };
 
     my $logdir = $o{log_dir} || $ENV{DPD_EMU_LOG_DIR}
@@ -137,7 +139,13 @@ sub start {
                   . $self->log_tail;
         }
         my $r = $ua->get("http://$host:$port/health");
-        last if $r->code == 200;
+        if ($r->code == 200) {
+            # make sure it is this process answering, not an older one
+            my $s = $ua->get("http://$host:$port/emu/stats?since=1000000000");
+            my $st = $s->is_success ? eval { $JSON->decode($s->content) }
+                                    : undef;
+            last if $st && $st->{instance}{pid} == $pid;
+        }
         if (time > $deadline) {
             $self->stop;
             croak "DPD::Emu: emulator $host:$port not healthy after "
@@ -263,8 +271,8 @@ sub metrics {
     return $r->content;
 }
 
-# metric('vllm:num_requests_running') -> number (first sample; labels
-# may be matched with a regex fragment: metric($name, 'finished_reason="stop"'))
+# metric('vllm:num_requests_running') -> number (first sample); labels
+# may be matched with a regex: metric($name, 'finished_reason="stop"')
 sub metric {
     my ($self, $name, $labels) = @_;
     for my $line (split /\n/, $self->metrics) {
@@ -495,6 +503,8 @@ or if it exits), and returns an instance object.  Options:
   kv_blocks block_size chat_template kv_hold_timeout default_max_tokens
   max_model_len engine_id     the emulator flags of the same name
   args        array ref of extra raw flags, e.g. ['--fail-status', 503]
+  verbose     one log line per HTTP request in the log (also with
+              $DPD_EMU_VERBOSE=1)
   timeout     seconds to wait for /health (default 15)
   log_dir     where emu-HOST-PORT.log goes (default a temporary dir;
               $DPD_EMU_LOG_DIR overrides)
@@ -556,6 +566,6 @@ True when build/libdpdtok.so exists (C<--tokenizer> needs it).
 
 DPD_ROOT (repository root; default derived from this file), DPD_BUILD,
 DPD_NPM, DPD_EMU_PORT, DPD_EMU_SIDE_PORT, DPD_EMU_LMC_INIT_PORT,
-DPD_EMU_LMC_ALLOC_PORT, DPD_EMU_LOG_DIR.
+DPD_EMU_LMC_ALLOC_PORT, DPD_EMU_LOG_DIR, DPD_EMU_VERBOSE.
 
 =cut

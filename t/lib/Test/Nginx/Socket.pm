@@ -917,7 +917,8 @@ uninitialised memory, a bad free, a definite leak or a crash.  The real
 harness only prints valgrind's report.  Reports go to
 servroot/logs/valgrind.PID.log; suppressions come from
 TEST_NGINX_VALGRIND_SUPPRESS, else t/valgrind.suppress, else
-valgrind.suppress.
+valgrind.suppress.  Under valgrind the default inactivity timeout is 10 s
+(unless TEST_NGINX_TIMEOUT is set).
 
 =item * nginx is stopped (QUIT, then KILL after a grace period) at the end
 of each block rather than at the start of the next one; HUP reloads
@@ -930,8 +931,13 @@ defaults to /var/lib/nginx.
 =item * After C<--- abort> a truncated chunked body is not reported as
 invalid; the decoded part is compared.
 
-=item * No HTTP/2, HTTP/3, stap, TCP/UDP mock servers, check-leak or
-benchmark modes.
+=item * A block without C<--- config> reuses the running nginx of the
+previous block (as the real module does); it also gets its
+C<--- user_files> written.  Under valgrind nginx is stopped after every
+block, so such a block restarts nginx with the previous configuration.
+
+=item * No HTTP/2, HTTP/3, stap, TCP/UDP mock servers, HUP reloads,
+TEST_NGINX_CHECK_LEAK or benchmark modes, curl output.
 
 =back
 

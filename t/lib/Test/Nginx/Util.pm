@@ -59,6 +59,9 @@ our @CleanupHandlers;
 # master_process keeps whatever the test file or environment asked for.
 if ($UseValgrind) {
     $DaemonEnabled = 'off';
+    # memcheck slows nginx ~20x: a longer default inactivity timeout
+    # (blocks with their own --- timeout keep it)
+    $Timeout = 10 unless $ENV{TEST_NGINX_TIMEOUT};
 }
 
 our $ServRoot = $ENV{TEST_NGINX_SERVROOT}
@@ -599,6 +602,14 @@ sub wait_gone ($$) {
     return !is_running($pid);
 }
 
+sub is_nginx_process ($) {
+    my $pid = shift;
+    open my $in, '<', "/proc/$pid/cmdline" or return is_running($pid);
+    my $cmd = do { local $/; <$in> } // '';
+    close $in;
+    return $cmd =~ /nginx|valgrind|memcheck/;
+}
+
 # Graceful stop: QUIT (in-flight requests may finish), then TERM (fast
 # shutdown: exit handlers and valgrind's leak check still run), then KILL
 # (the whole process group for our foreground child).
@@ -606,6 +617,12 @@ sub stop_nginx ($) {
     my $name = shift;
     my $pid = get_pid_from_pidfile($name);
     my $child = $ChildPid;
+
+    # a stale pid file may name a recycled pid: only signal an nginx
+    if ($pid && !$child && !is_nginx_process($pid)) {
+        unlink $PidFile;
+        undef $pid;
+    }
     my $target = $child || $pid;
     return unless $target;
 

@@ -1,0 +1,435 @@
+/*
+ * loop.c - `kv_agent run --config FILE`: start-up, the poll() loop and an
+ * orderly shutdown (SIGTERM/SIGINT: in-flight requests are marked failed,
+ * the state table is left consistent with writer_alive = 0).
+ */
+
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "kv.h"
+
+#define KV_HELLO_TIMEOUT_MS 5000
+#define KV_IDLE_POLL_MS     5
+
+static volatile sig_atomic_t kv_got_signal;
+
+
+static void
+on_signal(int sig)
+{
+    kv_got_signal = sig;
+}
+
+
+int
+kv_client_add(kv_ctx_t *ctx, int fd, int is_peer)
+{
+    int i, napi = 0, slot = -1;
+
+    for (i = 0; i < ctx->nclients; i++) {
+        if (ctx->clients[i].used) {
+            napi += !ctx->clients[i].is_peer;
+        } else if (slot < 0) {
+            slot = i;
+        }
+    }
+    if (slot < 0 || (!is_peer && napi >= ctx->cfg.max_clients)) {
+        kv_warn("%s: too many connections, refusing one",
+                is_peer ? "ctrl" : "api");
+        close(fd);
+        return -1;
+    }
+    kv_set_nonblock(fd);
+    memset(&ctx->clients[slot], 0, sizeof(kv_client_t));
+    kv_conn_init(&ctx->clients[slot].conn, fd);
+    ctx->clients[slot].used = 1;
+    ctx->clients[slot].is_peer = is_peer;
+    ctx->clients[slot].peer = -1;
+    ctx->clients[slot].t_open_ms = kv_now_ms();
+    return slot;
+}
+
+
+void
+kv_client_close(kv_ctx_t *ctx, int i)
+{
+    kv_client_t *c = &ctx->clients[i];
+    uint32_t k;
+
+    if (!c->used) {
+        return;
+    }
+    if (c->is_peer) {
+        kv_ctrl_inbound_closed(ctx, i);
+    }
+    for (k = 0; ctx->waiters && k < ctx->nwaiters; k++) {
+        if (ctx->waiters[k].used && ctx->waiters[k].client == i) {
+            ctx->waiters[k].used = 0;
+        }
+    }
+    kv_conn_free(&c->conn);
+    c->used = 0;
+}
+
+
+int
+kv_client_send(kv_ctx_t *ctx, int i, cJSON *j)
+{
+    kv_client_t *c = &ctx->clients[i];
+
+    if (!c->used) {
+        cJSON_Delete(j);
+        return -1;
+    }
+    if (kv_conn_send_json(&c->conn, j) != 0) {
+        c->conn.closing = 2;          /* broken: close without flushing */
+        return -1;
+    }
+    return 0;
+}
+
+
+static void
+accept_all(kv_ctx_t *ctx, int lfd, int is_peer)
+{
+    int fd;
+
+    for ( ;; ) {
+        fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno != EAGAIN && errno != EINTR) {
+                kv_warn("accept: %s", strerror(errno));
+            }
+            return;
+        }
+        kv_client_add(ctx, fd, is_peer);
+    }
+}
+
+
+static void
+client_event(kv_ctx_t *ctx, int i, short revents)
+{
+    kv_client_t *c = &ctx->clients[i];
+    const char *why = NULL;
+    uint32_t len;
+    char *msg;
+    int rc;
+    cJSON *j;
+
+    if (revents & POLLOUT) {
+        if (kv_conn_flush(&c->conn) != 0) {
+            kv_client_close(ctx, i);
+            return;
+        }
+    }
+    if (!(revents & (POLLIN | POLLERR | POLLHUP))) {
+        return;
+    }
+    while (c->used && !c->conn.closing) {
+        rc = kv_conn_read(&c->conn, ctx->cfg.max_msg, !c->is_peer, &msg,
+                          &len, &why);
+        if (rc == 0) {
+            break;
+        }
+        if (rc == -2) {
+            kv_warn("%s: %s (limit %u bytes); closing the connection",
+                    c->is_peer ? "ctrl" : "api", why, ctx->cfg.max_msg);
+            if (!c->is_peer) {
+                j = cJSON_CreateObject();
+                cJSON_AddBoolToObject(j, "ok", 0);
+                cJSON_AddStringToObject(j, "code", "too_large");
+                cJSON_AddStringToObject(j, "error", "message too large");
+                kv_client_send(ctx, i, j);
+            }
+            c->conn.closing = 1;
+            c->conn.rlen = 0;
+            break;
+        }
+        if (rc < 0) {
+            kv_client_close(ctx, i);
+            return;
+        }
+        rc = c->is_peer ? kv_ctrl_in_msg(ctx, i, msg, len)
+                        : kv_api_msg(ctx, i, msg, len);
+        if (!c->used) {
+            return;
+        }
+        kv_conn_consume(&c->conn, len);
+        if (rc < 0) {
+            kv_client_close(ctx, i);
+            return;
+        }
+    }
+}
+
+
+static void
+housekeeping(kv_ctx_t *ctx, uint64_t now)
+{
+    static uint64_t next_gc;
+    int i;
+
+    kv_ctrl_tick(ctx, now);
+    kv_xfer_timeouts(ctx, now);
+    kv_api_waiters_tick(ctx, now);
+    for (i = 0; i < ctx->nclients; i++) {
+        kv_client_t *c = &ctx->clients[i];
+        if (!c->used) {
+            continue;
+        }
+        if (c->conn.closing == 2
+            || (c->conn.closing && c->conn.woff == c->conn.wlen))
+        {
+            kv_client_close(ctx, i);
+        } else if (c->is_peer && c->peer < 0
+                   && now > c->t_open_ms + KV_HELLO_TIMEOUT_MS)
+        {
+            kv_warn("ctrl: no hello within %d ms; closing",
+                    KV_HELLO_TIMEOUT_MS);
+            kv_client_close(ctx, i);
+        }
+    }
+    if (now >= next_gc) {
+        next_gc = now + 10000;
+        if (ctx->cfg.retention_ms > 0) {
+            kv_state_gc(&ctx->st, kv_wall_ms() - ctx->cfg.retention_ms);
+        }
+    }
+}
+
+
+static void
+run_loop(kv_ctx_t *ctx)
+{
+    struct pollfd *pfd;
+    int *who, n, i, np, timeout;
+    size_t cap = 2 + KV_MAX_PEERS + ctx->nclients;
+
+    pfd = calloc(cap, sizeof(*pfd));
+    who = calloc(cap, sizeof(*who));
+    if (pfd == NULL || who == NULL) {
+        free(pfd);
+        free(who);
+        return;
+    }
+    while (!kv_got_signal) {
+        n = 0;
+        pfd[n].fd = ctx->ctrl_lfd;
+        pfd[n].events = POLLIN;
+        who[n++] = -1;
+        if (ctx->api_lfd >= 0) {
+            pfd[n].fd = ctx->api_lfd;
+            pfd[n].events = POLLIN;
+            who[n++] = -2;
+        }
+        np = n;
+        for (i = 0; i < ctx->npeers; i++) {
+            kv_peer_t *pe = &ctx->peers[i];
+            if (pe->out_state == KV_LINK_DOWN || pe->out.fd < 0) {
+                continue;
+            }
+            pfd[n].fd = pe->out.fd;
+            pfd[n].events = POLLIN;
+            if (pe->out_state == KV_LINK_CONNECTING
+                || pe->out.woff < pe->out.wlen)
+            {
+                pfd[n].events |= POLLOUT;
+            }
+            who[n++] = i;
+        }
+        for (i = 0; i < ctx->nclients; i++) {
+            kv_client_t *c = &ctx->clients[i];
+            if (!c->used) {
+                continue;
+            }
+            pfd[n].fd = c->conn.fd;
+            pfd[n].events = c->conn.closing ? 0 : POLLIN;
+            if (c->conn.woff < c->conn.wlen) {
+                pfd[n].events |= POLLOUT;
+            }
+            who[n++] = 1000 + i;
+        }
+        /* spin while data moves (the providers progress on our calls),
+         * else sleep a little: idle CQs still need occasional progress */
+        timeout = kv_xfer_busy(ctx) ? 0 : KV_IDLE_POLL_MS;
+        if (poll(pfd, n, timeout) < 0 && errno != EINTR) {
+            kv_err("poll: %s", strerror(errno));
+            break;
+        }
+        for (i = 0; i < n; i++) {
+            if (!pfd[i].revents) {
+                continue;
+            }
+            if (who[i] == -1) {
+                accept_all(ctx, ctx->ctrl_lfd, 1);
+            } else if (who[i] == -2) {
+                accept_all(ctx, ctx->api_lfd, 0);
+            } else if (i >= np && who[i] < 1000) {
+                if (ctx->peers[who[i]].out.fd == pfd[i].fd) {
+                    kv_ctrl_out_event(ctx, who[i], pfd[i].revents);
+                }
+            } else if (who[i] >= 1000) {
+                kv_client_t *c = &ctx->clients[who[i] - 1000];
+                if (c->used && c->conn.fd == pfd[i].fd) {
+                    client_event(ctx, who[i] - 1000, pfd[i].revents);
+                }
+            }
+        }
+        kv_xfer_progress(ctx);
+        housekeeping(ctx, kv_now_ms());
+    }
+    free(pfd);
+    free(who);
+}
+
+
+static void
+shutdown_ctx(kv_ctx_t *ctx)
+{
+    int i;
+
+    ctx->stop = 1;
+    if (ctx->push || ctx->rreq) {
+        kv_xfer_fail_all(ctx, "agent shutting down");
+    }
+    for (i = 0; i < ctx->npeers; i++) {
+        if (ctx->peers[i].out.fd >= 0) {
+            kv_conn_flush(&ctx->peers[i].out);
+            kv_conn_free(&ctx->peers[i].out);
+        }
+    }
+    for (i = 0; i < ctx->nclients; i++) {
+        if (ctx->clients[i].used) {
+            kv_conn_flush(&ctx->clients[i].conn);
+            kv_conn_free(&ctx->clients[i].conn);
+            ctx->clients[i].used = 0;
+        }
+    }
+    if (ctx->st.map) {
+        kv_ctrl_update_self(ctx);
+        kv_state_close(&ctx->st, 1);
+    }
+    if (ctx->ctrl_lfd >= 0) {
+        close(ctx->ctrl_lfd);
+    }
+    if (ctx->api_lfd >= 0) {
+        close(ctx->api_lfd);
+        unlink(ctx->cfg.api_socket);
+    }
+    if (ctx->fab_ok) {
+        kv_fabric_close(&ctx->fab);
+    }
+    if (ctx->cfg.has_pool) {
+        kv_pool_free(ctx);
+    }
+    kv_xfer_fini(ctx);
+    free(ctx->clients);
+}
+
+
+int
+kv_run_main(int argc, char **argv)
+{
+    const char *cfg_path = NULL;
+    struct sigaction sa;
+    char err[512];
+    kv_ctx_t *ctx;
+    int i, rc = 1;
+
+    for (i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--config") == 0 && i + 1 < argc) {
+            cfg_path = argv[++i];
+        } else {
+            fprintf(stderr, "usage: kv_agent run --config FILE\n");
+            return 2;
+        }
+    }
+    if (cfg_path == NULL) {
+        fprintf(stderr, "usage: kv_agent run --config FILE\n");
+        return 2;
+    }
+    ctx = calloc(1, sizeof(*ctx));
+    if (ctx == NULL) {
+        return 1;
+    }
+    ctx->ctrl_lfd = ctx->api_lfd = -1;
+    if (kv_config_load(&ctx->cfg, cfg_path, err, sizeof(err)) != 0) {
+        fprintf(stderr, "kv_agent: config: %s\n", err);
+        free(ctx);
+        return 2;
+    }
+    kv_log_level = ctx->cfg.log_level;
+
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sa.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &sa, NULL);
+
+    ctx->npeers = ctx->cfg.npeers;
+    for (i = 0; i < ctx->npeers; i++) {
+        ctx->peers[i].conf = ctx->cfg.peers[i];
+        ctx->peers[i].out.fd = -1;
+        ctx->peers[i].in_conn = -1;
+    }
+    ctx->nclients = ctx->cfg.max_clients + 2 * KV_MAX_PEERS;
+    ctx->clients = calloc(ctx->nclients, sizeof(kv_client_t));
+    if (ctx->clients == NULL) {
+        goto out;
+    }
+    kv_info("starting node %s (%s)", ctx->cfg.node_id,
+            dpd_state_role_name(ctx->cfg.role));
+    if (kv_state_open(&ctx->st, ctx->cfg.state_path, ctx->cfg.node_id,
+                      ctx->cfg.max_nodes, ctx->cfg.max_reqs) != 0)
+    {
+        goto out;
+    }
+    if (ctx->cfg.has_pool) {
+        if (kv_pool_alloc(ctx) != 0) {
+            goto out;
+        }
+        if (kv_fabric_open(&ctx->fab, ctx->cfg.provider,
+                           ctx->cfg.allow_fallback, ctx->cfg.rails,
+                           ctx->cfg.nrails, ctx->cfg.cuda_dev >= 0) != 0)
+        {
+            goto out;
+        }
+        ctx->fab_ok = 1;
+        if (kv_pool_register(ctx) != 0) {
+            goto out;
+        }
+    }
+    if (kv_xfer_init(ctx) != 0) {
+        kv_err("cannot allocate transfer state");
+        goto out;
+    }
+    if (kv_ctrl_listen(ctx) != 0 || kv_api_listen(ctx) != 0) {
+        goto out;
+    }
+    kv_ctrl_update_self(ctx);
+    for (i = 0; i < ctx->npeers; i++) {
+        kv_ctrl_update_node(ctx, i);
+    }
+    kv_info("ready");
+    run_loop(ctx);
+    if (kv_got_signal) {
+        kv_info("signal %d: shutting down", (int) kv_got_signal);
+    }
+    rc = 0;
+
+out:
+    shutdown_ctx(ctx);
+    kv_info("stopped");
+    free(ctx);
+    return rc;
+}

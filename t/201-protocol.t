@@ -1,0 +1,318 @@
+# The wire transforms of the disaggregated path (DESIGN.md §2), tested on
+# ngx_dpd_module/ngx_http_dpd_protocol.c alone: a small C driver (below,
+# compiled here with cc and libcjson) feeds it requests and replies.
+
+use strict;
+use warnings;
+
+use Test::More;
+use File::Spec;
+use File::Temp qw(tempdir);
+use IPC::Open3 qw(open3);
+use JSON::PP ();
+
+my $root = $ENV{DPD_ROOT}
+           || File::Spec->rel2abs(File::Spec->catdir(
+                  (File::Spec->splitpath(__FILE__))[1], File::Spec->updir));
+my $src = "$root/ngx_dpd_module/ngx_http_dpd_protocol.c";
+my $cc = $ENV{CC} || 'cc';
+
+plan skip_all => "cJSON headers not installed (apt-get install libcjson-dev)"
+    unless -f '/usr/include/cjson/cJSON.h';
+
+my $dir = tempdir('dpd-proto-XXXXXX', TMPDIR => 1, CLEANUP => 1);
+my $driver = "$dir/driver.c";
+open my $fh, '>', $driver or die "$driver: $!";
+print $fh <<'_C_';
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "ngx_http_dpd_protocol.h"
+
+static char *slurp(size_t *n)
+{
+    size_t cap = 1 << 16, len = 0, r;
+    char *buf = malloc(cap);
+    while (buf && (r = fread(buf + len, 1, cap - len, stdin)) > 0) {
+        len += r;
+        if (len == cap) { cap *= 2; buf = realloc(buf, cap); }
+    }
+    *n = len;
+    return buf;
+}
+
+static size_t ports(const char *s, unsigned short *out)
+{
+    size_t n = 0;
+    while (s && *s && n < 64) {
+        out[n++] = (unsigned short) strtoul(s, (char **) &s, 10);
+        if (*s == ',') s++;
+    }
+    return n;
+}
+
+int main(int argc, char **argv)
+{
+    size_t n, len;
+    char *in = slurp(&n), *out;
+    int proto = (argc > 2 && strcmp(argv[2], "lmcache") == 0)
+                ? NGX_HTTP_DPD_PROTO_LMCACHE : NGX_HTTP_DPD_PROTO_NIXL;
+    cJSON *j, *params;
+    const char *why;
+
+    if (strcmp(argv[1], "prefill") == 0) {
+        unsigned short ip[64], ap[64];
+        ngx_http_dpd_lmcache_spec_t spec = { 0 };
+        if (argc > 6) {
+            spec.req_id = argv[3];
+            spec.receiver_host = argv[4];
+            spec.nports = ports(argv[5], ip);
+            ports(argv[6], ap);
+            spec.init_ports = ip;
+            spec.alloc_ports = ap;
+        }
+        j = cJSON_ParseWithLength(in, n);
+        out = ngx_http_dpd_proto_prefill_body(j, proto,
+                                              argc > 6 ? &spec : NULL, &len);
+        if (out == NULL) { puts("NULL"); return 0; }
+        fwrite(out, 1, len, stdout);
+        cJSON_free(out);
+        cJSON_Delete(j);
+        free(in);
+        return 0;
+    }
+
+    if (strcmp(argv[1], "reply") == 0) {
+        int kind = ngx_http_dpd_proto_parse_reply(in, n, proto, &params, &why);
+        out = params ? cJSON_PrintUnformatted(params) : NULL;
+        printf("%d\t%s\t%s", kind, why ? why : "", out ? out : "");
+        cJSON_free(out);
+        cJSON_Delete(params);
+        free(in);
+        return 0;
+    }
+
+    if (strcmp(argv[1], "decode") == 0) {
+        /* stdin: {"req": {...}, "params": {...}|null} */
+        j = cJSON_ParseWithLength(in, n);
+        out = ngx_http_dpd_proto_decode_body(
+                  cJSON_GetObjectItem(j, "req"),
+                  cJSON_IsObject(cJSON_GetObjectItem(j, "params"))
+                      ? cJSON_GetObjectItem(j, "params") : NULL,
+                  argc > 2 ? argv[2] : NULL, &len);
+        if (out == NULL) { puts("NULL"); return 0; }
+        fwrite(out, 1, len, stdout);
+        cJSON_free(out);
+        cJSON_Delete(j);
+        free(in);
+        return 0;
+    }
+
+    if (strcmp(argv[1], "strip") == 0) {
+        j = cJSON_ParseWithLength(in, n);
+        printf("%d\t", ngx_http_dpd_proto_strip(j));
+        out = cJSON_PrintUnformatted(j);
+        fputs(out, stdout);
+        cJSON_free(out);
+        cJSON_Delete(j);
+        free(in);
+        return 0;
+    }
+
+    free(in);
+    return 2;
+}
+_C_
+close $fh;
+
+my $bin = "$dir/driver";
+my $build = `$cc -std=c11 -Wall -Wextra -Werror -O1 -g -I$root/ngx_dpd_module $driver $src -o $bin -lcjson -lm 2>&1`;
+is $?, 0, 'driver builds with ngx_http_dpd_protocol.c alone (no nginx)'
+    or diag $build;
+BAIL_OUT("cannot build the protocol driver") if $?;
+
+my $json = JSON::PP->new->utf8->canonical;
+
+sub run_driver {
+    my ($input, @args) = @_;
+    my $pid = open3(my $w, my $r, undef, $bin, @args);
+    print $w $input;
+    close $w;
+    local $/;
+    my $out = <$r>;
+    waitpid $pid, 0;
+    die "driver @args exited $?" if $?;
+    return $out;
+}
+
+sub prefill { $json->decode(run_driver($json->encode($_[0]), 'prefill', @_[1 .. $#_])) }
+
+# --- the prefill copy -------------------------------------------------------
+
+my $chat = {model => 'm', messages => [{role => 'user', content => "hi \x{e9}"}],
+            stream => JSON::PP::true, stream_options => {include_usage => JSON::PP::true},
+            max_tokens => 200, max_completion_tokens => 300, min_tokens => 5,
+            temperature => 0.7, seed => 42,
+            kv_transfer_params => {remote_host => '10.9.9.9', do_remote_prefill => JSON::PP::true}};
+
+my $p = prefill($chat, 'nixl');
+is $p->{max_tokens}, 1, 'prefill copy: max_tokens 1';
+is $p->{max_completion_tokens}, 1, 'prefill copy: max_completion_tokens 1 when present';
+ok !$p->{stream}, 'prefill copy: stream false';
+ok JSON::PP::is_bool($p->{stream}), 'prefill copy: stream is a JSON boolean';
+ok !exists $p->{stream_options}, 'prefill copy: no stream_options';
+ok !exists $p->{min_tokens}, 'prefill copy: no min_tokens';
+is $p->{temperature}, 0.7, 'prefill copy keeps sampling fields';
+is $p->{seed}, 42, 'prefill copy keeps seed';
+is_deeply $p->{messages}, $chat->{messages}, 'prefill copy keeps the messages (UTF-8 intact)';
+is_deeply $p->{kv_transfer_params},
+    {do_remote_decode => JSON::PP::true, do_remote_prefill => JSON::PP::false,
+     remote_engine_id => undef, remote_block_ids => undef,
+     remote_host => undef, remote_port => undef},
+    'nixl prefill params replace the client-supplied ones';
+
+my $cmpl = {model => 'm', prompt => [1, 2, 3], max_tokens => 7,
+            min_completion_tokens => 2};
+$p = prefill($cmpl, 'nixl');
+is $p->{max_tokens}, 1, 'completions: max_tokens 1';
+ok !exists $p->{max_completion_tokens}, 'max_completion_tokens not added when absent';
+ok !exists $p->{min_completion_tokens}, 'no min_completion_tokens';
+is_deeply $p->{prompt}, [1, 2, 3], 'token-id prompt kept';
+
+$p = prefill({model => 'm', prompt => 'x'}, 'nixl');
+is $p->{max_tokens}, 1, 'max_tokens 1 added when the client gave none';
+
+# duplicated keys: every occurrence goes
+my $dup = run_driver('{"prompt":"x","stream":true,"stream":true,'
+                     . '"kv_transfer_params":{"a":1},"kv_transfer_params":{"b":2}}',
+                     'prefill', 'nixl');
+my $n_stream = () = $dup =~ /"stream"/g;
+my $n_ktp = () = $dup =~ /"kv_transfer_params"/g;
+is $n_stream, 1, 'a repeated "stream" key leaves exactly one (false)';
+is $n_ktp, 1, 'repeated client kv_transfer_params leave only ours';
+unlike $dup, qr/"[ab]":/, 'no client transfer params survive';
+
+$p = prefill($chat, 'lmcache', 'req-42', '127.0.0.5', '7300,7301', '7400,7401');
+is_deeply $p->{kv_transfer_params},
+    {ret_first_tok => JSON::PP::true,
+     disagg_spec => {req_id => 'req-42', receiver_host => '127.0.0.5',
+                     receiver_init_port => [7300, 7301],
+                     receiver_alloc_port => [7400, 7401]}},
+    'lmcache prefill params: disagg_spec with the decoder and its ports';
+is $p->{max_tokens}, 1, 'lmcache prefill copy: max_tokens 1';
+
+is run_driver($json->encode($chat), 'prefill', 'lmcache'), "NULL\n",
+    'lmcache without a decoder spec builds nothing';
+is run_driver('[1,2]', 'prefill', 'nixl'), "NULL\n",
+    'a non-object request builds nothing';
+
+# --- the prefill reply ------------------------------------------------------
+
+my $ktp = {do_remote_prefill => JSON::PP::true, do_remote_decode => JSON::PP::false,
+           remote_block_ids => [1, 2, 3], remote_engine_id => 'eng-1',
+           remote_request_id => 'cmpl-x-0', remote_host => '6.6.6.6',
+           remote_port => 5600, tp_size => 1};
+my $reply = {id => 'cmpl-x', choices => [{text => 'a'}], kv_transfer_params => $ktp};
+
+my ($kind, $why, $out) = split /\t/, run_driver($json->encode($reply), 'reply', 'nixl'), 3;
+is $kind, 0, 'nixl reply with params: usable';
+is_deeply $json->decode($out), $ktp, 'params kept as sent (host replaced later)';
+
+my %old = %$ktp;
+delete @old{qw(remote_request_id tp_size)};
+($kind) = split /\t/, run_driver($json->encode({kv_transfer_params => \%old}), 'reply', 'nixl');
+is $kind, 0, 'older vLLM params (first six only) are usable';
+
+for my $case (
+    [{%$ktp, do_remote_prefill => JSON::PP::false}, 'do_remote_prefill false'],
+    [{%$ktp, remote_block_ids => 'all'}, 'block ids not an array'],
+    [{%$ktp, remote_block_ids => [1, -2]}, 'negative block id'],
+    [{%$ktp, remote_block_ids => [1.5]}, 'fractional block id'],
+    [{%$ktp, remote_port => 70000}, 'port out of range'],
+    [{%$ktp, remote_port => '5600'}, 'port as a string'],
+    [{%$ktp, remote_engine_id => ''}, 'empty engine id'],
+    [do { my %h = %$ktp; delete $h{remote_engine_id}; \%h }, 'no engine id'],
+    ['nope', 'params not an object'],
+) {
+    ($kind, $why) = split /\t/,
+        run_driver($json->encode({kv_transfer_params => $case->[0]}), 'reply', 'nixl');
+    is $kind, 1, "unusable params ($case->[1]): decode without them";
+    ok length $why, "  ... with a reason ($why)";
+}
+
+($kind, $why) = split /\t/, run_driver('{"id":"x"}', 'reply', 'nixl');
+is $kind, 1, 'reply without kv_transfer_params: decode without';
+($kind) = split /\t/, run_driver('{"kv_transfer_params":null}', 'reply', 'nixl');
+is $kind, 1, 'kv_transfer_params null: decode without';
+
+for my $bad ('', 'not json', '[1,2,3]', '"str"', '{"a":', "{\"a\":1}trailing") {
+    ($kind) = split /\t/, run_driver($bad, 'reply', 'nixl');
+    is $kind, 2, "reply " . ($bad eq '' ? 'empty' : "'$bad'") . ": invalid (as a 5xx)";
+}
+
+($kind, $why, $out) = split /\t/, run_driver($json->encode($reply), 'reply', 'lmcache'), 3;
+is $kind, 1, 'lmcache reply: nothing to carry (the KV was pushed)';
+is $out, '', 'lmcache reply: no params';
+
+# --- the decode body --------------------------------------------------------
+
+my $dec = $json->decode(run_driver($json->encode({req => $chat, params => $ktp}),
+                                   'decode', '127.0.0.2'));
+is $dec->{kv_transfer_params}{remote_host}, '127.0.0.2',
+    'decode params: remote_host is the prefill peer, not the reply\'s';
+is $dec->{kv_transfer_params}{remote_engine_id}, 'eng-1', 'decode params: engine id copied';
+is_deeply $dec->{kv_transfer_params}{remote_block_ids}, [1, 2, 3], 'decode params: block ids copied';
+ok $dec->{stream}, 'decode body keeps the client\'s stream flag';
+is $dec->{max_tokens}, 200, 'decode body keeps the client\'s max_tokens';
+is_deeply $dec->{stream_options}, {include_usage => JSON::PP::true},
+    'decode body keeps stream_options';
+
+$dec = $json->decode(run_driver($json->encode({req => $chat, params => undef}), 'decode'));
+ok !exists $dec->{kv_transfer_params}, 'decode body without params: client params stripped';
+
+$dec = $json->decode(run_driver($json->encode({req => $chat, params => $ktp}), 'decode'));
+ok !exists $dec->{kv_transfer_params},
+    'params without a known prefill host are dropped, never passed through';
+
+my $noh = {%$ktp};
+delete $noh->{remote_host};
+$dec = $json->decode(run_driver($json->encode({req => $cmpl, params => $noh}),
+                                'decode', '::1'));
+is $dec->{kv_transfer_params}{remote_host}, '::1', 'remote_host added when the reply had none';
+
+# --- strip ------------------------------------------------------------------
+
+my ($cnt, $rest) = split /\t/, run_driver('{"a":1,"kv_transfer_params":{},"kv_transfer_params":2,"KV_TRANSFER_PARAMS":3}', 'strip');
+is $cnt, 2, 'strip removes every kv_transfer_params';
+is $rest, '{"a":1,"KV_TRANSFER_PARAMS":3}', 'other keys (and other spellings) untouched';
+
+# --- memory: every path under valgrind --------------------------------------
+
+SKIP: {
+    skip 'valgrind not installed', 1 unless `sh -c 'command -v valgrind'`;
+    my @runs = (
+        [$json->encode($chat), 'prefill', 'nixl'],
+        [$json->encode($chat), 'prefill', 'lmcache', 'r', 'h', '1,2', '3,4'],
+        [$json->encode($reply), 'reply', 'nixl'],
+        [$json->encode({kv_transfer_params => {%$ktp, remote_port => -1}}), 'reply', 'nixl'],
+        ['{"a":', 'reply', 'nixl'],
+        [$json->encode({req => $chat, params => $ktp}), 'decode', '127.0.0.2'],
+    );
+    my $errors = '';
+    for my $run (@runs) {
+        my ($input, @args) = @$run;
+        my $pid = open3(my $w, my $r, undef, 'valgrind', '-q',
+                        '--error-exitcode=99', '--leak-check=full',
+                        '--errors-for-leak-kinds=definite,indirect',
+                        $bin, @args);
+        print $w $input;
+        close $w;
+        local $/;
+        my $o = <$r>;
+        waitpid $pid, 0;
+        $errors .= "@args: exit " . ($? >> 8) . "\n$o\n" if $? >> 8 == 99;
+    }
+    is $errors, '', 'no leak or invalid access on any path (valgrind)';
+}
+
+done_testing;

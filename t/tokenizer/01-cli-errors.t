@@ -1,0 +1,143 @@
+# dpd-tokenize's command line and the loader's refusals: every bad
+# tokenizer.json fails with exit 2 and a message naming the field.
+# The bad files are variants of a small valid byte-level BPE built here.
+use strict;
+use warnings;
+use FindBin;
+use lib "$FindBin::Bin/lib";
+use Test::More;
+use JSON::PP;
+use TokTest;
+
+skip_unless_ready();
+my $cli = tokcli();
+my $dir = corpus_dir() . '/bad';
+system('mkdir', '-p', $dir);
+my $json = JSON::PP->new->utf8->canonical;
+
+# GPT-2 byte alphabet: printable Latin-1 stands for itself, the rest 256+
+my @b2u;
+my $n = 0;
+for my $b (0 .. 255) {
+    my $p = ($b >= 0x21 && $b <= 0x7E) || ($b >= 0xA1 && $b <= 0xAC) || ($b >= 0xAE);
+    $b2u[$b] = $p ? chr($b) : chr(256 + $n++);
+}
+sub tiny {
+    my %vocab = map { ($b2u[$_] => $_) } 0 .. 255;
+    $vocab{'he'} = 256; $vocab{'ll'} = 257; $vocab{'hell'} = 258;
+    $vocab{'hello'} = 259; $vocab{"\x{120}w"} = 260;
+    return {
+        version => '1.0', normalizer => undef,
+        added_tokens => [{ id => 261, content => '<s>', special => JSON::PP::true,
+                           normalized => JSON::PP::false, lstrip => JSON::PP::false,
+                           rstrip => JSON::PP::false, single_word => JSON::PP::false }],
+        pre_tokenizer => { type => 'Sequence', pretokenizers => [
+            { type => 'Split', pattern => { Regex => '\\s?\\p{L}+|\\s+|.' },
+              behavior => 'Isolated', invert => JSON::PP::false },
+            { type => 'ByteLevel', add_prefix_space => JSON::PP::false,
+              trim_offsets => JSON::PP::false, use_regex => JSON::PP::false } ] },
+        post_processor => { type => 'TemplateProcessing',
+            single => [{ SpecialToken => { id => '<s>', type_id => 0 } },
+                       { Sequence => { id => 'A', type_id => 0 } }],
+            pair => [{ SpecialToken => { id => '<s>', type_id => 0 } },
+                     { Sequence => { id => 'A', type_id => 0 } },
+                     { Sequence => { id => 'B', type_id => 1 } }],
+            special_tokens => { '<s>' => { id => '<s>', ids => [261], tokens => ['<s>'] } } },
+        model => { type => 'BPE', ignore_merges => JSON::PP::false, vocab => \%vocab,
+                   merges => ['h e', 'l l', 'he ll', 'hell o', "\x{120} w"] },
+    };
+}
+sub write_tok { my ($name, $d) = @_; my $f = "$dir/$name.json";
+                spew($f, ref $d ? $json->encode($d) : $d); return $f }
+
+sub run_in {
+    my ($args, $input) = @_;
+    spew("$dir/in.txt", $input);
+    my ($rc, $err) = run_cmd("'$cli' $args < '$dir/in.txt' > '$dir/out.txt'", 20);
+    return ($rc, $err, slurp("$dir/out.txt"));
+}
+
+# the valid one works: "hello" is one token, <s> matched, BOS with --special
+my $good = write_tok('good', tiny());
+my ($rc, $err, $out) = run_in("--tokenizer '$good' --ids", "hello world<s>");
+is($rc, 0, 'tiny tokenizer loads') or diag $err;
+is($out, "259 260 111 114 108 100 261\n", "tiny tokenizer ids (as the oracle gives)");
+(undef, undef, $out) = run_in("--tokenizer '$good' --ids --special", "");
+is($out, "261\n", 'empty text + --special gives the template BOS only');
+(undef, undef, $out) = run_in("--tokenizer '$good' --count", "");
+is($out, "0\n", 'empty text: count 0');
+(undef, undef, $out) = run_in("--tokenizer '$good' --ids", "");
+is($out, "\n", 'empty text: no ids');
+(undef, undef, $out) = run_in("--tokenizer '$good' --jsonl --ids", "\"\"\n\"hello\"\n\"\\u0000\"\n");
+is($out, "\n259\n0\n", '--jsonl: one line per input, empty string gives empty line');
+
+my @bad = (
+    ['missing file', "$dir/nonexistent.json", qr/nonexistent\.json: No such file/],
+    ['invalid JSON', write_tok('badjson', '{"model": {'), qr/invalid JSON near byte \d+ \(line 1\)/],
+    ['not an object', write_tok('array', '[]'), qr/not a JSON object/],
+    ['no model', sub { delete $_[0]{model} }, qr/model: missing or not an object/],
+    ['model type', sub { $_[0]{model}{type} = 'Unigram' }, qr/model\.type: unsupported "Unigram"/],
+    ['no vocab', sub { delete $_[0]{model}{vocab} }, qr/model\.vocab: missing/],
+    ['bad id', sub { $_[0]{model}{vocab}{he} = -1 }, qr/model\.vocab\["he"\]: id is not a non-negative integer/],
+    ['no merges', sub { delete $_[0]{model}{merges} }, qr/model\.merges: missing/],
+    ['merge shape', sub { $_[0]{model}{merges}[1] = 'l l l' }, qr/model\.merges\[1\]: "l l l" is not two tokens/],
+    ['merge mix', sub { $_[0]{model}{merges}[1] = ['l', 'l'] }, qr/model\.merges\[1\]: mixes/],
+    ['merge pair', sub { $_[0]{model}{merges} = [['h', 'e'], ['l']] }, qr/model\.merges\[1\]: expected/],
+    ['merge side', sub { $_[0]{model}{merges}[2] = 'hx ll' }, qr/model\.merges\[2\]: token "hx" is not in model\.vocab/],
+    ['merge result', sub { $_[0]{model}{merges}[2] = 'll he' }, qr/model\.merges\[2\]: merged token "llhe" is not in model\.vocab/],
+    ['byte_fallback', sub { $_[0]{model}{byte_fallback} = JSON::PP::true }, qr/model\.byte_fallback: unsupported/],
+    ['bad regex', sub { $_[0]{pre_tokenizer}{pretokenizers}[0]{pattern}{Regex} = '(\\p{L}' },
+     qr/pre_tokenizer\.pretokenizers\[0\]\.pattern\.Regex: bad regex: missing closing parenthesis/],
+    ['no pattern', sub { $_[0]{pre_tokenizer}{pretokenizers}[0]{pattern} = 'x' },
+     qr/pre_tokenizer\.pretokenizers\[0\]\.pattern: expected/],
+    ['behavior', sub { $_[0]{pre_tokenizer}{pretokenizers}[0]{behavior} = 'Bogus' },
+     qr/pre_tokenizer\.pretokenizers\[0\]\.behavior: unsupported "Bogus"/],
+    ['pre type', sub { $_[0]{pre_tokenizer}{pretokenizers}[1]{type} = 'Whitespace' },
+     qr/pre_tokenizer\.pretokenizers\[1\]\.type: unsupported "Whitespace"/],
+    ['no ByteLevel', sub { pop @{$_[0]{pre_tokenizer}{pretokenizers}} }, qr/pre_tokenizer: no ByteLevel/],
+    ['normalizer', sub { $_[0]{normalizer} = { type => 'Sequence', normalizers => [{ type => 'NFC' }, { type => 'Lowercase' }] } },
+     qr/normalizer\.normalizers\[1\]\.type: unsupported "Lowercase"/],
+    ['added content', sub { delete $_[0]{added_tokens}[0]{content} }, qr/added_tokens\[0\]\.content: missing/],
+    ['added id', sub { $_[0]{added_tokens}[0]{id} = 'x' }, qr/added_tokens\[0\]\.id: missing or not/],
+    ['post ids', sub { delete $_[0]{post_processor}{special_tokens}{'<s>'}{ids} },
+     qr/post_processor\.special_tokens\["<s>"\]\.ids: missing/],
+    ['post type', sub { $_[0]{post_processor}{type} = 'Magic' }, qr/post_processor\.type: unsupported "Magic"/],
+);
+for my $b (@bad) {
+    my ($name, $what, $re) = @$b;
+    my $f = $what;
+    if (ref $what eq 'CODE') {
+        my $d = tiny();
+        $what->($d);
+        $f = write_tok("bad-$name", $d);
+        $f =~ s/ /_/g if 0;
+    }
+    ($rc, $err) = run_in("--tokenizer '$f' --count", "x");
+    is($rc, 2, "$name: exit 2");
+    like($err, $re, "$name: message names the field") or diag $err;
+}
+
+# tokenizer_config.json problems name the file and the field
+my $cfg = "$dir/config-bad.json";
+spew($cfg, '{"bos_token": 5}');
+($rc, $err) = run_in("--tokenizer '$good' --config '$cfg' --count", "x");
+is($rc, 2, 'bad config: exit 2');
+like($err, qr/config-bad\.json: bos_token: expected a string/, 'bad config: names the field');
+
+# command line misuse: exit 2 with a clear message
+for my $c (['', qr/--tokenizer FILE is required/],
+           ["--tokenizer '$good' --frobnicate", qr/unknown option "--frobnicate"/],
+           ["--tokenizer '$good' --template jinja", qr/--template: unknown "jinja"/],
+           ["--tokenizer", qr/--tokenizer needs a value/]) {
+    my ($args, $re) = @$c;
+    ($rc, $err) = run_in($args, "x");
+    is($rc, 2, "usage error exits 2: $args");
+    like($err, $re, "usage error message: $args");
+}
+($rc, $err) = run_in("--tokenizer '$good' --jsonl", "\"ok\"\nnot json\n");
+is($rc, 2, 'bad JSONL line: exit 2');
+like($err, qr/line 2: expected a JSON string/, 'bad JSONL line: names the line');
+($rc, $err) = run_in("--tokenizer '$good' --jsonl", "\"unterminated\n");
+like($err, qr/line 1: unterminated JSON string/, 'unterminated JSONL string');
+
+done_testing();

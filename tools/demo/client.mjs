@@ -1,0 +1,315 @@
+// DPD demo client: sends a mix of short and long streaming chat requests
+// through nginx with the official `openai` npm client and measures, per
+// request, the route nginx chose, prompt tokens (nginx's count and the
+// server's usage), time to first token and the inter-token gaps.
+//
+//   node client.mjs run --base-url URL --label NAME --out FILE.json
+//                       [--access-log FILE] [--short N] [--long N]
+//                       [--long-words N] [--max-tokens N] [--seed N]
+//   node client.mjs compare A.json B.json
+//
+// The workload is deterministic for a given seed, so two runs (co-located
+// and disaggregated) see the same requests at the same offsets.
+
+import { createRequire } from 'node:module';
+import { readFileSync, writeFileSync, existsSync } from 'node:fs';
+import { performance } from 'node:perf_hooks';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const npmDir = process.env.DPD_NPM
+    || path.join(here, '..', 'npm', 'node_modules');
+const require = createRequire(path.join(npmDir, 'noop.js'));
+
+function parseArgs(argv) {
+    const opts = { _: [] };
+    for (let i = 0; i < argv.length; i++) {
+        const a = argv[i];
+        if (a.startsWith('--')) {
+            opts[a.slice(2)] = argv[i + 1];
+            i++;
+        } else {
+            opts._.push(a);
+        }
+    }
+    return opts;
+}
+
+// --- deterministic workload -------------------------------------------
+
+function rng(seed) {
+    let s = seed >>> 0;
+    return () => {
+        s = (s * 1664525 + 1013904223) >>> 0;
+        return s / 4294967296;
+    };
+}
+
+const WORDS = ('the a of to and in is that for on with as by at from it this '
+    + 'gateway prefill decode cluster token cache latency throughput request '
+    + 'stream model memory network transfer batch scheduler kernel pod node '
+    + 'replica shard tensor layer attention vector context window budget '
+    + 'queue worker upstream balance route threshold metric histogram '
+    + 'engineer operator deploy region zone failure retry timeout health '
+    + 'report quarterly revenue customer contract policy review summary '
+    + 'river mountain harbor village market winter garden library bridge')
+    .split(' ');
+
+function sentence(r, n) {
+    const w = [];
+    for (let i = 0; i < n; i++) {
+        w.push(WORDS[Math.floor(r() * WORDS.length)]);
+    }
+    w[0] = w[0][0].toUpperCase() + w[0].slice(1);
+    return w.join(' ') + '.';
+}
+
+function paragraph(r, words) {
+    const s = [];
+    let left = words;
+    while (left > 0) {
+        const n = Math.min(left, 8 + Math.floor(r() * 12));
+        s.push(sentence(r, n));
+        left -= n;
+    }
+    return s.join(' ');
+}
+
+function workload(o) {
+    const r = rng(o.seed);
+    const reqs = [];
+    // short interactive requests arrive steadily over the whole window
+    for (let i = 0; i < o.short; i++) {
+        reqs.push({
+            kind: 'short',
+            at: 150 * i,
+            maxTokens: o.maxTokens,
+            messages: [
+                { role: 'system', content: 'You are a helpful assistant.' },
+                { role: 'user', content: 'Question: '
+                    + paragraph(r, 30 + Math.floor(r() * 120)) },
+            ],
+        });
+    }
+    // long-document requests land while the short ones are decoding
+    for (let i = 0; i < o.long; i++) {
+        const words = o.longWords + Math.floor(r() * o.longWords / 4);
+        const doc = [];
+        for (let left = words; left > 0; left -= 200) {
+            doc.push(paragraph(r, Math.min(200, left)));
+        }
+        reqs.push({
+            kind: 'long',
+            at: 250 + 450 * i,
+            maxTokens: 16,
+            messages: [
+                { role: 'system', content: 'You summarize documents.' },
+                { role: 'user', content: 'Summarize this document:\n\n'
+                    + doc.join('\n\n') },
+            ],
+        });
+    }
+    reqs.sort((a, b) => a.at - b.at);
+    reqs.forEach((q, i) => { q.id = i + 1; });
+    return reqs;
+}
+
+// --- measurement --------------------------------------------------------
+
+function pct(values, p) {
+    if (!values.length) return NaN;
+    const v = [...values].sort((a, b) => a - b);
+    const k = Math.min(v.length - 1, Math.ceil(p / 100 * v.length) - 1);
+    return v[Math.max(0, k)];
+}
+
+function mean(values) {
+    if (!values.length) return NaN;
+    return values.reduce((a, b) => a + b, 0) / values.length;
+}
+
+function ms(x, w = 6) {
+    return Number.isFinite(x) ? x.toFixed(1).padStart(w) : '-'.padStart(w);
+}
+
+async function one(client, q, label, runId) {
+    const reqId = `demo-${runId}-${label}-${String(q.id).padStart(2, '0')}`;
+    const res = { id: q.id, kind: q.kind, requestId: reqId, gaps: [] };
+    const t0 = performance.now();
+    try {
+        const { data: stream, response } = await client.chat.completions
+            .create({
+                model: 'emu-model',
+                messages: q.messages,
+                max_tokens: q.maxTokens,
+                stream: true,
+                stream_options: { include_usage: true },
+            }, { headers: { 'X-Request-Id': reqId } })
+            .withResponse();
+        res.route = response.headers.get('x-dpd-route') || undefined;
+        res.nginxTokens = response.headers.get('x-dpd-prompt-tokens')
+            || undefined;
+        const h = (name) => response.headers.get(name) || undefined;
+        res.decodePeer = h('x-dpd-decode-peer');
+        res.prefillPeer = h('x-dpd-prefill-peer');
+        res.prefillMs = h('x-dpd-prefill-ms');
+        res.decisionUs = h('x-dpd-decision-us');
+        let last = null;
+        let tokens = 0;
+        for await (const chunk of stream) {
+            const now = performance.now();
+            if (chunk.usage) {
+                res.usagePrompt = chunk.usage.prompt_tokens;
+                res.usageCompletion = chunk.usage.completion_tokens;
+            }
+            const delta = chunk.choices && chunk.choices[0]
+                && chunk.choices[0].delta;
+            if (!delta || !delta.content) continue;
+            tokens++;
+            if (last === null) {
+                res.ttft = now - t0;
+            } else {
+                res.gaps.push(now - last);
+            }
+            last = now;
+        }
+        res.tokens = tokens;
+    } catch (e) {
+        res.error = (e && (e.status ? `HTTP ${e.status}: ` : '')
+            + (e.message || String(e))).slice(0, 160);
+    }
+    res.total = performance.now() - t0;
+    return res;
+}
+
+// nginx's access log line for a request id (demo log_format: key=value)
+function fromAccessLog(file, reqId) {
+    if (!file || !existsSync(file)) return {};
+    for (const line of readFileSync(file, 'utf8').split('\n')) {
+        if (!line.includes(`rid=${reqId} `)) continue;
+        const kv = {};
+        for (const m of line.matchAll(/(\w+)=(\S*)/g)) kv[m[1]] = m[2];
+        return kv;
+    }
+    return {};
+}
+
+function line(label, r) {
+    const head = `[${label}] #${String(r.id).padStart(2, '0')}`
+        + ` ${r.kind.padEnd(5)}`;
+    // observe mode: the decision is logged, the request still goes direct
+    let route = r.route || '?';
+    if (route === 'disaggregated' && !r.prefillPeer) route += '*';
+    route = route.padEnd(14);
+    const tok = String(r.nginxTokens ?? '?').padStart(5);
+    if (r.error) {
+        return `${head} ${route} prompt ${tok} tok  ERROR ${r.error}`;
+    }
+    const usage = String(r.usagePrompt ?? '?').padStart(5);
+    const dec = r.decisionUs !== undefined ? ` in ${r.decisionUs}us` : '';
+    let where = r.decodePeer ? `decode ${r.decodePeer}` : '';
+    if (r.prefillPeer) {
+        where = `prefill ${r.prefillPeer} ${r.prefillMs ?? '?'}ms -> ` + where;
+    }
+    return `${head} ${route} prompt ${tok} tok${dec} (server ${usage})`
+        + `  ttft ${ms(r.ttft, 6)}ms`
+        + `  gap mean ${ms(r.gaps.length ? mean(r.gaps) : NaN, 5)}`
+        + ` p99 ${ms(pct(r.gaps, 99), 5)}ms`
+        + `  ${where}`;
+}
+
+function summarize(label, results) {
+    const out = {};
+    for (const kind of ['short', 'long']) {
+        const rs = results.filter(r => r.kind === kind && !r.error);
+        const gaps = rs.flatMap(r => r.gaps);
+        out[kind] = {
+            n: rs.length,
+            ttftMean: mean(rs.map(r => r.ttft)),
+            ttftP99: pct(rs.map(r => r.ttft), 99),
+            gapMean: mean(gaps),
+            gapP99: pct(gaps, 99),
+        };
+    }
+    out.errors = results.filter(r => r.error).length;
+    if (results.some(r => r.route === 'disaggregated' && !r.prefillPeer
+                          && !r.error)) {
+        console.log(`[${label}] * decision only: no prefill pool here, `
+            + 'the request went straight to a decoder');
+    }
+    console.log(`[${label}] summary: short n=${out.short.n}`
+        + ` gap mean=${ms(out.short.gapMean)}ms p99=${ms(out.short.gapP99)}ms`
+        + ` ttft mean=${ms(out.short.ttftMean)}ms;`
+        + ` long n=${out.long.n} ttft mean=${ms(out.long.ttftMean)}ms`
+        + ` p99=${ms(out.long.ttftP99)}ms; errors=${out.errors}`);
+    return out;
+}
+
+async function run(o) {
+    const OpenAI = require('openai');
+    const client = new OpenAI({
+        baseURL: o['base-url'],
+        apiKey: 'dpd-demo',
+        maxRetries: 0,
+        timeout: 120 * 1000,
+    });
+    const label = o.label || 'demo';
+    const reqs = workload({
+        seed: Number(o.seed || 7),
+        short: Number(o.short || 10),
+        long: Number(o.long || 4),
+        longWords: Number(o['long-words'] || 5200),
+        maxTokens: Number(o['max-tokens'] || 48),
+    });
+    const runId = Date.now().toString(36);
+    const start = performance.now();
+    const results = await Promise.all(reqs.map(q => new Promise(resolve => {
+        const wait = Math.max(0, q.at - (performance.now() - start));
+        setTimeout(() => one(client, q, label, runId).then(r => {
+            // fill what the headers did not carry from the access log
+            const log = fromAccessLog(o['access-log'], r.requestId);
+            r.route = r.route || log.route;
+            r.nginxTokens = r.nginxTokens || log.prompt_tokens;
+            console.log(line(label, r));
+            resolve(r);
+        }), wait);
+    })));
+    results.sort((a, b) => a.id - b.id);
+    const summary = summarize(label, results);
+    if (o.out) {
+        writeFileSync(o.out, JSON.stringify({ label, summary, results }));
+    }
+    return summary.errors === results.length ? 1 : 0;
+}
+
+function compare(fa, fb) {
+    const a = JSON.parse(readFileSync(fa, 'utf8'));
+    const b = JSON.parse(readFileSync(fb, 'utf8'));
+    const ratio = (x, y) => (Number.isFinite(x) && Number.isFinite(y) && y > 0)
+        ? (x / y).toFixed(1) + 'x' : 'n/a';
+    const s = (r) => r.summary;
+    console.log(`short requests, p99 inter-token gap: ${a.label}`
+        + ` ${ms(s(a).short.gapP99)}ms -> ${b.label} ${ms(s(b).short.gapP99)}ms`
+        + ` (${ratio(s(a).short.gapP99, s(b).short.gapP99)} lower)`);
+    console.log(`short requests, mean inter-token gap: ${a.label}`
+        + ` ${ms(s(a).short.gapMean)}ms -> ${b.label}`
+        + ` ${ms(s(b).short.gapMean)}ms`);
+    console.log(`long requests, mean TTFT: ${a.label}`
+        + ` ${ms(s(a).long.ttftMean)}ms -> ${b.label}`
+        + ` ${ms(s(b).long.ttftMean)}ms`);
+    return 0;
+}
+
+const o = parseArgs(process.argv.slice(2));
+const cmd = o._[0];
+let rc;
+if (cmd === 'run') {
+    rc = await run(o);
+} else if (cmd === 'compare') {
+    rc = compare(o._[1], o._[2]);
+} else {
+    console.error('usage: client.mjs run --base-url URL ... | compare A B');
+    rc = 2;
+}
+process.exit(rc);
