@@ -11,12 +11,71 @@
  * whose merged id still matches is the very pair it was pushed for.
  */
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "tok_internal.h"
 
 #define TOK_BPE_SMALL  64
+
+/*
+ * Per-thread cache of recent BPE results for short pre-tokens that needed
+ * merging (whole-vocab hits are already one lookup).  Direct-mapped by the
+ * piece's hash; entries carry the tokenizer's load generation, so several
+ * tokenizers share a thread's cache without confusion and nothing in a
+ * loaded tokenizer is ever written.  256 KiB per thread, freed when the
+ * thread exits.
+ */
+#define TOK_CACHE_SLOTS    4096
+#define TOK_CACHE_MAXLEN   24
+#define TOK_CACHE_MAXIDS   6
+
+typedef struct {
+    uint64_t  hash;
+    uint64_t  gen;
+    uint8_t   len;
+    uint8_t   nids;
+    char      bytes[TOK_CACHE_MAXLEN];
+    uint32_t  ids[TOK_CACHE_MAXIDS];
+} tok_cache_ent_t;
+
+typedef struct {
+    tok_cache_ent_t  e[TOK_CACHE_SLOTS];
+} tok_cache_t;
+
+static pthread_once_t            tok_cache_once = PTHREAD_ONCE_INIT;
+static pthread_key_t             tok_cache_key;
+static int                       tok_cache_ok;
+static _Thread_local tok_cache_t *tok_cache_tls;
+static _Thread_local int          tok_cache_failed;
+
+
+static void
+tok_cache_key_init(void)
+{
+    tok_cache_ok = pthread_key_create(&tok_cache_key, free) == 0;
+}
+
+
+static tok_cache_t *
+tok_cache_get(void)
+{
+    tok_cache_t  *c;
+
+    if (tok_cache_tls != NULL || tok_cache_failed) {
+        return tok_cache_tls;
+    }
+    pthread_once(&tok_cache_once, tok_cache_key_init);
+    c = tok_cache_ok ? calloc(1, sizeof(tok_cache_t)) : NULL;
+    if (c == NULL || pthread_setspecific(tok_cache_key, c) != 0) {
+        free(c);
+        tok_cache_failed = 1;   /* run without a cache */
+        return NULL;
+    }
+    tok_cache_tls = c;
+    return c;
+}
 
 
 typedef struct {
@@ -111,7 +170,7 @@ tok_work_reserve(tok_work_t *w, size_t len)
 
 
 static void
-tok_bpe_small(tok_work_t *w, const char *s, size_t len)
+tok_bpe_small(tok_work_t *w, const char *s, size_t len, uint64_t h)
 {
     const dpd_tok_t  *tok = w->tok;
     uint32_t          id[TOK_BPE_SMALL], rk[TOK_BPE_SMALL];
@@ -169,6 +228,18 @@ tok_bpe_small(tok_work_t *w, const char *s, size_t len)
     for (i = 0; i < n; i++) {
         tok_emit(w->sink, id[i]);
     }
+    if (h != 0 && n <= TOK_CACHE_MAXIDS) {
+        tok_cache_t *c = tok_cache_get();
+        if (c != NULL) {
+            tok_cache_ent_t *e = &c->e[h & (TOK_CACHE_SLOTS - 1)];
+            e->hash = h;
+            e->gen = tok->gen;
+            e->len = (uint8_t) len;
+            e->nids = (uint8_t) n;
+            memcpy(e->bytes, s, len);
+            memcpy(e->ids, id, n * sizeof(uint32_t));
+        }
+    }
 }
 
 
@@ -181,19 +252,44 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
     size_t            i, nh = 0;
     int32_t           n = 0, prev, nx;
     uint32_t          id, rank, merged;
+    uint64_t          h;
 
     if (len == 0) {
         return;
     }
-    if (tok->ignore_merges || len == 1) {
-        id = tok_strmap_get(&tok->vocab, s, len);
+    if (len == 1) {
+        id = tok->byte_id[(uint8_t) s[0]];
+        if (id != TOK_NO_ID) {
+            tok_emit(w->sink, id);
+        }
+        return;
+    }
+    h = tok_hash_bytes(s, len);
+    if (tok->ignore_merges) {
+        id = tok_strmap_get_h(&tok->vocab, s, len, h);
         if (id != TOK_NO_ID) {
             tok_emit(w->sink, id);
             return;
         }
     }
+    if (len <= TOK_CACHE_MAXLEN) {
+        tok_cache_t *c = tok_cache_get();
+        if (c != NULL) {
+            const tok_cache_ent_t *e = &c->e[h & (TOK_CACHE_SLOTS - 1)];
+            if (e->hash == h && e->gen == tok->gen && e->len == len
+                && memcmp(e->bytes, s, len) == 0)
+            {
+                for (i = 0; i < e->nids; i++) {
+                    tok_emit(w->sink, e->ids[i]);
+                }
+                return;
+            }
+        }
+    } else {
+        h = 0;      /* too long to cache */
+    }
     if (len <= TOK_BPE_SMALL) {
-        tok_bpe_small(w, s, len);
+        tok_bpe_small(w, s, len, h | (h == 0 && len <= TOK_CACHE_MAXLEN));
         return;
     }
     if (tok_work_reserve(w, len) != 0) {

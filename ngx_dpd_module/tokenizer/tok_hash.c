@@ -10,7 +10,7 @@
 #include "tok_internal.h"
 
 
-static uint64_t
+uint64_t
 tok_hash_bytes(const char *s, size_t len)
 {
     /* 8 bytes at a time, finished with a 64-bit mixer */
@@ -147,7 +147,13 @@ tok_strmap_put(tok_strmap_t *m, const char *s, size_t len, uint32_t id)
 uint32_t
 tok_strmap_get(const tok_strmap_t *m, const char *s, size_t len)
 {
-    uint64_t             h = tok_hash_bytes(s, len);
+    return tok_strmap_get_h(m, s, len, tok_hash_bytes(s, len));
+}
+
+
+uint32_t
+tok_strmap_get_h(const tok_strmap_t *m, const char *s, size_t len, uint64_t h)
+{
     uint64_t             tag = h & 0xffffffff00000000ULL, v;
     uint32_t             i = (uint32_t) h & m->mask;
     const tok_strent_t  *e;

@@ -45,6 +45,10 @@ void tok_strmap_free(tok_strmap_t *m);
 /* returns 0 on success, 1 if key existed (id overwritten), -1 on ENOMEM */
 int tok_strmap_put(tok_strmap_t *m, const char *s, size_t len, uint32_t id);
 uint32_t tok_strmap_get(const tok_strmap_t *m, const char *s, size_t len);
+/* the same with h = tok_hash_bytes(s, len) already computed */
+uint32_t tok_strmap_get_h(const tok_strmap_t *m, const char *s, size_t len,
+    uint64_t h);
+uint64_t tok_hash_bytes(const char *s, size_t len);
 
 /* ---- (left id, right id) -> (rank, merged id) hash, one slot per line */
 
@@ -171,6 +175,7 @@ struct dpd_tok_s {
     uint32_t       vocab_size;  /* max id + 1 */
 
     tok_strmap_t   other;       /* vocab strings outside the byte alphabet */
+    uint64_t       gen;         /* unique per load: keys the piece cache */
 
     tok_added_t   *added;
     uint32_t       n_added;

@@ -923,6 +923,11 @@ dpd_tok_load(const char *tokenizer_path, const char *config_path,
         return NULL;
     }
     tok->detected = DPD_CHAT_NONE;
+    {
+        /* never 0: a zeroed cache entry must not match any tokenizer */
+        static uint64_t  tok_gen_counter;
+        tok->gen = __atomic_add_fetch(&tok_gen_counter, 1, __ATOMIC_RELAXED);
+    }
 
     ferr[0] = '\0';
     if (tok_load_json(tok, root, ferr, sizeof(ferr)) != 0) {
