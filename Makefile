@@ -17,7 +17,7 @@ NGINX_BIN  ?= /usr/sbin/nginx
 CUDA_HOME  ?= /usr/local/cuda
 PROVE      ?= prove
 
-.PHONY: all deps test test-quick demo bench clean module programs fuzz
+.PHONY: all deps test test-quick test-valgrind demo bench clean module programs fuzz
 all: module programs
 
 include ngx_dpd_module/tokenizer/build.mk
@@ -35,6 +35,11 @@ test: deps
 # Same, without the dependency step (for a machine already set up).
 test-quick: all
 	@bash tools/run-tests.sh
+
+# The module's tests with nginx under valgrind memcheck (fails on any
+# invalid access or definite leak).
+test-valgrind: all
+	@TEST_NGINX_USE_VALGRIND=1 bash tools/run-tests.sh $(sort $(wildcard t/1*.t t/2*.t))
 
 demo: deps
 	@$(MAKE) --no-print-directory all

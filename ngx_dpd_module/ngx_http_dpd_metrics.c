@@ -62,11 +62,11 @@ static const ngx_http_dpd_hist_def_t  ngx_http_dpd_hist_defs[] = {
 
     { "dpd_prompt_tokens",
       "Prompt tokens of routed requests, as counted by the gateway.",
-      1, 12,
-      { "64", "128", "256", "512", "1024", "2048", "4096", "8192",
-        "16384", "32768", "65536", "131072" },
-      { 64, 128, 256, 512, 1024, 2048, 4096, 8192,
-        16384, 32768, 65536, 131072 } },
+      1, 15,
+      { "8", "16", "32", "64", "128", "256", "512", "1024", "2048", "4096",
+        "8192", "16384", "32768", "65536", "131072" },
+      { 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+        8192, 16384, 32768, 65536, 131072 } },
 
     { "dpd_decision_seconds",
       "Time to read, parse and count a request before routing it.",

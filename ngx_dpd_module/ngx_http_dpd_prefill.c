@@ -483,6 +483,7 @@ ngx_http_dpd_prefill_done(ngx_http_request_t *sr, void *data, ngx_int_t rc)
 
     ngx_buf_t                   *b;
     ngx_str_t                   *name;
+    ngx_connection_t            *c;
     ngx_http_upstream_t         *u;
     ngx_http_dpd_prefill_ctx_t  *p;
 
@@ -500,17 +501,12 @@ ngx_http_dpd_prefill_done(ngx_http_request_t *sr, void *data, ngx_int_t rc)
         ngx_del_timer(&p->timer);
     }
 
-    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, sr->connection->log, 0,
-                   "dpd prefill done rc:%i s:%ui", rc,
-                   sr->headers_out.status);
-
-    if (sr->connection->error || rc == NGX_HTTP_CLIENT_CLOSED_REQUEST) {
-        /* nginx terminates the whole request; nothing more to do */
-        p->aborted = 1;
-        return rc;
-    }
-
+    c = sr->connection;
     u = sr->upstream;
+
+    ngx_log_debug3(NGX_LOG_DEBUG_HTTP, c->log, 0,
+                   "dpd prefill done rc:%i s:%ui c->error:%ui", rc,
+                   sr->headers_out.status, (ngx_uint_t) c->error);
 
     if (u) {
         if (u->headers_in.status_n) {
@@ -518,6 +514,7 @@ ngx_http_dpd_prefill_done(ngx_http_request_t *sr, void *data, ngx_int_t rc)
             p->status = u->headers_in.status_n;
         }
 
+        /* the peer of the last try: the one that answered */
         name = (u->state && u->state->peer) ? u->state->peer : u->peer.name;
 
         if (name && name->len) {
@@ -526,6 +523,23 @@ ngx_http_dpd_prefill_done(ngx_http_request_t *sr, void *data, ngx_int_t rc)
                 p->peer.len = name->len;
             }
         }
+    }
+
+    if (rc == NGX_ERROR && c->error
+        && !c->read->eof && !c->read->error && !c->write->error)
+    {
+        /*
+         * ngx_http_output_filter() marks the client connection failed on
+         * any filter error, including "too big subrequest response" from
+         * the in-memory collector: the prefill broke, the client did not
+         */
+        c->error = 0;
+    }
+
+    if (c->error || rc == NGX_HTTP_CLIENT_CLOSED_REQUEST) {
+        /* nginx terminates the whole request; nothing more to do */
+        p->aborted = 1;
+        return rc;
     }
 
     if (!p->answered) {

@@ -122,9 +122,8 @@ POST /scripted/v1/completions
 --- response_headers
 Content-Type: text/event-stream
 X-Dpd-Route: direct
---- response_body
-data: {"n":1}
-
+--- response_body eval
+qq{data: {"n":1}\n\n}
 
 
 === TEST 2: ... and the rest follows 3 s later, complete
@@ -132,13 +131,8 @@ data: {"n":1}
 POST /scripted/v1/completions
 {"prompt": "Tell me a story", "max_tokens": 3, "stream": true}
 --- timeout: 6
---- response_body
-data: {"n":1}
-
-data: {"n":2}
-
-data: [DONE]
-
+--- response_body eval
+qq{data: {"n":1}\n\ndata: {"n":2}\n\ndata: [DONE]\n\n}
 
 
 === TEST 3: the decoder's whole stream passes intact, [DONE] last

@@ -19,5 +19,13 @@ PERL_INC+=(-I "$ROOT/t/inc")
 
 # prove runs the files one after the other (ports and servroot are shared);
 # its summary ("All tests successful." / "Files=.., Tests=..") closes the run.
-mapfile -t files < <(find t -name '*.t' -not -path 't/lib/*' -not -path 't/servroot*' | sort)
-exec prove "${PERL_INC[@]}" "$@" "${files[@]}"
+# Arguments: prove options and, optionally, the test files to run.
+opts=() files=()
+for a in "$@"; do
+  case $a in *.t) files+=("$a") ;; *) opts+=("$a") ;; esac
+done
+if ((${#files[@]} == 0)); then
+  mapfile -t files < <(find t -name '*.t' -not -path 't/lib/*' \
+                        -not -path 't/servroot*' | sort)
+fi
+exec prove "${PERL_INC[@]}" "${opts[@]}" "${files[@]}"

@@ -142,6 +142,18 @@ kv_api_req_json(kv_ctx_t *ctx, const char *req_id)
         cJSON_AddNumberToObject(j, "bytes_done", (double) r->bytes_done);
         cJSON_AddNumberToObject(j, "bytes_total", (double) r->bytes_total);
         cJSON_AddNumberToObject(j, "nblocks", r->n);
+        if (r->n) {
+            /* the blocks it owns, ascending: where a push without explicit
+             * destinations landed, in push order */
+            uint32_t tag = (uint32_t) (r - ctx->rreq) + 1, b, k = 0;
+            for (b = 0; b < ctx->cfg.layout.nblocks; b++) {
+                if (ctx->owner[b] == tag) {
+                    ctx->scratch[k++] = b;
+                }
+            }
+            cJSON_AddItemToObject(j, "blocks_runs",
+                                  kv_runs_json(ctx->scratch, k));
+        }
         if (r->state == DPD_REQ_FAILED) {
             cJSON_AddStringToObject(j, "error", r->error);
         }
@@ -204,6 +216,10 @@ verb_info(kv_ctx_t *ctx)
         cJSON_AddNumberToObject(p, "regions", l->regions);
         cJSON_AddNumberToObject(p, "blocks", l->nblocks);
         cJSON_AddNumberToObject(p, "block_bytes", (double) l->block_bytes);
+        cJSON_AddNumberToObject(p, "block_stride", (double) l->block_stride);
+        cJSON_AddNumberToObject(p, "region_stride",
+                                (double) l->region_stride);
+        cJSON_AddNumberToObject(p, "layer_stride", (double) l->layer_stride);
         cJSON_AddNumberToObject(p, "size", (double) l->size);
         cJSON_AddNumberToObject(p, "free", ctx->free_blocks);
         cJSON_AddStringToObject(p, "memory", ctx->pool.cuda_dev >= 0

@@ -135,7 +135,7 @@ bench_target(bench_t *b, int sock)
     for ( ;; ) {
         /* the target's provider needs progress for RMA data to land */
         for (i = 0; i < b->fab.nrails; i++) {
-            ssize_t rc = b->spin ? fi_cq_read(b->fab.rail[i].cq, ce, 64)
+            ssize_t rc = (b->spin || b->fab.rail[i].cq_fd < 0) ? fi_cq_read(b->fab.rail[i].cq, ce, 64)
                          : fi_cq_sread(b->fab.rail[i].cq, ce, 64, NULL,
                                        b->fab.nrails > 1 ? 1 : 20);
             if (rc == -FI_EAVAIL) {
@@ -211,7 +211,7 @@ bench_round(bench_t *b, kv_segiter_t *it, uint64_t plain_size)
             return (int64_t) total;
         }
         for (i = 0; i < b->fab.nrails; i++) {
-            rc = (b->spin || b->fab.nrails > 1)
+            rc = (b->spin || b->fab.nrails > 1 || b->fab.rail[i].cq_fd < 0)
                  ? fi_cq_read(b->fab.rail[i].cq, ce, 64)
                  : fi_cq_sread(b->fab.rail[i].cq, ce, 64, NULL, 1);
             if (rc > 0) {

@@ -57,6 +57,27 @@ make_hints(const char *provider, const char *domain, int want_hmem, int dc)
 }
 
 
+/* Keep the first entry whose domain is `domain` (layered providers such
+ * as ofi_rxm do not filter on a domain-name hint). */
+static int
+pick_domain(struct fi_info **list, const char *domain)
+{
+    struct fi_info *i, *found = NULL;
+
+    for (i = *list; i; i = i->next) {
+        if (i->domain_attr && i->domain_attr->name
+            && strcmp(i->domain_attr->name, domain) == 0)
+        {
+            found = fi_dupinfo(i);
+            break;
+        }
+    }
+    fi_freeinfo(*list);
+    *list = found;
+    return found ? 0 : -FI_ENODATA;
+}
+
+
 /* fi_getinfo with delivery-complete first, then without. */
 static int
 get_info(const char *provider, const char *domain, int want_hmem,
@@ -66,12 +87,15 @@ get_info(const char *provider, const char *domain, int want_hmem,
     int rc = -FI_ENODATA, pass;
 
     for (pass = 0; pass < 2; pass++) {
-        hints = make_hints(provider, domain, want_hmem, pass == 0);
+        hints = make_hints(provider, NULL, want_hmem, pass == 0);
         if (hints == NULL) {
             return -FI_ENOMEM;
         }
         rc = fi_getinfo(KV_FI_API, NULL, NULL, 0, hints, out);
         fi_freeinfo(hints);
+        if (rc == 0 && domain && domain[0]) {
+            rc = pick_domain(out, domain);
+        }
         if (rc == 0) {
             *dc = (pass == 0);
             return 0;
@@ -165,7 +189,19 @@ rail_open(kv_rail_t *r, const char *provider, int allow_fallback,
     memset(&ava, 0, sizeof(ava));
     ava.type = FI_AV_TABLE;
     ava.count = 64;
-    if ((rc = fi_cq_open(r->domain, &cqa, &r->cq, NULL)) != 0
+    r->cq_fd = -1;
+    rc = fi_cq_open(r->domain, &cqa, &r->cq, NULL);
+    if (rc == 0 && cqa.wait_obj == FI_WAIT_FD
+        && fi_control(&r->cq->fid, FI_GETWAIT, &r->cq_fd) != 0)
+    {
+        r->cq_fd = -1;
+    }
+    if (rc != 0 && cqa.wait_obj != FI_WAIT_NONE) {
+        /* e.g. shm: no wait objects; the loop then polls the CQ */
+        cqa.wait_obj = FI_WAIT_NONE;
+        rc = fi_cq_open(r->domain, &cqa, &r->cq, NULL);
+    }
+    if (rc != 0
         || (rc = fi_av_open(r->domain, &ava, &r->av, NULL)) != 0
         || (rc = fi_endpoint(r->domain, r->info, &r->ep, NULL)) != 0
         || (rc = fi_ep_bind(r->ep, &r->cq->fid, FI_TRANSMIT | FI_RECV)) != 0
@@ -206,13 +242,13 @@ rail_open(kv_rail_t *r, const char *provider, int allow_fallback,
     mr_mode_str(r->mr_mode, modes, sizeof(modes));
     kv_info("fabric: rail %d: provider %s, fabric %s, domain %s, api %d.%d "
             "(headers %d.%d), mr_mode %s, max_rma %llu, "
-            "delivery_complete %s, hmem %s", r->index,
+            "delivery_complete %s, hmem %s, cq wait fd %s", r->index,
             r->info->fabric_attr->prov_name, r->info->fabric_attr->name,
             r->info->domain_attr->name, FI_MAJOR(fi_version()),
             FI_MINOR(fi_version()), FI_MAJOR_VERSION, FI_MINOR_VERSION,
             modes, (unsigned long long) r->max_rma,
             dc ? "yes" : "no (trailing message after transmit-complete)",
-            r->hmem ? "yes" : "no");
+            r->hmem ? "yes" : "no", r->cq_fd >= 0 ? "yes" : "no (polling)");
     return 0;
 }
 

@@ -188,6 +188,7 @@ typedef struct {
     int                 delivery_complete;
     int                 hmem;
     int                 index;
+    int                 cq_fd;         /* FI_GETWAIT fd, -1: poll the CQ */
     uint64_t            next_key;
 } kv_rail_t;
 

@@ -17,7 +17,8 @@
 #include "kv.h"
 
 #define KV_HELLO_TIMEOUT_MS 5000
-#define KV_IDLE_POLL_MS     5
+#define KV_IDLE_POLL_MS     5      /* CQ without a wait fd, idle */
+#define KV_WAIT_POLL_MS     20     /* timer granularity otherwise */
 
 static volatile sig_atomic_t kv_got_signal;
 
@@ -207,12 +208,47 @@ housekeeping(kv_ctx_t *ctx, uint64_t now)
 }
 
 
+/* Add the CQ wait fds to the poll set and choose the poll timeout.  With
+ * wait fds (tcp;ofi_rxm) both sides sleep until the provider has work,
+ * which matters when sender and receiver share few cores; fi_trywait says
+ * whether blocking is safe.  Without (shm) we spin while busy and nap
+ * briefly when idle. */
+static int
+fabric_wait_setup(kv_ctx_t *ctx, struct pollfd *pfd, int *who, int *n)
+{
+    struct fid *fid;
+    int i, waitable = 1, busy = kv_xfer_busy(ctx);
+
+    if (!ctx->fab_ok) {
+        return KV_WAIT_POLL_MS;
+    }
+    for (i = 0; i < ctx->fab.nrails; i++) {
+        kv_rail_t *r = &ctx->fab.rail[i];
+        if (r->cq_fd < 0) {
+            waitable = 0;
+            continue;
+        }
+        fid = &r->cq->fid;
+        if (fi_trywait(r->fabric, &fid, 1) != FI_SUCCESS) {
+            return 0;                  /* events pending: progress now */
+        }
+        pfd[*n].fd = r->cq_fd;
+        pfd[*n].events = POLLIN;
+        who[(*n)++] = -3;
+    }
+    if (waitable) {
+        return KV_WAIT_POLL_MS;
+    }
+    return busy ? 0 : KV_IDLE_POLL_MS;
+}
+
+
 static void
 run_loop(kv_ctx_t *ctx)
 {
     struct pollfd *pfd;
     int *who, n, i, np, timeout;
-    size_t cap = 2 + KV_MAX_PEERS + ctx->nclients;
+    size_t cap = 2 + KV_MAX_RAILS + KV_MAX_PEERS + ctx->nclients;
 
     pfd = calloc(cap, sizeof(*pfd));
     who = calloc(cap, sizeof(*who));
@@ -258,9 +294,7 @@ run_loop(kv_ctx_t *ctx)
             }
             who[n++] = 1000 + i;
         }
-        /* spin while data moves (the providers progress on our calls),
-         * else sleep a little: idle CQs still need occasional progress */
-        timeout = kv_xfer_busy(ctx) ? 0 : KV_IDLE_POLL_MS;
+        timeout = fabric_wait_setup(ctx, pfd, who, &n);
         if (poll(pfd, n, timeout) < 0 && errno != EINTR) {
             kv_err("poll: %s", strerror(errno));
             break;
@@ -268,6 +302,9 @@ run_loop(kv_ctx_t *ctx)
         for (i = 0; i < n; i++) {
             if (!pfd[i].revents) {
                 continue;
+            }
+            if (who[i] == -3) {
+                continue;                 /* a CQ: progressed below */
             }
             if (who[i] == -1) {
                 accept_all(ctx, ctx->ctrl_lfd, 1);

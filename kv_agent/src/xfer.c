@@ -1014,8 +1014,8 @@ on_completion(kv_ctx_t *ctx, kv_op_t *op, int err, size_t len)
             if (err == 0) {
                 p->bytes_done += op->len;
             } else if (push_active(p)) {
-                snprintf(why, sizeof(why), "write failed: %s",
-                         kv_fi_err(err));
+                snprintf(why, sizeof(why), "write to %s failed: %s",
+                         ctx->peers[p->peer].conf.id, kv_fi_err(err));
                 push_finish(ctx, p, 0, why);
             }
             if (p->release_pending && p->inflight == 0) {
@@ -1032,7 +1032,8 @@ on_completion(kv_ctx_t *ctx, kv_op_t *op, int err, size_t len)
             if (err == 0) {
                 push_finish(ctx, p, 1, NULL);
             } else {
-                snprintf(why, sizeof(why), "completion message failed: %s",
+                snprintf(why, sizeof(why), "completion message to %s "
+                         "failed: %s", ctx->peers[p->peer].conf.id,
                          kv_fi_err(err));
                 push_finish(ctx, p, 0, why);
             }

@@ -8,7 +8,7 @@ TOK_DIR     := ngx_dpd_module/tokenizer
 TOK_LIB     := $(BUILD)/libdpdtok.a
 TOK_PIC_LIB := $(BUILD)/libdpdtok_pic.a
 TOK_SO      := $(BUILD)/libdpdtok.so
-TOK_LIBS    := -lpcre2-8 -lcjson -lutf8proc
+TOK_LIBS    := -lpcre2-8 -lcjson -lutf8proc -lpthread
 
 TOK_SRCS    := $(addprefix $(TOK_DIR)/,tok_hash.c tok_utf8.c tok_trie.c \
                  tok_bpe.c tok_pretok.c tok_encode.c tok_load.c tok_config.c \

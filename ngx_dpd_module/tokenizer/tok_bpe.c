@@ -17,7 +17,7 @@
 
 #include "tok_internal.h"
 
-#define TOK_BPE_SMALL  64
+#define TOK_BPE_SMALL  128
 
 /*
  * Per-thread cache of recent BPE results for short pre-tokens that needed
@@ -27,9 +27,15 @@
  * loaded tokenizer is ever written.  256 KiB per thread, freed when the
  * thread exits.
  */
+#ifndef TOK_CACHE_SLOTS
 #define TOK_CACHE_SLOTS    4096
+#endif
+#ifndef TOK_CACHE_MAXLEN
 #define TOK_CACHE_MAXLEN   24
+#endif
+#ifndef TOK_CACHE_MAXIDS
 #define TOK_CACHE_MAXIDS   6
+#endif
 
 typedef struct {
     uint64_t  hash;
@@ -273,9 +279,9 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
         }
     }
     if (len <= TOK_CACHE_MAXLEN) {
-        tok_cache_t *c = tok_cache_get();
-        if (c != NULL) {
-            const tok_cache_ent_t *e = &c->e[h & (TOK_CACHE_SLOTS - 1)];
+        tok_cache_t *tc = tok_cache_get();
+        if (tc != NULL) {
+            const tok_cache_ent_t *e = &tc->e[h & (TOK_CACHE_SLOTS - 1)];
             if (e->hash == h && e->gen == tok->gen && e->len == len
                 && memcmp(e->bytes, s, len) == 0)
             {

@@ -161,44 +161,149 @@ tok_encode_normalized(tok_work_t *w, const char *s, size_t len)
 }
 
 
-/* A piece between raw-matched added tokens: normalize, then go on. */
+/*
+ * Can a normal form change this character or join it to its neighbours?
+ * Yes if it has a decomposition, a non-zero combining class, can be the
+ * second of a composition pair (Hangul V/T jamo included) or, for the
+ * decomposing forms, is a Hangul syllable.  Every other character is a
+ * boundary normalization never crosses: NFx(a + b) = NFx(a) + NFx(b) when
+ * b starts with one.
+ */
+static int
+tok_norm_flagged(uint32_t cp, int decomposes)
+{
+    const utf8proc_property_t  *p;
+
+    if ((cp >= 0x1160 && cp <= 0x11FF)
+        || (decomposes && cp >= 0xAC00 && cp <= 0xD7A3))
+    {
+        return 1;
+    }
+    p = utf8proc_get_property((utf8proc_int32_t) cp);
+    return p->combining_class != 0 || p->decomp_seqindex != UINT16_MAX
+           || (p->comb_index != UINT16_MAX && (p->comb_index & 0x8000));
+}
+
+
+/* Append s[0..len) normalized by every form of the tokenizer. */
+static int
+tok_norm_append(const dpd_tok_t *tok, const char *s, size_t len, char **buf,
+    size_t *blen, size_t *bcap)
+{
+    utf8proc_uint8_t  *cur = NULL, *dst;
+    utf8proc_ssize_t   n = (utf8proc_ssize_t) len;
+    int                k;
+    char              *p;
+
+    for (k = 0; k < tok->n_norm; k++) {
+        n = utf8proc_map(cur ? cur : (const utf8proc_uint8_t *) s, n, &dst,
+                         (utf8proc_option_t) tok->norm[k]);
+        free(cur);
+        cur = NULL;
+        if (n < 0) {
+            return -1;
+        }
+        cur = dst;
+    }
+    if (*blen + (size_t) n > *bcap) {
+        *bcap = (*blen + (size_t) n) * 2 + 64;
+        p = realloc(*buf, *bcap);
+        if (p == NULL) {
+            free(cur);
+            return -1;
+        }
+        *buf = p;
+    }
+    memcpy(*buf + *blen, cur, (size_t) n);
+    *blen += (size_t) n;
+    free(cur);
+    return 0;
+}
+
+
+/*
+ * A piece between raw-matched added tokens: normalize, then go on.
+ * Only the stretches around flagged characters go through utf8proc; the
+ * rest, usually everything, is used as it is.
+ */
 static void
 tok_encode_raw_piece(tok_work_t *w, const char *s, size_t len)
 {
-    const dpd_tok_t    *tok = w->tok;
-    utf8proc_uint8_t   *cur = NULL, *dst;
-    utf8proc_ssize_t    n;
-    size_t              i;
-    int                 k;
+    const dpd_tok_t  *tok = w->tok;
+    size_t            i = 0, j, n, safe = 0, copied = 0, blen = 0, bcap = 0;
+    char             *buf = NULL;
+    uint32_t          cp;
+    int               dec = tok->norm_decomposes;
 
     if (tok->n_norm == 0) {
         tok_encode_normalized(w, s, len);
         return;
     }
-    /* every normal form leaves ASCII as it is */
-    for (i = 0; i < len && (unsigned char) s[i] < 0x80; i++) {
-        /* scan */
+    while (i < len) {
+        if ((unsigned char) s[i] < 0x80) {
+            safe = i++;
+            continue;
+        }
+        n = tok_utf8_decode(s + i, len - i, &cp);
+        if (!tok_norm_flagged(cp, dec)) {
+            safe = i;
+            i += n;
+            continue;
+        }
+        /* the stretch: from the last boundary to the next one */
+        for (j = i + n; j < len; j += n) {
+            if ((unsigned char) s[j] < 0x80) {
+                break;
+            }
+            n = tok_utf8_decode(s + j, len - j, &cp);
+            if (!tok_norm_flagged(cp, dec)) {
+                break;
+            }
+        }
+        if (safe > copied) {
+            if (blen + (safe - copied) > bcap) {
+                char *p;
+                bcap = (blen + (safe - copied)) * 2 + 64;
+                p = realloc(buf, bcap);
+                if (p == NULL) {
+                    goto nomem;
+                }
+                buf = p;
+            }
+            memcpy(buf + blen, s + copied, safe - copied);
+            blen += safe - copied;
+        }
+        if (tok_norm_append(tok, s + safe, j - safe, &buf, &blen, &bcap)
+            != 0)
+        {
+            goto nomem;
+        }
+        copied = safe = i = j;
     }
-    if (i == len) {
+    if (copied == 0 && buf == NULL) {
         tok_encode_normalized(w, s, len);
         return;
     }
-
-    for (k = 0; k < tok->n_norm; k++) {
-        n = utf8proc_map(cur ? cur : (const utf8proc_uint8_t *) s,
-                         (utf8proc_ssize_t) len, &dst,
-                         (utf8proc_option_t) tok->norm[k]);
-        free(cur);
-        cur = NULL;
-        if (n < 0) {
-            w->oom = 1;
-            return;
+    if (copied < len) {
+        if (blen + (len - copied) > bcap) {
+            char *p;
+            bcap = blen + (len - copied);
+            p = realloc(buf, bcap);
+            if (p == NULL) {
+                goto nomem;
+            }
+            buf = p;
         }
-        cur = dst;
-        len = (size_t) n;
+        memcpy(buf + blen, s + copied, len - copied);
+        blen += len - copied;
     }
-    tok_encode_normalized(w, (const char *) cur, len);
-    free(cur);
+    tok_encode_normalized(w, buf, blen);
+    free(buf);
+    return;
+
+nomem:
+    free(buf);
+    w->oom = 1;
 }
 
 

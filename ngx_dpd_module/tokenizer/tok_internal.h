@@ -184,6 +184,7 @@ struct dpd_tok_s {
 
     int            norm[TOK_MAX_NORM];  /* utf8proc option sets */
     int            n_norm;
+    int            norm_decomposes;     /* some form is NFD or NFKD */
 
     tok_pre_t      pre[TOK_MAX_PRE];
     int            n_pre;
@@ -272,6 +273,8 @@ dpd_chat_template_t tok_detect_template(const char *tmpl);
 
 /* tok_load.c */
 struct cJSON;
+dpd_tok_t *tok_load_mem(const char *buf, size_t len, const char *name,
+    char *err, size_t errlen);
 char *tok_read_file(const char *path, size_t *len, char *err, size_t errlen);
 struct cJSON *tok_parse_json(const char *path, const char *buf, size_t len,
     char *err, size_t errlen);

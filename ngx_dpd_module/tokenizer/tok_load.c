@@ -576,6 +576,9 @@ tok_load_normalizer(dpd_tok_t *tok, const cJSON *n, const char *path,
         return -1;
     }
     tok->norm[tok->n_norm++] = opt;
+    if (!(opt & UTF8PROC_COMPOSE)) {
+        tok->norm_decomposes = 1;
+    }
     return 0;
 }
 
@@ -751,9 +754,9 @@ tok_load_template(dpd_tok_t *tok, const cJSON *p, const char *path,
             return -1;
         }
         cJSON_ArrayForEach(x, ids) {
-            if (tok_json_id(x, &id) != 0) {
+            if (tok_json_id(x, &id) != 0 || id >= tok->vocab_size) {
                 tok_err(err, errlen, "%s.special_tokens[\"%.64s\"].ids: not "
-                        "an id", path, idv->valuestring);
+                        "an id of the vocabulary", path, idv->valuestring);
                 return -1;
             }
             if (seen_a ? tok_post_append(&tok->post_suffix, &tok->n_suffix,
@@ -779,7 +782,8 @@ tok_special_pair(dpd_tok_t *tok, const cJSON *p, const char *key,
     uint32_t      id;
 
     if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) != 2
-        || tok_json_id(cJSON_GetArrayItem(v, 1), &id) != 0)
+        || tok_json_id(cJSON_GetArrayItem(v, 1), &id) != 0
+        || id >= tok->vocab_size)
     {
         tok_err(err, errlen, "%s.%s: expected [\"token\", id]", path, key);
         return -1;
@@ -894,13 +898,59 @@ tok_load_json(dpd_tok_t *tok, cJSON *root, char *err, size_t errlen)
 }
 
 
+/* Build a tokenizer from a parsed tokenizer.json; deletes root. */
+static dpd_tok_t *
+tok_load_root(cJSON *root, const char *name, char *err, size_t errlen)
+{
+    dpd_tok_t  *tok;
+    char        ferr[512];
+
+    static uint64_t  tok_gen_counter;
+
+    tok = calloc(1, sizeof(*tok));
+    if (tok == NULL) {
+        cJSON_Delete(root);
+        tok_err(err, errlen, "out of memory");
+        return NULL;
+    }
+    tok->detected = DPD_CHAT_NONE;
+    /* never 0: a zeroed cache entry must not match any tokenizer */
+    tok->gen = __atomic_add_fetch(&tok_gen_counter, 1, __ATOMIC_RELAXED);
+
+    ferr[0] = '\0';
+    if (tok_load_json(tok, root, ferr, sizeof(ferr)) != 0) {
+        tok_err(err, errlen, "%s: %s", name, ferr);
+        cJSON_Delete(root);
+        dpd_tok_free(tok);
+        return NULL;
+    }
+    cJSON_Delete(root);
+#ifdef __GLIBC__
+    /* hand the parse tree's pages back: workers keep only the tables */
+    malloc_trim(0);
+#endif
+    return tok;
+}
+
+
+/* Load from tokenizer.json text in memory (the fuzzer's entry point). */
+dpd_tok_t *
+tok_load_mem(const char *buf, size_t len, const char *name, char *err,
+    size_t errlen)
+{
+    cJSON  *root = tok_parse_json(name, buf, len, err, errlen);
+
+    return root ? tok_load_root(root, name, err, errlen) : NULL;
+}
+
+
 dpd_tok_t *
 dpd_tok_load(const char *tokenizer_path, const char *config_path,
     char *err, size_t errlen)
 {
     dpd_tok_t  *tok;
     cJSON      *root;
-    char       *buf, ferr[512];
+    char       *buf;
     size_t      len;
 
     if (tokenizer_path == NULL) {
@@ -912,36 +962,14 @@ dpd_tok_load(const char *tokenizer_path, const char *config_path,
         return NULL;
     }
     root = tok_parse_json(tokenizer_path, buf, len, err, errlen);
-    free(buf);
+    free(buf);      /* before the tables are built: a lower peak */
     if (root == NULL) {
         return NULL;
     }
-    tok = calloc(1, sizeof(*tok));
+    tok = tok_load_root(root, tokenizer_path, err, errlen);
     if (tok == NULL) {
-        cJSON_Delete(root);
-        tok_err(err, errlen, "out of memory");
         return NULL;
     }
-    tok->detected = DPD_CHAT_NONE;
-    {
-        /* never 0: a zeroed cache entry must not match any tokenizer */
-        static uint64_t  tok_gen_counter;
-        tok->gen = __atomic_add_fetch(&tok_gen_counter, 1, __ATOMIC_RELAXED);
-    }
-
-    ferr[0] = '\0';
-    if (tok_load_json(tok, root, ferr, sizeof(ferr)) != 0) {
-        tok_err(err, errlen, "%s: %s", tokenizer_path, ferr);
-        cJSON_Delete(root);
-        dpd_tok_free(tok);
-        return NULL;
-    }
-    cJSON_Delete(root);
-#ifdef __GLIBC__
-    /* hand the parse tree's pages back: workers keep only the tables */
-    malloc_trim(0);
-#endif
-
     if (config_path != NULL
         && tok_load_config(tok, config_path, err, errlen) != 0)
     {

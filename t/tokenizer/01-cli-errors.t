@@ -101,6 +101,8 @@ my @bad = (
     ['added id', sub { $_[0]{added_tokens}[0]{id} = 'x' }, qr/added_tokens\[0\]\.id: missing or not/],
     ['post ids', sub { delete $_[0]{post_processor}{special_tokens}{'<s>'}{ids} },
      qr/post_processor\.special_tokens\["<s>"\]\.ids: missing/],
+    ['post id range', sub { $_[0]{post_processor}{special_tokens}{'<s>'}{ids} = [999999] },
+     qr/post_processor\.special_tokens\["<s>"\]\.ids: not an id of the vocabulary/],
     ['post type', sub { $_[0]{post_processor}{type} = 'Magic' }, qr/post_processor\.type: unsupported "Magic"/],
 );
 for my $b (@bad) {

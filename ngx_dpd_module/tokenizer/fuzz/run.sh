@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Run the tokenizer's libFuzzer targets for a bounded time each and say
+# what they found.   run.sh BUILD_DIR SECONDS
+# Seeds: small tokenizer.json files and corpus lines; findings (crashing
+# inputs) go to fuzz-artifacts/ (gitignored) and make the run fail.
+set -uo pipefail
+BUILD=${1:-build}
+SECS=${2:-60}
+SEEDS=$BUILD/fuzz/seeds
+mkdir -p "$SEEDS/load" "$SEEDS/encode" fuzz-artifacts
+
+# loader seeds: the small tokenizers of the tests, if generated
+for f in "$BUILD"/corpus/bad/*.json; do
+  [ -f "$f" ] && cp "$f" "$SEEDS/load/" 2>/dev/null
+done
+python3 - "$SEEDS" <<'PY'
+import json, os, sys
+seeds = sys.argv[1]
+# a minimal valid byte-level BPE, so the fuzzer starts from loadable files
+bs = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or b >= 0xAE]
+m, n = {}, 0
+for b in range(256):
+    if b in bs:
+        m[b] = chr(b)
+    else:
+        m[b] = chr(256 + n); n += 1
+vocab = {m[b]: b for b in range(256)}
+vocab.update({"he": 256, "ll": 257, "hell": 258, "\u0120w": 259})
+tok = {"model": {"type": "BPE", "vocab": vocab, "merges": ["h e", "l l", "he ll", "\u0120 w"],
+                 "ignore_merges": True},
+       "normalizer": {"type": "NFC"},
+       "added_tokens": [{"id": 260, "content": "<s>", "special": True, "lstrip": True}],
+       "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+           {"type": "Split", "pattern": {"Regex": "\\s?\\p{L}+|\\p{N}{1,3}|\\s+(?!\\S)|\\s+|."},
+            "behavior": "Isolated", "invert": False},
+           {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]},
+       "post_processor": {"type": "TemplateProcessing",
+                          "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}],
+                          "special_tokens": {"<s>": {"id": "<s>", "ids": [260]}}}}
+open(os.path.join(seeds, "load", "mini.json"), "w").write(json.dumps(tok))
+open(os.path.join(seeds, "encode", "a"), "wb").write(b"\x00Hello world, I'm <|im_start|> 123456 \xe4\xb8\xad\xff")
+open(os.path.join(seeds, "encode", "b"), "wb").write(
+    b"\x02" + json.dumps([{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                          {"role": "assistant", "content": "<think>x</think>y", "tool_calls": [{"function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+                          {"role": "tool", "content": "r"}]).encode())
+PY
+if [ -f "$BUILD/corpus/corpus.jsonl" ]; then
+  head -c 200000 "$BUILD/corpus/corpus.jsonl" | split -l 20 - "$SEEDS/encode/c-"
+fi
+
+rc=0
+for t in tok_fuzz_load tok_fuzz_encode; do
+  dir=$BUILD/fuzz/corpus-$t
+  mkdir -p "$dir"
+  seeds=$SEEDS/load; [ $t = tok_fuzz_encode ] && seeds=$SEEDS/encode
+  echo "fuzz: $t for ${SECS}s"
+  ASAN_OPTIONS=detect_leaks=1 timeout $((SECS + 120)) "$BUILD/fuzz/$t" \
+      -max_total_time="$SECS" -max_len=16384 -timeout=20 -rss_limit_mb=4096 \
+      -artifact_prefix=fuzz-artifacts/$t- -print_final_stats=1 \
+      "$dir" "$seeds" > "$BUILD/fuzz/$t.log" 2>&1
+  r=$?
+  grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb|cov:" "$BUILD/fuzz/$t.log" | tail -3
+  if [ $r -ne 0 ]; then
+    echo "fuzz: $t FOUND A PROBLEM (exit $r), see $BUILD/fuzz/$t.log and fuzz-artifacts/"
+    grep -E "ERROR|SUMMARY|==[0-9]+==" "$BUILD/fuzz/$t.log" | head -10
+    rc=1
+  else
+    echo "fuzz: $t: no crash, leak, or sanitizer report"
+  fi
+done
+exit $rc

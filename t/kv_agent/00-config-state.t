@@ -1,0 +1,171 @@
+#!/usr/bin/perl
+# Configuration errors, the state table (status, --json, corrupt or
+# wrong-version files at start), and the dpd_state.h reader helpers compiled
+# stand-alone the way the nginx module will use them.
+use strict;
+use warnings;
+no warnings 'portable';    # 64-bit magic constant
+use FindBin;
+use lib $FindBin::Bin;
+use Test::More;
+use KvAgentTest;
+
+plan skip_all => "build/kv_agent not built" unless -x kv_bin();
+
+my $dir = kv_tmpdir();
+my $bin = kv_bin();
+my $po = 60;
+
+sub write_file {
+    my ($path, $data) = @_;
+    open my $fh, '>', $path or die "$path: $!";
+    binmode $fh;
+    print $fh $data;
+    close $fh;
+}
+
+# --- configuration errors: exit 2 with a message that names the problem --
+my @bad = (
+    [ '{"node_id": "a",', qr/invalid JSON near byte/, "truncated JSON" ],
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1","token":'
+      . '"12345678","colour":"blue"}', qr/unknown key "colour"/,
+      "unknown key" ],
+    [ '{"node_id":"a","role":"chef","listen":"127.0.0.1:1",'
+      . '"token":"12345678"}', qr/role "chef" is not prefill, decode or/,
+      "bad role" ],
+    [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+      . '"token":"short"}', qr/token.*at least 8/, "short token" ],
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
+      . '"token":"12345678"}', qr/a decode node needs a "pool"/,
+      "decode without pool" ],
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
+      . '"token":"12345678","pool":{"layers":0,"block_bytes":4096,'
+      . '"blocks":4}}', qr/"layers" must be an integer in \[1, 4096\]/,
+      "zero layers" ],
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
+      . '"token":"12345678","pool":{"layers":2,"block_bytes":4096,'
+      . '"blocks":4,"memory":"tpu:0"}}', qr/not host or cuda:<dev>/,
+      "bad memory kind" ],
+);
+for my $b (@bad) {
+    write_file("$dir/bad.json", $b->[0]);
+    my $out = `$bin run --config $dir/bad.json 2>&1`;
+    is($? >> 8, 2, "$b->[2]: exit status 2");
+    like($out, $b->[1], "$b->[2]: message");
+}
+my $out = `$bin run --config $dir/missing.json 2>&1`;
+like($out, qr/missing\.json: No such file/, "missing config file named");
+
+# --- a router (no pool, no fabric): its own record in the table ----------
+my $rcfg = agent_config(id => "router-0", role => "router",
+    port => kv_port($po), http => "127.0.0.1:9999",
+    peers => [{ id => "decode-0", ctrl => "127.0.0.1:" . kv_port($po + 1),
+                role => "decode", http => "127.0.0.1:8200" }]);
+my $r = start_agent($rcfg);
+ok(log_text($r) =~ /info: ready$/m, "router started");
+my ($st, $rc) = status_json($rcfg->{state_path});
+is($rc, 0, "status --json exit 0");
+is($st->{version}, 1, "table version 1");
+is($st->{self}, "router-0", "writer id");
+ok($st->{writer_alive}, "writer alive");
+my ($self) = grep { $_->{id} eq "router-0" } @{ $st->{nodes} };
+ok($self && $self->{alive} && $self->{self}, "own record alive");
+is($self->{role}, "router", "own role");
+is($self->{http}, "127.0.0.1:9999", "own http address");
+my ($peer) = grep { $_->{id} eq "decode-0" } @{ $st->{nodes} };
+ok($peer && !$peer->{alive}, "configured peer listed, not alive");
+is($peer->{http}, "127.0.0.1:8200", "peer http address from config");
+my $human = `$bin status --state $rcfg->{state_path}`;
+like($human, qr/router-0\s+router\s+alive/, "status for humans");
+like($human, qr/decode-0\s+decode\s+dead/, "... with the dead peer");
+`$bin status --state $rcfg->{state_path} --req nope`;
+is($? >> 8, 3, "status --req on an absent request exits 3");
+
+# --- the reader helpers compile alone and find what the agent wrote -------
+SKIP: {
+    my ($cc) = grep { -x "$_/cc" } split /:/, $ENV{PATH};
+    $cc &&= "$cc/cc";
+    skip "no C compiler", 6 unless $cc;
+    my $inc = kv_root() . "/kv_agent/include";
+    write_file("$dir/reader.c", <<'EOC');
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include "dpd_state.h"
+int main(int argc, char **argv) {
+    struct stat sb; dpd_node_rec_t n; dpd_req_rec_t r; int fd, rc;
+    void *m;
+    fd = open(argv[1], O_RDONLY);
+    if (fd < 0 || fstat(fd, &sb) != 0) return 2;
+    m = mmap(NULL, sb.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED || dpd_state_check(m, sb.st_size) != 0) {
+        printf("invalid\n"); return 1;
+    }
+    rc = dpd_state_find_node(m, argv[2], &n);
+    printf("node %s rc=%d alive=%d role=%s total=%llu\n", argv[2], rc,
+           rc == 1 && (n.flags & DPD_NODE_ALIVE) ? 1 : 0,
+           rc == 1 ? dpd_state_role_name(n.role) : "-",
+           rc == 1 ? (unsigned long long) n.total_blocks : 0ULL);
+    if (argc > 3) {
+        rc = dpd_state_find_req(m, argv[3], strlen(argv[3]), &r);
+        printf("req %s rc=%d state=%s nblocks=%u\n", argv[3], rc,
+               rc == 1 ? dpd_state_req_name(r.state) : "-",
+               rc == 1 ? r.nblocks : 0);
+    }
+    printf("hash(abc)=%016llx\n",
+           (unsigned long long) dpd_state_hash("abc", 3));
+    return 0;
+}
+EOC
+    my $cout = `$cc -std=c99 -D_DEFAULT_SOURCE -Wall -Wextra -Werror -pedantic -I$inc -o $dir/reader $dir/reader.c 2>&1`;
+    is($?, 0, "dpd_state.h compiles stand-alone (C99, -pedantic -Werror)")
+        or diag($cout);
+    skip "reader did not build", 5 if $?;
+
+    # a decode agent with a reservation, to find a request record
+    my $dcfg = agent_config(id => "decode-0", role => "decode",
+        port => kv_port($po + 1), pool => small_pool(blocks => 32),
+        peers => [{ id => "router-0", ctrl => "127.0.0.1:" . kv_port($po),
+                    role => "router" }]);
+    my $d = start_agent($dcfg);
+    my $res = api($d, { verb => "reserve", req_id => "chatcmpl-42",
+                        nblocks => 5 });
+    ok($res->{ok}, "reserve on the decode agent") or diag(json_enc($res));
+    my $o = `$dir/reader $dcfg->{state_path} decode-0 chatcmpl-42`;
+    like($o, qr/node decode-0 rc=1 alive=1 role=decode total=32/,
+         "reader: node lookup by id");
+    like($o, qr/req chatcmpl-42 rc=1 state=reserved nblocks=5/,
+         "reader: request lookup by X-Request-Id");
+    like($o, qr/hash\(abc\)=e71fa2190541574b/,
+         "reader: FNV-1a 64 of the request id");
+    $o = `$dir/reader $dcfg->{state_path} decode-0 chatcmpl-43`;
+    like($o, qr/req chatcmpl-43 rc=0/, "reader: absent request");
+    stop_agent($d);
+}
+stop_agent($r);
+
+# --- corrupt / wrong-version / truncated files are recreated, logged ------
+my $path = "$dir/broken.state";
+my @cases = (
+    [ "garbage" x 100, qr/is corrupt \(bad magic\): recreated/, "corrupt" ],
+    [ pack("Q<L<", 0x3154415453445044, 7) . ("\0" x 500),
+      qr/has wrong version 7 \(want 1\): recreated/, "wrong version" ],
+    [ "DPD", qr/is truncated \(3 bytes\): recreated/, "truncated" ],
+);
+for my $c (@cases) {
+    write_file($path, $c->[0]);
+    my $cfg = agent_config(id => "router-1", role => "router",
+                           port => kv_port($po + 2), state_path => $path);
+    my $a = start_agent($cfg);
+    ok(log_wait($a, $c->[1], 5), "$c->[2] state file: recreated and logged");
+    my ($s2, $rc2) = status_json($path);
+    ok($rc2 == 0 && $s2->{self} eq "router-1", "$c->[2]: table valid again");
+    stop_agent($a);
+}
+my ($s3, $rc3) = status_json($path);
+ok($rc3 == 0 && !$s3->{writer_alive}, "after SIGTERM the file stays valid "
+   . "and says the writer stopped");
+done_testing();
