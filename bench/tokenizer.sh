@@ -9,7 +9,7 @@
 # Prints MB/s and tokens/s for both, the ratio, and load time / resident
 # memory for each model file.  BENCH_CPU=1 times our side with CPU time
 # instead of wall time (steadier on a shared machine; the HF side is always
-# wall time).  The HF side is measured two ways, encode() per text (awaited
+# wall time).  BENCH_CORPUS=FILE.jsonl benchmarks another corpus.  The HF side is measured two ways, encode() per text (awaited
 # one by one, as a gateway would per request) and encodeBatch() over the
 # whole corpus; the ratio uses the faster of the two.
 set -euo pipefail
@@ -24,7 +24,7 @@ export DPD_NPM=$NPM RAYON_NUM_THREADS=1
 [ -f "$BUILD/libdpdtok.a" ] || make --no-print-directory "$BUILD/libdpdtok.a"
 cc -O2 -std=c11 -D_GNU_SOURCE -I ngx_dpd_module/tokenizer bench/tokenizer_bench.c \
    "$BUILD/libdpdtok.a" -lpcre2-8 -lcjson -lutf8proc -lpthread -o "$BUILD/tokenizer_bench"
-CORPUS=$BUILD/corpus/corpus.jsonl
+CORPUS=${BENCH_CORPUS:-$BUILD/corpus/corpus.jsonl}
 [ -s "$CORPUS" ] || python3 tools/corpus/build-corpus.py --out "$BUILD/corpus" >/dev/null
 
 get() { awk -v k="$1" '$1 == k { print $2 }' "$2"; }

@@ -2,6 +2,8 @@
 #   build/kv_agent               the daemon (+ bench and status subcommands)
 #   build/libkvagent_client.a    C client library (kv_agent_client.h)
 #   build/kv_agent_ctl           CLI over the client library (tests, scripts)
+#   build/kv_cuda_ipc_helper     CUDA IPC "engine" for tools/gpu-check.sh
+#                                (only when CUDA is present)
 # The GPU path (-DKV_HAVE_CUDA) is compiled when the CUDA runtime headers
 # exist under $(CUDA_HOME); nothing else changes without it.
 KVA_DIR    := kv_agent
@@ -14,14 +16,19 @@ KVA_HDRS   := $(wildcard $(KVA_DIR)/src/*.h $(KVA_DIR)/include/*.h)
 KVA_CFLAGS := $(CSTD) $(WARN) $(CFLAGS) -I$(KVA_DIR)/include -I$(KVA_DIR)/src
 KVA_LIBS   := -lfabric -lcjson -lpthread
 
+KVA_PROGS  := $(BUILD)/kv_agent $(BUILD)/libkvagent_client.a \
+              $(BUILD)/kv_agent_ctl
+KVA_CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
+
 ifneq ($(wildcard $(CUDA_HOME)/include/cuda_runtime.h),)
 KVA_CFLAGS += -DKV_HAVE_CUDA -I$(CUDA_HOME)/include
-KVA_LIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
+KVA_LIBS   += $(KVA_CUDA_LIBS)
+KVA_PROGS  += $(BUILD)/kv_cuda_ipc_helper
 endif
 
 .PHONY: kv_agent
-kv_agent: $(BUILD)/kv_agent $(BUILD)/libkvagent_client.a $(BUILD)/kv_agent_ctl
-programs: $(BUILD)/kv_agent $(BUILD)/libkvagent_client.a $(BUILD)/kv_agent_ctl
+kv_agent: $(KVA_PROGS)
+programs: $(KVA_PROGS)
 
 $(KVA_OBJDIR)/%.o: $(KVA_DIR)/src/%.c $(KVA_HDRS)
 	@mkdir -p $(KVA_OBJDIR)
@@ -37,3 +44,9 @@ $(BUILD)/libkvagent_client.a: $(KVA_CLI_OBJS)
 
 $(BUILD)/kv_agent_ctl: $(KVA_OBJDIR)/ctl.o $(BUILD)/libkvagent_client.a
 	$(CC) $(CFLAGS) -o $@ $< $(BUILD)/libkvagent_client.a -lcjson
+
+# plays the engine in tools/gpu-check.sh (CUDA IPC registration)
+$(BUILD)/kv_cuda_ipc_helper: $(KVA_OBJDIR)/cuda_ipc_helper.o \
+		$(BUILD)/libkvagent_client.a
+	$(CC) $(CFLAGS) -o $@ $< $(BUILD)/libkvagent_client.a -lcjson \
+		$(KVA_CUDA_LIBS)

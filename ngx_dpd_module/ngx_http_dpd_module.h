@@ -65,7 +65,7 @@ typedef struct {
     ngx_flag_t                   enable;        /* dpd on|off */
     ngx_int_t                    threshold;     /* dpd_threshold */
     ngx_int_t                    chat_template; /* dpd_chat_template */
-    ngx_int_t                    max_json_depth;/* dpd_max_json_depth */
+    ngx_int_t                    max_json_depth; /* dpd_max_json_depth */
     ngx_flag_t                   metrics;       /* dpd_metrics handler */
     ngx_http_dpd_prefill_conf_t  prefill;       /* owned by prefill code */
 } ngx_http_dpd_loc_conf_t;

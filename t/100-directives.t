@@ -19,6 +19,23 @@ no_shuffle();
 log_level('info');
 run_tests();
 
+# the shipped example configurations pass "nginx -t" as they are
+
+{
+    my $root = DPD::Emu->root;
+    my $nginx = $ENV{TEST_NGINX_BINARY} || 'nginx';
+
+    SKIP: {
+        skip 'build/ngx_http_dpd_module.so not built', 2
+            unless -f "$root/build/ngx_http_dpd_module.so";
+
+        for my $conf (qw(conf/nginx.conf conf/observe.conf)) {
+            my $out = `'$nginx' -t -p '$root' -c '$conf' 2>&1`;
+            is($?, 0, "$conf passes nginx -t") or diag($out);
+        }
+    }
+}
+
 __DATA__
 
 === TEST 1: all directives accepted, defaults load

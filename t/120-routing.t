@@ -328,3 +328,24 @@ POST /v1/completions
 X-Dpd-Route:
 --- no_error_log
 dpd observe
+
+
+=== TEST 17: decision variables survive an internal redirect (error_page)
+--- config
+    location /v1/ {
+        dpd on;
+        proxy_pass http://127.0.0.1:1/;
+        proxy_intercept_errors on;
+        error_page 502 = @fallback;
+    }
+    location @fallback {
+        return 200 "route=$dpd_route tokens=$dpd_prompt_tokens id=$dpd_request_id\n";
+    }
+--- request eval
+"POST /v1/completions\n" . ::ids(9)
+--- more_headers
+X-Request-Id: redirect-1
+--- response_body
+route=direct tokens=9 id=redirect-1
+--- error_log
+connect() failed

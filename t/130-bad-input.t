@@ -418,3 +418,18 @@ POST /v1/completions
 Content-Type: text/plain
 --- response_body
 custom
+
+
+=== TEST 41: client gone while sending its body: nothing sent upstream
+--- raw_request eval
+"POST /v1/completions HTTP/1.1\r
+Host: localhost\r
+Content-Length: 100\r
+\r
+{\"prompt\": \"only part"
+--- shutdown: 1
+--- ignore_response
+--- error_log
+client prematurely closed connection
+--- no_error_log
+[alert]

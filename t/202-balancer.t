@@ -28,6 +28,25 @@ no_shuffle();
 log_level('info');
 run_tests();
 
+# conf/nginx-dpd.conf, the documented example, passes nginx -t
+SKIP: {
+    my $so = (split ' ', $ENV{TEST_NGINX_LOAD_MODULES} // '')[0];
+    my $root = $ENV{DPD_ROOT} || '.';
+    skip 'no module to load (TEST_NGINX_LOAD_MODULES)', 1 unless $so && -f $so;
+    open my $in, '<', "$root/conf/nginx-dpd.conf" or die "nginx-dpd.conf: $!";
+    my $conf = do { local $/; <$in> };
+    $conf =~ s{^load_module \S+;}{load_module $so;}m;
+    my $dir = server_root();
+    mkdir "$dir/conf";
+    open my $out, '>', "$dir/conf/nginx-dpd.conf" or die $!;
+    print $out $conf;
+    close $out;
+    symlink "$root/tools", "$dir/tools" unless -e "$dir/tools";
+    my $bin = $ENV{TEST_NGINX_BINARY} || 'nginx';
+    my $res = `$bin -t -p $dir -c conf/nginx-dpd.conf 2>&1`;
+    is $? >> 8, 0, 'conf/nginx-dpd.conf passes nginx -t' or diag $res;
+}
+
 __DATA__
 
 === TEST 1: equally loaded peers share the requests in turn (zone)

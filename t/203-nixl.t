@@ -79,6 +79,15 @@ my $config = <<'_EOC_';
         add_header X-Req $dpd_request_id always;
     }
 
+    location /tmpfile/ {
+        dpd on;
+        dpd_threshold 256;
+        dpd_prefill_pass /_dpd_prefill;
+        client_body_buffer_size 1k;     # the body lands in a temp file
+        proxy_pass http://decode/;
+        add_header X-Route $dpd_route always;
+    }
+
     location /liar/ {
         dpd on;
         dpd_threshold 256;
@@ -150,7 +159,7 @@ sub expected_cached {
     return $bs * int(($prompt - 1) / $bs);
 }
 
-for my $id (qw(nixl-cmpl nixl-chat-stream nixl-chat)) {
+for my $id (qw(nixl-cmpl nixl-chat-stream nixl-chat nixl-tmpfile)) {
     my $p = one('prefill', $id, @prefill);
     my $d = one('decode', $id, @decode);
     is_deeply $p->{body}{kv_transfer_params},
@@ -402,3 +411,18 @@ Content-Type: application/json
 --- response_body_like eval
 ["choices", "choices",
  qr/dpd_prefill_requests_total 2\n.*dpd_kv_handoffs_total\{transfer_params="yes"\} 1\ndpd_kv_handoffs_total\{transfer_params="no"\} 1\n/s]
+
+
+
+=== TEST 11: a body read into a temp file takes the same path
+--- request eval
+"POST /tmpfile/v1/completions\n" . JSON::PP->new->encode({model => "m",
+    prompt => $ENV{TEST_NGINX_LONG}, max_tokens => 3})
+--- more_headers
+Content-Type: application/json
+X-Request-Id: nixl-tmpfile
+--- response_body_like: "cached_tokens":[1-9]\d\d
+--- response_headers_like
+X-Route: disaggregated
+--- error_log
+a client request body is buffered to a temporary file

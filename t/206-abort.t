@@ -200,8 +200,8 @@ main::abort_during_decode('/v1/completions', 'abort-nixl-decode');
 --- request
 GET /nothing
 --- error_code: 404
---- error_log
-client prematurely closed connection
+--- error_log eval
+qr/client prematurely closed connection|\(\) failed \((?:32|104): /
 --- no_error_log
 [alert]
 

@@ -134,15 +134,24 @@ bench_target(bench_t *b, int sock)
     kv_set_nonblock(sock);
     for ( ;; ) {
         /* the target's provider needs progress for RMA data to land */
+        int idle = 1;
         for (i = 0; i < b->fab.nrails; i++) {
-            ssize_t rc = (b->spin || b->fab.rail[i].cq_fd < 0) ? fi_cq_read(b->fab.rail[i].cq, ce, 64)
+            ssize_t rc = (b->spin || b->fab.rail[i].cq_fd < 0)
+                         ? fi_cq_read(b->fab.rail[i].cq, ce, 64)
                          : fi_cq_sread(b->fab.rail[i].cq, ce, 64, NULL,
                                        b->fab.nrails > 1 ? 1 : 20);
             if (rc == -FI_EAVAIL) {
                 kv_rail_cq_error(&b->fab.rail[i], &ee);
             }
+            if (rc > 0) {
+                idle = 0;
+            }
         }
-        if ((++spins & 1023) == 0) {
+        /* the initiator says when to stop: look when idle (sread timed
+         * out) or every 1024 turns while spinning */
+        if (idle && ((++spins & 1023) == 0
+                     || (!b->spin && b->fab.rail[0].cq_fd >= 0)))
+        {
             ssize_t r = read(sock, &c, 1);
             if (r == 0 || (r == 1 && c == 'q')) {
                 break;

@@ -392,6 +392,7 @@ typedef struct kv_ctx {
 
     uint64_t     begin_seq;
     uint64_t     next_hb_ms;
+    uint64_t     next_gc_ms;
     volatile int stop;
     uint64_t     stat_pushes_ok, stat_pushes_failed, stat_bytes_out;
     uint64_t     stat_bytes_in, stat_reqs_ready, stat_reqs_failed;

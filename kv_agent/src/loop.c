@@ -176,7 +176,6 @@ client_event(kv_ctx_t *ctx, int i, short revents)
 static void
 housekeeping(kv_ctx_t *ctx, uint64_t now)
 {
-    static uint64_t next_gc;
     int i;
 
     kv_ctrl_tick(ctx, now);
@@ -199,8 +198,8 @@ housekeeping(kv_ctx_t *ctx, uint64_t now)
             kv_client_close(ctx, i);
         }
     }
-    if (now >= next_gc) {
-        next_gc = now + 10000;
+    if (now >= ctx->next_gc_ms) {
+        ctx->next_gc_ms = now + 10000;
         if (ctx->cfg.retention_ms > 0) {
             kv_state_gc(&ctx->st, kv_wall_ms() - ctx->cfg.retention_ms);
         }

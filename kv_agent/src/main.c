@@ -3,9 +3,56 @@
  */
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kv.h"
+
+
+/* `kv_agent check --config FILE`: validate a configuration and print
+ * what it means, without starting anything. */
+static int
+check_main(int argc, char **argv)
+{
+    kv_config_t *c;
+    char err[512];
+    int i, rc;
+
+    if (argc != 2 || strcmp(argv[0], "--config") != 0) {
+        fprintf(stderr, "usage: kv_agent check --config FILE\n");
+        return 2;
+    }
+    c = malloc(sizeof(*c));
+    if (c == NULL) {
+        return 1;
+    }
+    rc = kv_config_load(c, argv[1], err, sizeof(err));
+    if (rc != 0) {
+        fprintf(stderr, "kv_agent: config: %s\n", err);
+        free(c);
+        return 2;
+    }
+    printf("node %s (%s), %s%s%s, control %s, %d peer(s)\n",
+           c->node_id, dpd_state_role_name(c->role),
+           c->has_pool ? "provider " : "no fabric (no pool)",
+           c->has_pool ? c->provider : "",
+           c->has_pool && c->allow_fallback ? " (fall-back allowed)" : "",
+           c->listen, c->npeers);
+    for (i = 0; i < c->npeers; i++) {
+        printf("  peer %s (%s) at %s\n", c->peers[i].id,
+               dpd_state_role_name(c->peers[i].role), c->peers[i].ctrl);
+    }
+    if (c->has_pool) {
+        printf("pool: %u layers x %u regions x %u blocks x %llu bytes = "
+               "%llu bytes on %s\n", c->layout.layers, c->layout.regions,
+               c->layout.nblocks, (unsigned long long) c->layout.block_bytes,
+               (unsigned long long) c->layout.size,
+               c->cuda_dev >= 0 ? "cuda" : "host");
+    }
+    printf("state table: %s\n", c->state_path);
+    free(c);
+    return 0;
+}
 
 
 static void
@@ -16,6 +63,7 @@ usage(void)
         "       kv_agent bench [--provider P] [--size BYTES] [--block BYTES]"
         " [--iters N] [--json]\n"
         "       kv_agent status [--state FILE] [--json] [--req ID]\n"
+        "       kv_agent check --config FILE\n"
         "       kv_agent version\n");
 }
 
@@ -32,6 +80,9 @@ main(int argc, char **argv)
     }
     if (strcmp(argv[1], "bench") == 0) {
         return kv_bench_main(argc - 2, argv + 2);
+    }
+    if (strcmp(argv[1], "check") == 0) {
+        return check_main(argc - 2, argv + 2);
     }
     if (strcmp(argv[1], "status") == 0) {
         return kv_status_main(argc - 2, argv + 2);

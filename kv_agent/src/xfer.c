@@ -455,6 +455,12 @@ kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
                  ctx->cfg.node_id);
         goto fail;
     }
+    if (ctx->peers[peer].conf.role != DPD_ROLE_PREFILL) {
+        snprintf(err, sizeof(err), "peer %s is configured as %s, only "
+                 "prefill peers may push", ctx->peers[peer].conf.id,
+                 dpd_state_role_name(ctx->peers[peer].conf.role));
+        goto fail;
+    }
     if (cJSON_IsObject(jg)) {
         cJSON *a = cJSON_GetObjectItemCaseSensitive(jg, "layers");
         cJSON *b = cJSON_GetObjectItemCaseSensitive(jg, "regions");

@@ -36,8 +36,9 @@ $(TOK_PIC_LIB): $(TOK_PIC_OBJS)
 	rm -f $@
 	ar rcs $@ $^
 
-$(TOK_SO): $(TOK_PIC_OBJS)
-	$(CC) -shared -o $@ $^ $(TOK_LIBS)
+$(TOK_SO): $(TOK_PIC_OBJS) $(TOK_DIR)/libdpdtok.map
+	$(CC) -shared -Wl,--version-script=$(TOK_DIR)/libdpdtok.map \
+	    -o $@ $(TOK_PIC_OBJS) $(TOK_LIBS)
 
 $(BUILD)/dpd-tokenize: $(TOK_DIR)/dpd_tokenize.c $(TOK_LIB) $(TOK_HDRS)
 	$(CC) $(TOK_CFLAGS) $< -o $@ $(TOK_LIB) $(TOK_LIBS)

@@ -192,8 +192,16 @@ tok_bpe_small(tok_work_t *w, const char *s, size_t len, uint64_t h)
     if (n == 0) {
         return;
     }
+    /* all first-round lookups are independent: start their cache misses
+     * together, then read (rk and mid hold the slots in the meantime) */
     for (i = 0; i + 1 < n; i++) {
-        if (!tok_pairmap_get(&tok->merges, id[i], id[i + 1], &rk[i], &mid[i])) {
+        rk[i] = tok_pairmap_slot(&tok->merges, tok_pair_key(id[i], id[i + 1]));
+        __builtin_prefetch(&tok->merges.slots[rk[i]]);
+    }
+    for (i = 0; i + 1 < n; i++) {
+        if (!tok_pairmap_get_at(&tok->merges, tok_pair_key(id[i], id[i + 1]),
+                                rk[i], &rk[i], &mid[i]))
+        {
             rk[i] = UINT32_MAX;
         }
     }

@@ -312,7 +312,6 @@ tok_work_release(tok_work_t *w)
 {
     free(w->sym);
     free(w->heap);
-    free(w->pbuf);
     if (w->md) {
         pcre2_match_data_free(w->md);
     }

@@ -80,14 +80,26 @@ tok_mix64(uint64_t x)
     return x;
 }
 
-/* returns 1 and fills rank/merged if the pair merges */
+static inline uint64_t
+tok_pair_key(uint32_t l, uint32_t r)
+{
+    return (((uint64_t) l << 32) | r) + 1;
+}
+
+
+/* the first slot to probe for a key: prefetch it before the lookups */
+static inline uint32_t
+tok_pairmap_slot(const tok_pairmap_t *m, uint64_t key)
+{
+    return (uint32_t) tok_mix64(key) & m->mask;
+}
+
+
+/* lookup from slot i = tok_pairmap_slot(m, key) */
 static inline int
-tok_pairmap_get(const tok_pairmap_t *m, uint32_t l, uint32_t r,
+tok_pairmap_get_at(const tok_pairmap_t *m, uint64_t key, uint32_t i,
     uint32_t *rank, uint32_t *merged)
 {
-    uint64_t  key = (((uint64_t) l << 32) | r) + 1;
-    uint32_t  i = (uint32_t) tok_mix64(key) & m->mask;
-
     for ( ;; ) {
         const tok_pairslot_t *s = &m->slots[i];
         if (s->key == key) {
@@ -100,6 +112,17 @@ tok_pairmap_get(const tok_pairmap_t *m, uint32_t l, uint32_t r,
         }
         i = (i + 1) & m->mask;
     }
+}
+
+
+/* returns 1 and fills rank/merged if the pair merges */
+static inline int
+tok_pairmap_get(const tok_pairmap_t *m, uint32_t l, uint32_t r,
+    uint32_t *rank, uint32_t *merged)
+{
+    uint64_t  key = tok_pair_key(l, r);
+
+    return tok_pairmap_get_at(m, key, tok_pairmap_slot(m, key), rank, merged);
 }
 
 /* ---- added tokens: byte trie, leftmost-longest as Hugging Face */
@@ -220,9 +243,6 @@ typedef struct {
     size_t             sym_cap;
     void              *heap;
     size_t             heap_cap;
-    /* prefix-space scratch */
-    char              *pbuf;
-    size_t             pbuf_cap;
     int                oom;
 } tok_work_t;
 
@@ -255,7 +275,6 @@ int32_t tok_trie_match(const tok_trie_t *t, const char *s, size_t len,
 
 /* tok_bpe.c */
 void tok_bpe(tok_work_t *w, const char *s, size_t len);
-void tok_work_free(tok_work_t *w);
 
 /* tok_pretok.c */
 pcre2_code *tok_regex_compile(const char *pattern, size_t len, int literal,

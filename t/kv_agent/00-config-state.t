@@ -56,6 +56,34 @@ for my $b (@bad) {
 my $out = `$bin run --config $dir/missing.json 2>&1`;
 like($out, qr/missing\.json: No such file/, "missing config file named");
 
+# the example configurations shipped in conf/kv_agent are valid
+for my $f (glob(kv_root() . "/conf/kv_agent/*.json")) {
+    my $o = `$bin check --config $f 2>&1`;
+    ok($? == 0 && $o =~ /^node \S+ \((prefill|decode|router)\)/,
+       "example config " . (split m{/}, $f)[-1] . " passes check")
+        or diag($o);
+}
+
+# --- a provider that is not there: refused unless fall-back is allowed -----
+{
+    my $cfg = agent_config(id => "decode-9", role => "decode",
+        port => kv_port($po + 3), pool => small_pool(), provider => "efa",
+        rails => "auto");
+    my $a = start_agent($cfg);
+    my $st = stop_agent($a);
+    like(log_text($a), qr/provider "efa" not available: .*\(fall-back forbidden by config\)/,
+         "missing provider with fall-back forbidden: clear error");
+    ok($st != 0 && $st != -1, "... and the agent exits");
+    $cfg->{allow_fallback} = JSON::PP::true;
+    $cfg->{node_id} = "decode-8";
+    $a = start_agent($cfg);
+    like(log_text($a), qr/provider "efa" not available .*falling back/,
+         "fall-back allowed: logged as a warning");
+    like(log_text($a), qr/fabric: rail 0: provider \S+, fabric/,
+         "... with the provider actually chosen");
+    is(stop_agent($a), 0, "... and it runs");
+}
+
 # --- a router (no pool, no fabric): its own record in the table ----------
 my $rcfg = agent_config(id => "router-0", role => "router",
     port => kv_port($po), http => "127.0.0.1:9999",

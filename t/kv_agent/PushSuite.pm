@@ -97,6 +97,19 @@ sub run {
     is(stop_agent($da), 0, "$prov: decode exits 0 on SIGTERM");
     unlike(log_text($pa) . log_text($da), qr/\berror:/,
            "$prov: no errors logged");
+    return if $prov ne 'tcp;ofi_rxm';
+
+    # two rails (two endpoints on lo): writes striped over both
+    ($pa, $da) = pair($prov, $po + 2, rails => ["lo", "lo"]);
+    ok(wait_connected($pa, ["decode-0"]), "2 rails: connected");
+    like(log_text($pa), qr/rail 1: provider \Q$prov\E/, "2 rails: opened");
+    like(log_text($pa), qr/connected to decode-0 \(decode, 2 rail\(s\)/,
+         "2 rails: peer has both");
+    $j = run_kvpush("--prefill", $pa->{sock},
+        "--decode", "decode-0=$da->{sock}", "--nblocks", 512,
+        "--dst", "explicit", "--req", "rails");
+    check_results($j, "$prov 2 rails", 512);
+    stop_agent($_) for $pa, $da;
 }
 
 1;

@@ -11,6 +11,7 @@ use warnings;
 use FindBin;
 use lib "$FindBin::Bin/lib";
 use Test::More;
+use JSON::PP;
 use TokTest;
 
 skip_unless_ready(oracle => 1);
@@ -65,6 +66,21 @@ for my $d ([llama3 => $L], [chatml => $Q]) {
     my $auto = `$cmd`;
     my $named = `$cmd --template $t`;
     ok(length $auto && $auto eq $named, "auto detects $t from tokenizer_config.json");
+}
+
+# a tokenizer_config.json with Meta's 3.1 template is detected as llama3.1
+{
+    my $t31 = slurp("$FindBin::Bin/data/llama31-template.jinja");
+    my $cfg = JSON::PP->new->utf8->canonical->encode({
+        bos_token => $bos, eos_token => '<|eot_id|>', chat_template => $t31 });
+    spew("$dir/config-31.json", $cfg);
+    my $cmd = "'$cli' --tokenizer '$L/tokenizer.json' --config '$dir/config-31.json' "
+            . "--chat --jsonl --render < '$chats'";
+    my $auto = `$cmd`;
+    my $named = `$cmd --template llama3.1`;
+    my $ref = slurp("$dir/ref-llama3.1.txt");
+    ok(length $auto && $auto eq $named && $auto eq $ref,
+       'auto detects llama3.1 from a config carrying the 3.1 template');
 }
 
 # errors name the field; exit status 2

