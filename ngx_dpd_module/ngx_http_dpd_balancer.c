@@ -98,7 +98,8 @@ ngx_module_t  ngx_http_dpd_balancer_module = {
 
 
 #define ngx_http_dpd_bit_word(i)  ((i) / (8 * sizeof(uintptr_t)))
-#define ngx_http_dpd_bit_mask(i)  ((uintptr_t) 1 << (i) % (8 * sizeof(uintptr_t)))
+#define ngx_http_dpd_bit_mask(i)                                            \
+    ((uintptr_t) 1 << (i) % (8 * sizeof(uintptr_t)))
 
 
 static ngx_int_t
@@ -469,7 +470,8 @@ ngx_http_dpd_balancer_pin(ngx_http_request_t *r,
 
     *pinp = NULL;
 
-    if (us->peer.data == NULL || us->peer.init != ngx_http_dpd_balancer_init_peer)
+    if (us->peer.data == NULL
+        || us->peer.init != ngx_http_dpd_balancer_init_peer)
     {
         ngx_log_error(NGX_LOG_ALERT, r->connection->log, 0,
                       "dpd: upstream \"%V\" does not use dpd_balance",

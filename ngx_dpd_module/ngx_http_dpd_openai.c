@@ -42,6 +42,7 @@ static ngx_int_t ngx_http_dpd_count_ids(ngx_http_request_t *r,
     ngx_int_t outer, ngx_int_t *total);
 static ngx_int_t ngx_http_dpd_count_chat(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, const dpd_tok_t *tok, dpd_chat_template_t tmpl);
+static cJSON *ngx_http_dpd_chat_text_only(const cJSON *messages);
 static ngx_int_t ngx_http_dpd_check_messages(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, const cJSON *messages);
 
@@ -473,7 +474,8 @@ ngx_http_dpd_count_chat(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 {
     int           estimated;
     long          n;
-    char          err[256];
+    char          err[256], err2[256];
+    cJSON        *copy;
     ngx_int_t     rc;
     const cJSON  *messages;
 
@@ -506,14 +508,103 @@ ngx_http_dpd_count_chat(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                             sizeof(err));
 
     if (n < 0) {
-        return ngx_http_dpd_reject(r, ctx, NGX_HTTP_DPD_E_INVALID_FIELD,
-                                   "%s", err[0] ? err : "invalid messages");
+        /*
+         * The request has OpenAI's shape (checked above) but the counter
+         * is stricter than vLLM (custom roles, image or audio parts): count
+         * the text of a normalized copy rather than refuse what the
+         * decoder accepts.
+         */
+
+        copy = ngx_http_dpd_chat_text_only(messages);
+        if (copy == NULL) {
+            return NGX_ERROR;
+        }
+
+        n = dpd_chat_count_json(tok, tmpl, copy, &estimated, err2,
+                                sizeof(err2));
+        cJSON_Delete(copy);
+
+        if (n < 0) {
+            return ngx_http_dpd_reject(r, ctx, NGX_HTTP_DPD_E_INVALID_FIELD,
+                                       "%s", err[0] ? err
+                                                    : "invalid messages");
+        }
+
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "dpd: request \"%V\": text counted only (%s)",
+                      &ctx->request_id, err);
+
+        estimated = 1;
     }
 
     ctx->prompt_tokens = n;
     ctx->estimated = estimated ? 1 : 0;
 
     return NGX_OK;
+}
+
+
+/*
+ * A copy of messages the counter accepts: roles other than system, user,
+ * assistant and tool become "system" (OpenAI's "developer") or "user", and
+ * only the text parts of array contents are kept.  NULL: out of memory.
+ */
+
+static cJSON *
+ngx_http_dpd_chat_text_only(const cJSON *messages)
+{
+    cJSON       *copy, *m, *role, *content, *part, *next, *type, *calls;
+    const char  *name;
+
+    copy = cJSON_Duplicate(messages, 1);
+    if (copy == NULL) {
+        return NULL;
+    }
+
+    cJSON_ArrayForEach(m, copy) {
+        role = cJSON_GetObjectItemCaseSensitive(m, "role");
+
+        if (cJSON_IsString(role)
+            && ngx_strcmp(role->valuestring, "system") != 0
+            && ngx_strcmp(role->valuestring, "user") != 0
+            && ngx_strcmp(role->valuestring, "assistant") != 0
+            && ngx_strcmp(role->valuestring, "tool") != 0)
+        {
+            name = ngx_strcmp(role->valuestring, "developer") == 0
+                   ? "system" : "user";
+
+            if (cJSON_ReplaceItemInObjectCaseSensitive(m, "role",
+                                               cJSON_CreateString(name))
+                == 0)
+            {
+                cJSON_Delete(copy);
+                return NULL;
+            }
+        }
+
+        calls = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
+        if (calls && !cJSON_IsArray(calls)) {
+            cJSON_DeleteItemFromObjectCaseSensitive(m, "tool_calls");
+        }
+
+        content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (!cJSON_IsArray(content)) {
+            continue;
+        }
+
+        for (part = content->child; part; part = next) {
+            next = part->next;
+            type = cJSON_GetObjectItemCaseSensitive(part, "type");
+
+            if (!cJSON_IsString(type)
+                || ngx_strcmp(type->valuestring, "text") != 0)
+            {
+                cJSON_Delete(cJSON_DetachItemViaPointer(content, part));
+            }
+        }
+    }
+
+    return copy;
 }
 
 

@@ -52,7 +52,7 @@ typedef struct ngx_http_dpd_ctx_s  ngx_http_dpd_ctx_t;
 
 /* location-level settings of the disaggregated path */
 typedef struct {
-    ngx_str_t                    prefill_pass;  /* dpd_prefill_pass URI; empty: observe mode */
+    ngx_str_t                    prefill_pass;  /* empty: observe mode */
     ngx_uint_t                   protocol;      /* dpd_protocol */
     ngx_msec_t                   timeout;       /* dpd_prefill_timeout */
     ngx_uint_t                   fallback;      /* dpd_fallback */

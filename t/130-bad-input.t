@@ -433,3 +433,23 @@ Content-Length: 100\r
 client prematurely closed connection
 --- no_error_log
 [alert]
+
+
+=== TEST 42: not refused: a custom role and an image part (text counted)
+--- config
+    location /v1/ {
+        dpd on;
+        add_header X-Dpd-Tokens $dpd_prompt_tokens always;
+        proxy_pass http://127.0.0.1:$TEST_NGINX_SERVER_PORT/decoder/;
+    }
+    location /decoder/ { return 200 "decoder reached\n"; }
+--- request
+POST /v1/chat/completions
+{"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+--- response_headers
+--- response_headers_like
+X-Dpd-Tokens: ^\d+$
+--- response_body
+decoder reached
+--- error_log
+text counted only (messages[0].role: "developer" is not one of

@@ -46,6 +46,7 @@ my $http_config = <<'_EOC_';
         zone prefill 64k;
         server 127.0.0.2:$TEST_NGINX_EMU_PORT;
         server 127.0.0.3:$TEST_NGINX_EMU_PORT;
+        keepalive 8;
     }
 
     upstream decode {
@@ -109,6 +110,7 @@ my $config = <<'_EOC_';
         subrequest_output_buffer_size 64k;
         proxy_pass http://prefill/;
         proxy_http_version 1.1;
+        proxy_set_header Connection "";     # keepalive to the prefill pool
     }
 
     location /_dpd_liar/ {

@@ -44,6 +44,11 @@ if [ "$DRY" != 1 ]; then
     command -v nvidia-smi >/dev/null && nvidia-smi -L || {
         say "no NVIDIA GPU visible (nvidia-smi -L failed)"; exit 2; }
 fi
+for h in /usr/include/rdma/fabric.h /usr/include/cjson/cJSON.h; do
+    [ -f "$h" ] || { say "missing $h: install libfabric-dev and libcjson-dev (make deps)"; exit 2; }
+done
+[ "$DRY" = 1 ] || [ -f "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime.h" ] ||
+    { say "no CUDA toolkit under ${CUDA_HOME:-/usr/local/cuda}"; exit 2; }
 say "building"
 HELPER=build/kv_cuda_ipc_helper
 [ "$DRY" = 1 ] && HELPER=

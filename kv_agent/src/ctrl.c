@@ -476,6 +476,15 @@ out_message(kv_ctx_t *ctx, int peer, cJSON *j)
         kv_info("ctrl: connected to %s (%s, %d rail(s)%s)", pe->conf.id,
                 dpd_state_role_name(pe->conf.role), pe->remote.nrails,
                 pe->remote.has_pool ? ", pool" : "");
+        if (pe->conf.role == DPD_ROLE_ROUTER) {
+            /* a (re)connected router learns every request we hold */
+            uint32_t i;
+            for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+                if (ctx->rreq[i].used) {
+                    kv_ctrl_req_event(ctx, &ctx->rreq[i]);
+                }
+            }
+        }
     } else if (strcmp(t->valuestring, "error") == 0) {
         snprintf(err, sizeof(err), "rejected by %s: %s", pe->conf.id,
                  cJSON_IsString(e) ? e->valuestring : "?");

@@ -767,8 +767,19 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
         }
     }
     if (p == NULL) {
-        snprintf(err, elen, "too many pushes (%u) kept; release some",
-                 ctx->npush);
+        /* recycle the oldest finished push nobody released */
+        for (i = 0; i < ctx->npush; i++) {
+            kv_push_t *q = &ctx->push[i];
+            if ((q->state == KV_PUSH_DONE || q->state == KV_PUSH_FAILED)
+                && q->inflight == 0 && !q->release_pending
+                && (p == NULL || q->t_final_ms < p->t_final_ms))
+            {
+                p = q;
+            }
+        }
+    }
+    if (p == NULL) {
+        snprintf(err, elen, "too many pushes (%u) in progress", ctx->npush);
         return -1;
     }
     p->gen = ++ctx->push_gen;

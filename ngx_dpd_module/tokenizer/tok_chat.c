@@ -20,6 +20,9 @@
  *
  * Content is a string or an array of {"type": "text", "text": ...} parts,
  * joined with "\n" as vLLM does for templates that take string content.
+ * Roles other than system/user/assistant/tool are rendered where the
+ * template puts them (a header with the role's name in the Llama
+ * templates, nothing in Qwen 3's).
  * Template arguments (tools, date_string, enable_thinking) are not passed.
  */
 
@@ -187,15 +190,7 @@ tok_msgs_parse(const cJSON *messages, tok_msg_t **out, size_t *n,
                     "string", i);
             goto fail;
         }
-        if (strcmp(role->valuestring, "system") != 0
-            && strcmp(role->valuestring, "user") != 0
-            && strcmp(role->valuestring, "assistant") != 0
-            && strcmp(role->valuestring, "tool") != 0)
-        {
-            tok_err(err, errlen, "messages[%zu].role: \"%.32s\" is not one of "
-                    "system, user, assistant, tool", i, role->valuestring);
-            goto fail;
-        }
+        /* other roles (developer, ...) go where the template puts them */
         m[i].role = role->valuestring;
         if (tok_msg_content(&m[i], cJSON_GetObjectItemCaseSensitive(e,
                             "content"), i, err, errlen) != 0)
@@ -494,12 +489,7 @@ tok_render_llama31(const dpd_tok_t *tok, const tok_msg_t *m, size_t n,
     tok_buf_str(b, "<|eot_id|>");
 
     for ( ; i < n; i++) {
-        if (strcmp(m[i].role, "tool") == 0) {
-            /* strings are iterable in Jinja: the content goes through tojson */
-            tok_buf_str(b, "<|start_header_id|>ipython<|end_header_id|>\n\n");
-            tok_py_json_string(b, m[i].content);
-            tok_buf_str(b, "<|eot_id|>");
-        } else if (m[i].tool_calls) {
+        if (m[i].tool_calls) {
             /* the template supports exactly one call */
             fn = tok_call_function(cJSON_GetArrayItem(m[i].tool_calls, 0));
             tok_buf_str(b, "<|start_header_id|>assistant<|end_header_id|>"
@@ -509,6 +499,13 @@ tok_render_llama31(const dpd_tok_t *tok, const tok_msg_t *m, size_t n,
             tok_buf_str(b, "\", \"parameters\": ");
             tok_call_arguments(b, fn, 0);
             tok_buf_str(b, "}<|eot_id|>");
+        } else if (strcmp(m[i].role, "tool") == 0
+                   || strcmp(m[i].role, "ipython") == 0)
+        {
+            /* strings are iterable in Jinja: the content goes through tojson */
+            tok_buf_str(b, "<|start_header_id|>ipython<|end_header_id|>\n\n");
+            tok_py_json_string(b, m[i].content);
+            tok_buf_str(b, "<|eot_id|>");
         } else {
             tok_buf_str(b, "<|start_header_id|>");
             tok_buf_str(b, m[i].role);

@@ -89,6 +89,20 @@ while (time < $deadline && !$gone) {
 }
 ok($gone, "router forgot the released request");
 
+# a restarted router rebuilds its table from the peers
+is(stop_agent($router), 0, "router stops");
+$router = start_agent($router->{cfg});
+my $r1 = $j->{results}[1];
+my $back = 0;
+$deadline = time + 5;
+while (time < $deadline && !$back) {
+    my ($s) = status_json($router->{cfg}{state_path});
+    $back = grep { $_->{req_id} eq $r1->{req} && $_->{state} eq "ready" }
+        @{ $s->{requests} };
+    sleep 0.05;
+}
+ok($back, "restarted router relearns $r1->{req} (ready) from decode-1");
+
 # a silent peer is marked dead within dead_after_ms (600 ms here)
 my $t0 = time;
 stop_agent($d[1], 'KILL');
@@ -106,5 +120,37 @@ ok(log_wait($router, qr/peer decode-1 is dead \(silent for \d+ ms\)/, 2),
 
 for my $a ($p, $d[0], $router) {
     is(stop_agent($a), 0, "$a->{name} exits cleanly");
+}
+
+# the same 1 -> 2 fan-out over shm
+SKIP: {
+    skip "libfabric shm provider not available here", 11
+        unless provider_ok('shm');
+    my $q = 75;
+    my %c2 = map { $_->[0] => "127.0.0.1:" . kv_port($q + $_->[1]) }
+        (["prefill-0", 0], ["decode-0", 1], ["decode-1", 2]);
+    my $sp = start_agent(agent_config(id => "prefill-0", role => "prefill",
+        provider => "shm", port => kv_port($q), pool => llama_pool(),
+        peers => [map { { id => $_, ctrl => $c2{$_}, role => "decode" } }
+                  "decode-0", "decode-1"]));
+    my @sd = map {
+        start_agent(agent_config(id => "decode-$_", role => "decode",
+            provider => "shm", port => kv_port($q + 1 + $_),
+            pool => llama_pool(), peers => [{ id => "prefill-0",
+            ctrl => $c2{"prefill-0"}, role => "prefill" }]))
+    } 0, 1;
+    ok(wait_connected($sp, ["decode-0", "decode-1"]), "shm: connected");
+    my $js = run_kvpush("--prefill", $sp->{sock}, "--decode",
+        "decode-0=$sd[0]{sock}", "--decode", "decode-1=$sd[1]{sock}",
+        "--nblocks", 512, "--dst", "auto", "--req", "shmfan");
+    for my $r (@{ $js->{results} // [] }) {
+        is($r->{push_state} . "/" . $r->{recv_state}, "done/ready",
+           "shm: push to $r->{decode} landed");
+        is($r->{mismatched_slices}, 0, "shm: $r->{decode} bit-exact");
+        is($r->{sum_src}, $r->{sum_dst}, "shm: $r->{decode} checksums");
+    }
+    is(scalar @{ $js->{results} // [] }, 2, "shm: two concurrent pushes")
+        or diag($js->{error});
+    is(stop_agent($_), 0, "shm: $_->{name} exits cleanly") for $sp, @sd;
 }
 done_testing();

@@ -131,6 +131,18 @@ err_like(api($p, { verb => "push", req_id => "x", peer => "decode-9",
                    src => [0] }), "peer", qr/decode-9 is not connected/,
          "push to a configured peer that is down");
 
+# many pushes nobody releases on the prefill side: finished ones are
+# recycled (the decode side releases its blocks)
+my $okn = 0;
+for my $k (1 .. 40) {
+    my $q = api($p, { verb => "push", req_id => "many$k", peer => "decode-0",
+                      src => [$k % 64] });
+    $q = api($d, { verb => "wait", req_id => "many$k", timeout_ms => 5000 });
+    $okn++ if $q->{state} eq "ready";
+    api($d, { verb => "release", req_id => "many$k" });
+}
+is($okn, 40, "40 unreleased pushes in a row all land (32 slots recycled)");
+
 # other misuse
 err_like(api($d, { verb => "register_pool", memory => "host" }),
          "bad_request", qr/needs a memfd passed with SCM_RIGHTS/,

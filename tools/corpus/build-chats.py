@@ -78,6 +78,8 @@ def chat(rng, multi):
             msgs.append({"role": "assistant", "content": content(rng)})
         if rng.random() < 0.1:
             msgs.append({"role": "system", "content": "late system note"})
+        if rng.random() < 0.05:
+            msgs.append({"role": "developer", "content": " be terse "})
     if rng.random() < 0.2 and msgs[-1]["role"] == "assistant":
         msgs.pop()
     return {"model": "m", "messages": msgs}

@@ -254,6 +254,18 @@ def generated(c, rng):
               (0x1F300, 0x1F5FF), (0x1D400, 0x1D7FF)]
     for _ in range(400):
         c.add_text("random", rand_from(rng, blocks, rng.randint(1, 200)))
+    # blocks with characters added in Unicode 13-15: the regex engines'
+    # Unicode tables (pcre2 here, Oniguruma in Hugging Face) must agree
+    recent = [(0x31350, 0x323AF), (0x1FA70, 0x1FAFF), (0x11F00, 0x11F5F),
+              (0x1E030, 0x1E08F), (0x11B00, 0x11B5F), (0x1E4D0, 0x1E4FF),
+              (0x2EBF0, 0x2EE5F), (0x0870, 0x089F), (0x1E290, 0x1E2FF),
+              (0x16FE0, 0x16FFF), (0x1AFF0, 0x1B16F), (0x10570, 0x105FF),
+              (0xA7C0, 0xA7FF)]
+    for lo, hi in recent:
+        cps = list(range(lo, hi + 1))
+        for i in range(0, len(cps), 16):
+            c.add_text("unicode-recent", "".join(
+                "a" + chr(x) + " 1" + chr(x) + "2 " for x in cps[i:i + 16]))
     for t in ["", " ", "\n", "a", "'", "'s", "\u00a0", "\ufeff", "\x00", "a\x00b",
               "\x01\x02\x1f\x7f", "\ufffd", "\U0010ffff", "<|", "|>", "<|im_start|>",
               "<|begin_of_text|><|begin_of_text|>", "  <|eot_id|>  "]:
