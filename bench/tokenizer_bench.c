@@ -66,7 +66,7 @@ main(int argc, char **argv)
     FILE       *f;
 
     if (argc < 3) {
-        fprintf(stderr, "usage: tokenizer_bench TOKENIZER_JSON CORPUS [SECS]\n");
+        fprintf(stderr, "usage: tokenizer_bench TOKENIZER CORPUS [SECS]\n");
         return 2;
     }
     use_cpu_clock = getenv("BENCH_CPU") && atoi(getenv("BENCH_CPU"));

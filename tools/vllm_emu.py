@@ -21,6 +21,7 @@ import select
 import signal
 import socket
 import socketserver
+import struct
 import sys
 import threading
 import time
@@ -55,7 +56,11 @@ EMULATOR ENDPOINTS (tests)
         "kv":{"block_size","total_blocks","used_blocks","nixl_held":
         [{"request_id","blocks","tokens","age_s"}],"nixl_held_blocks",
         "lmcache_held":[{"key","req_id","tokens","age_s"}],
-        "lmcache_held_chunks","lmcache_held_tokens"},
+        "lmcache_held_chunks","lmcache_held_tokens","kv_agent":null|{
+        "socket","node","registered","error","pool" (the agent's geometry),
+        "src_free_blocks","agent_free_blocks","held":[{"req_id","peer",
+        "blocks","age_s"}] (source blocks of pushes in flight),
+        "held_blocks"}},
         "scheduler":{"running","waiting","pulling","steps","busy_s"},
         "faults":[rules], "requests":[records], "next":N}
         counters (present once non-zero): requests_total,
@@ -66,7 +71,10 @@ EMULATOR ENDPOINTS (tests)
         nixl_expired_total, nixl_replaced_total,
         lmcache_push_{ok,failed}_total,
         lmcache_inits_total, lmcache_received_chunks_total,
-        lmcache_hit_tokens_total, lmcache_expired_chunks_total (the same
+        lmcache_hit_tokens_total, lmcache_expired_chunks_total,
+        kv_agent_{pushed,push_failed,push_done,push_lost}_total,
+        kv_agent_{ready,not_ready,failed,mismatch,no_agent}_total,
+        kv_agent_late_released_total (the same
         names with an emu_ prefix are in /metrics).
         A record: {"n","t","method","path","request_id" (X-Request-Id),
         "headers" (lower-case names),"body" (parsed JSON, or null and
@@ -77,7 +85,12 @@ EMULATOR ENDPOINTS (tests)
         {"protocol":"nixl","side":"consumer","outcome":"ok"|"mismatch"|
         "failed: ..","cached_tokens":N,"remote_host",..} or
         {"protocol":"lmcache","side":"producer","outcome":"pushed"|
-        "push failed: ..","chunks":N,"receiver":"host:port",..}.
+        "push failed: ..","chunks":N,"receiver":"host:port",..} or
+        {"protocol":"kv_agent","side":"producer","outcome":"pushed"|
+        "failed: ..","req_id","decode_node","blocks":N,"src_blocks",
+        "push_state"} or {"protocol":"kv_agent","side":"consumer",
+        "outcome":"ready"|"not_ready"|"failed"|"mismatch"|"no_agent",
+        "req_id","state" (the agent's),"blocks","cached_tokens","error"}.
   POST /emu/reset            forget request records and zero counters
   GET|POST|DELETE /emu/fault fault rules (see FAULTS)
 
@@ -90,8 +103,8 @@ FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
   kv_transfer_params (e.g. a foreign remote_host); kv_drop answers without
   them (blocks stay held until they expire); pad_bytes adds a field of N
   bytes to a non-streaming JSON reply (oversized reply).  path/role scope
-  a rule (role = the request's: "prefill" when it carries do_remote_decode
-  or a disagg_spec, else "decode"); count = only the next K matching
+  a rule (role = the request's: "prefill" when it carries do_remote_decode,
+  a disagg_spec or dpd.decode_node, else "decode"); count = only the next K matching
   requests; the first matching rule applies.  disconnect_after:
   streaming: close after N SSE events; non-streaming: send the headers and N
   bytes of the body (N=0: close without answering).  delay_ms is real time
@@ -134,8 +147,36 @@ PREFILL PROTOCOLS
     --kv-hold-timeout.  Wire: {"op":"init","sender","req_id"} on the init
     port, then {"op":"alloc","req_id","chunks":[{"key","n_tokens"}]} on the
     alloc port, each answered by one line {"ok":true,..}.
+  kv_agent (push through this project's agent, --kv-agent-socket): at
+    start the instance creates a memfd pool of the agent's geometry (info)
+    and registers it (register_pool, SCM_RIGHTS); it re-registers when the
+    agent comes back after being unreachable.  A request with
+    kv_transfer_params {"dpd":{"req_id":ID,"decode_node":NODE}} on a
+    prefill/both instance is prefilled, then its full prompt blocks
+    (floor(P/block_size)) get source blocks of that pool, are filled with
+    bytes derived from the prompt's token ids (block i of layer-region
+    lr: SHAKE-128 of a chained SHA-256 over the tokens of blocks 0..i,
+    first 8 bytes = <u32 i, u32 lr>), and are pushed (push req_id=ID,
+    peer=NODE, src_runs; no dst: the receiver picks or uses its
+    reservation).  The reply's kv_transfer_params is {"dpd":{"req_id":ID,
+    "blocks":N,"state":"pushed"|"failed"}}: pushed = the agent accepted
+    it (with --kv-push-wait-ms: it finished); failed = no agent, unknown
+    or unconnected peer, source pool full...  N = 0 with pushed means
+    nothing to send (prompt shorter than a block): do not wait for it.
+    Source blocks are freed, and the agent's push record released, when
+    the push ends.  A request with {"dpd":{"req_id":ID}} on a decode/both
+    instance polls the agent for ID (wait with --kv-wait-ms); when it is
+    ready, the landed blocks (blocks_runs, ascending = push order) must
+    hold the bytes its own prompt tokens give, else "mismatch";
+    cached_tokens = block_size * floor((prompt_tokens-1)/block_size),
+    capped by the blocks landed (as nixl).  The request is released at
+    the agent in every final case (ready, failed, mismatch); one that is
+    not final yet is released by a background waiter once it is
+    (late_released).  Anything but ready recomputes (cached_tokens 0),
+    counted by outcome.
   Transfer time: --kv-transfer-gbps > 0 adds tokens*kv-bytes-per-token/rate
-  (times --time-scale) to the pull (nixl) or the push (lmcache).
+  (times --time-scale) to the pull (nixl) or the push (lmcache); kv_agent
+  transfers are real (the agents move the bytes).
 """
 
 WORDS = (
@@ -631,6 +672,372 @@ def lmc_chunk_keys(ids, chunk):
     return out
 
 
+# ---------------------------------------------------------------------------
+# kv_agent: this project's transport.  The emulator plays the inference
+# engine in front of a local kv_agent (kv_agent/README.md, "Local API"):
+# it registers a memfd host pool, writes the KV it "computed" into it, asks
+# the agent to push it (prefill) or to say whether it landed (decode).
+# ---------------------------------------------------------------------------
+
+_KV_CLIENT = None
+
+
+def kv_client_mod():
+    """kv_agent/python/kv_agent_client.py (stdlib only), loaded on demand."""
+    global _KV_CLIENT
+    if _KV_CLIENT is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        d = os.path.normpath(os.path.join(here, "..", "kv_agent", "python"))
+        if d not in sys.path:
+            sys.path.insert(0, d)
+        import kv_agent_client
+        _KV_CLIENT = kv_agent_client
+    return _KV_CLIENT
+
+
+def kv_block_seeds(ids, bs, n):
+    """Chained prefix hashes of the first n full blocks: block i's seed
+    depends on every token up to its end, as real KV does."""
+    out = []
+    h = hashlib.sha256(b"dpd-kv")
+    for i in range(n):
+        h.update(ids_bytes(ids[i * bs:(i + 1) * bs]))
+        out.append(h.copy().digest())
+    return out
+
+
+def kv_slice_bytes(seed, i, lr, n):
+    """The bytes of prompt block i in layer-region lr (n = block_bytes)."""
+    body = hashlib.shake_128(seed).digest(n)
+    tag = struct.pack("<II", i, lr)
+    return (tag + body[len(tag):])[:n]
+
+
+class KvAgent(object):
+    """The engine side of one local kv_agent: pool, source blocks, pushes,
+    consumption.  Every agent call uses a fresh connection (the agent
+    serves many clients; HTTP threads never share a socket)."""
+
+    def __init__(self, emu, path):
+        self.emu = emu
+        self.path = path
+        self.timeout = emu.args.kv_connect_timeout
+        self.lock = threading.Lock()
+        self.pool = None        # HostPool (memfd, MAP_SHARED)
+        self.geo = None         # the agent's "pool" from info
+        self.node = None
+        self.registered = False
+        self.error = "not connected yet"
+        self.free_src = deque()
+        self.held = {}          # req_id -> producer entry (source blocks)
+        self.agent_free = None  # the agent's free pool blocks (last info)
+
+    # -- agent calls ------------------------------------------------------
+
+    def call(self, msg, timeout=None, fds=None):
+        """One request; the reply dict (ok true or false).  Raises OSError
+        / ValueError when the agent cannot be reached or answers junk."""
+        m = kv_client_mod()
+        c = m.Client(self.path, timeout=timeout or self.timeout)
+        try:
+            r = c.call_raw(msg, fds)
+        finally:
+            c.close()
+        if not isinstance(r, dict):
+            raise ValueError("agent reply is not a JSON object")
+        return r
+
+    def register(self):
+        """Connect, create (or keep) the pool of the agent's geometry and
+        register it.  Returns True when the pool is registered."""
+        try:
+            info = self.call({"verb": "info"})
+            if not info.get("ok") or not isinstance(info.get("pool"), dict):
+                raise ValueError(info.get("error") or "agent has no pool")
+            g = info["pool"]
+            key = ("layers", "regions", "blocks", "block_bytes",
+                   "block_stride", "region_stride", "layer_stride", "size")
+            with self.lock:
+                if self.geo is None or any(self.geo.get(k) != g.get(k)
+                                           for k in key):
+                    if self.held:
+                        raise ValueError("pool geometry changed while "
+                                         "pushes are in flight")
+                    if self.pool is not None:
+                        self.pool.close()
+                    self.pool = kv_client_mod().HostPool(
+                        int(g["size"]), "emu_kv_pool")
+                    self.geo = dict(g)
+                    self.free_src = deque(range(int(g["blocks"])))
+                pool = self.pool
+            r = self.call({"verb": "register_pool", "memory": "host",
+                           "size": pool.size}, fds=[pool.fd])
+            if not r.get("ok"):
+                raise ValueError("register_pool: %s" % r.get("error"))
+            # registering drops the agent's peer links (they learn the new
+            # keys on reconnect): wait a little for those that were up
+            was_up = {x.get("id") for x in info.get("peers") or []
+                      if x.get("connected")}
+            deadline = time.monotonic() + 3.0
+            while was_up and time.monotonic() < deadline:
+                time.sleep(0.05)
+                up = {x.get("id") for x in
+                      self.call({"verb": "info"}).get("peers") or []
+                      if x.get("connected")}
+                if was_up <= up:
+                    break
+            self.node = info.get("node")
+            self.agent_free = g.get("free")
+            self.registered = True
+            self.error = None
+            return True
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.registered = False
+            self.error = str(e) or e.__class__.__name__
+            return False
+
+    def monitor(self):
+        """Register at start; re-register after the agent went away (a
+        restarted agent has no pool)."""
+        while True:
+            if not self.registered:
+                self.register()
+            else:
+                try:
+                    r = self.call({"verb": "info"}, timeout=2.0)
+                    if isinstance(r.get("pool"), dict):
+                        self.agent_free = r["pool"].get("free")
+                except (OSError, ValueError):
+                    self.registered = False
+                    self.error = "agent unreachable"
+            time.sleep(0.5 if self.registered else 0.2)
+
+    def start(self):
+        self.register()
+        threading.Thread(target=self.monitor, name="kv-agent",
+                         daemon=True).start()
+
+    # -- pool ---------------------------------------------------------------
+
+    def slice_off(self, lr, block):
+        g = self.geo
+        layer, region = divmod(lr, int(g["regions"]))
+        return (layer * int(g["layer_stride"]) +
+                region * int(g["region_stride"]) +
+                block * int(g["block_stride"]))
+
+    def nslices(self):
+        return int(self.geo["layers"]) * int(self.geo["regions"])
+
+    def write_blocks(self, ids, blocks):
+        """Write the deterministic KV of prompt blocks 0..len(blocks)-1 into
+        pool blocks `blocks`."""
+        bs = self.emu.args.block_size
+        bb = int(self.geo["block_bytes"])
+        mv = self.pool.map
+        for i, seed in enumerate(kv_block_seeds(ids, bs, len(blocks))):
+            for lr in range(self.nslices()):
+                o = self.slice_off(lr, blocks[i])
+                mv[o:o + bb] = kv_slice_bytes(seed, i, lr, bb)
+
+    def blocks_match(self, ids, blocks):
+        """True when pool blocks `blocks` hold prompt blocks 0..n-1 of ids."""
+        bs = self.emu.args.block_size
+        bb = int(self.geo["block_bytes"])
+        if len(ids) < len(blocks) * bs:
+            return False
+        mv = memoryview(self.pool.map)
+        try:
+            for i, seed in enumerate(kv_block_seeds(ids, bs, len(blocks))):
+                for lr in range(self.nslices()):
+                    o = self.slice_off(lr, blocks[i])
+                    if mv[o:o + bb] != kv_slice_bytes(seed, i, lr, bb):
+                        return False
+        finally:
+            mv.release()
+        return True
+
+    # -- producer (prefill) ---------------------------------------------------
+
+    def push(self, req_id, node, ids, info):
+        """Write the prompt's full blocks and push them to node under
+        req_id.  Fills info; returns "pushed" or "failed"."""
+        emu = self.emu
+        a = emu.args
+        n = len(ids) // a.block_size
+        info["blocks"] = n
+        if not self.registered and not self.register():
+            info["outcome"] = "failed: no agent (%s)" % self.error
+            return "failed"
+        if n == 0:
+            info["outcome"] = "pushed"
+            info["push_state"] = "nothing to push"
+            return "pushed"
+        with self.lock:
+            if req_id in self.held:
+                info["outcome"] = "failed: request id already pushing"
+                return "failed"
+            if len(self.free_src) < n:
+                info["outcome"] = "failed: source pool full"
+                return "failed"
+            src = [self.free_src.popleft() for _ in range(n)]
+            e = {"req_id": req_id, "peer": node, "blocks": src,
+                 "t": time.monotonic(), "state": "pending"}
+            self.held[req_id] = e
+        info["src_blocks"] = src
+        try:
+            self.write_blocks(ids, src)
+            r = self.call({"verb": "push", "req_id": req_id, "peer": node,
+                           "src_runs": kv_client_mod().runs(src)})
+            if not r.get("ok") and "no registered KV pool" in \
+                    str(r.get("error")) and self.register():
+                # the agent restarted since our last look: pool again
+                self.write_blocks(ids, src)
+                r = self.call({"verb": "push", "req_id": req_id,
+                               "peer": node,
+                               "src_runs": kv_client_mod().runs(src)})
+        except (OSError, ValueError) as ex:
+            r = {"ok": False, "error": str(ex)}
+        if not r.get("ok"):
+            self.drop_src(req_id)
+            info["outcome"] = "failed: %s" % r.get("error")
+            return "failed"
+        e["state"] = r.get("state")
+        info["push_state"] = r.get("state")
+        wait_ms = a.kv_push_wait_ms
+        if wait_ms > 0 or r.get("final"):
+            r = self.finish_push(req_id, wait_ms)
+            info["push_state"] = r.get("state")
+            if r.get("state") != "done":
+                info["outcome"] = "failed: %s" % (
+                    r.get("error") or "push %s" % r.get("state"))
+                return "failed"
+        else:
+            threading.Thread(target=self.finish_push,
+                             args=(req_id, a.kv_push_timeout_s * 1000),
+                             name="kv-push", daemon=True).start()
+        info["outcome"] = "pushed"
+        return "pushed"
+
+    def finish_push(self, req_id, wait_ms):
+        """Wait for the push to end, then drop the agent's record and free
+        the source blocks.  Returns the last state reply."""
+        try:
+            r = self.call({"verb": "wait", "req_id": req_id,
+                           "timeout_ms": int(wait_ms)},
+                          timeout=wait_ms / 1000.0 + self.timeout)
+        except (OSError, ValueError) as ex:
+            r = {"ok": False, "state": "unknown", "error": str(ex)}
+        if r.get("ok") and not r.get("final"):
+            # still moving: the background waiter takes over
+            if threading.current_thread().name != "kv-push":
+                threading.Thread(
+                    target=self.finish_push,
+                    args=(req_id, self.emu.args.kv_push_timeout_s * 1000),
+                    name="kv-push", daemon=True).start()
+            return r
+        st = r.get("state")
+        self.emu.counter_add("kv_agent_push_done_total" if st == "done"
+                             else "kv_agent_push_lost_total", 1)
+        try:
+            self.call({"verb": "release", "req_id": req_id})
+        except (OSError, ValueError):
+            pass
+        self.drop_src(req_id)
+        return r
+
+    def drop_src(self, req_id):
+        with self.lock:
+            e = self.held.pop(req_id, None)
+            if e:
+                self.free_src.extend(e["blocks"])
+
+    # -- consumer (decode) ----------------------------------------------------
+
+    def consume(self, req_id, ids, info):
+        """Look the request up at the agent, verify and release what landed.
+        Returns the tokens reused; info gets outcome and details."""
+        emu = self.emu
+        a = emu.args
+        if not self.registered and not self.register():
+            info["outcome"] = "no_agent"
+            info["error"] = self.error
+            return 0
+        try:
+            if a.kv_wait_ms > 0:
+                r = self.call({"verb": "wait", "req_id": req_id,
+                               "timeout_ms": a.kv_wait_ms},
+                              timeout=a.kv_wait_ms / 1000.0 + self.timeout)
+            else:
+                r = self.call({"verb": "poll", "req_id": req_id})
+        except (OSError, ValueError) as ex:
+            self.registered = False
+            self.error = str(ex)
+            info["outcome"] = "no_agent"
+            info["error"] = str(ex)
+            return 0
+        info["state"] = r.get("state") if r.get("ok") else r.get("code")
+        if not r.get("ok") or not r.get("final"):
+            info["outcome"] = "not_ready"
+            if r.get("ok"):
+                # it may still land: free it then, nobody will use it
+                threading.Thread(target=self.release_late, args=(req_id,),
+                                 name="kv-late", daemon=True).start()
+            return 0
+        if r.get("state") != "ready":
+            info["outcome"] = "failed"
+            info["error"] = r.get("error")
+            self.release(req_id)
+            return 0
+        blocks = [s + k for s, c in r.get("blocks_runs") or []
+                  for k in range(c)]
+        info["blocks"] = len(blocks)
+        ok = bool(blocks) and self.blocks_match(ids, blocks)
+        self.release(req_id)
+        if not ok:
+            info["outcome"] = "mismatch"
+            return 0
+        bs = a.block_size
+        c = min(len(blocks) * bs, ((len(ids) - 1) // bs) * bs)
+        info["outcome"] = "ready"
+        return c
+
+    def release(self, req_id):
+        try:
+            self.call({"verb": "release", "req_id": req_id})
+        except (OSError, ValueError):
+            pass
+
+    def release_late(self, req_id):
+        """A request asked for too early: wait for it to end, then free its
+        blocks at the agent (counted as kv_agent_late_released_total)."""
+        ms = self.emu.args.kv_push_timeout_s * 1000
+        try:
+            r = self.call({"verb": "wait", "req_id": req_id,
+                           "timeout_ms": int(ms)},
+                          timeout=ms / 1000.0 + self.timeout)
+        except (OSError, ValueError):
+            return
+        if r.get("ok") and r.get("final"):
+            self.release(req_id)
+            self.emu.counter_add("kv_agent_late_released_total", 1)
+
+    def snapshot(self):
+        t = time.monotonic()
+        with self.lock:
+            held = [{"req_id": e["req_id"], "peer": e["peer"],
+                     "blocks": len(e["blocks"]),
+                     "age_s": round(t - e["t"], 3)}
+                    for e in self.held.values()]
+            g = dict(self.geo) if self.geo else None
+            free = len(self.free_src)
+        return {"socket": self.path, "node": self.node,
+                "registered": self.registered, "error": self.error,
+                "pool": g, "src_free_blocks": free,
+                "agent_free_blocks": self.agent_free, "held": held,
+                "held_blocks": sum(e["blocks"] for e in held)}
+
+
 def line_rpc(host, port, msg, timeout):
     """One newline-terminated JSON request, one JSON line back."""
     s = socket.create_connection((host, int(port)), timeout=timeout)
@@ -774,6 +1181,8 @@ class Emu(object):
             self.faults.set([r])
         self.prom = {"prompt": 0, "gen": 0, "success": {}}
         self.pulling = 0    # NIXL pulls in flight (vLLM: waiting for KVs)
+        self.kva = KvAgent(self, args.kv_agent_socket) \
+            if args.kv_agent_socket else None
 
     def _load_tokenizer(self):
         a = self.args
@@ -831,6 +1240,8 @@ class Emu(object):
                 "lmcache_init_port": a.lmcache_init_port,
                 "lmcache_alloc_port": a.lmcache_alloc_port,
                 "lmcache_chunk_size": a.lmcache_chunk_size,
+                "kv_agent_socket": a.kv_agent_socket,
+                "kv_wait_ms": a.kv_wait_ms,
                 "time_scale": a.time_scale, "pid": os.getpid()},
             "counters": counters,
             "scheduler": {"running": running, "waiting": waiting,
@@ -841,7 +1252,8 @@ class Emu(object):
                    "used_blocks": used, "nixl_held": nx,
                    "nixl_held_blocks": sum(e["blocks"] for e in nx),
                    "lmcache_held": lm, "lmcache_held_chunks": len(lm),
-                   "lmcache_held_tokens": sum(e["tokens"] for e in lm)},
+                   "lmcache_held_tokens": sum(e["tokens"] for e in lm),
+                   "kv_agent": self.kva.snapshot() if self.kva else None},
             "faults": self.faults.get(),
             "requests": recs, "next": nxt}
 
@@ -910,6 +1322,22 @@ class Emu(object):
             ("lmcache_received_chunks_total", "LMCache chunks received."),
             ("lmcache_hit_tokens_total", "Prompt tokens found in LMCache."),
             ("lmcache_expired_chunks_total", "LMCache chunks expired."),
+            ("kv_agent_pushed_total", "kv_agent prefills answered pushed."),
+            ("kv_agent_push_failed_total",
+             "kv_agent prefills answered failed."),
+            ("kv_agent_push_done_total", "kv_agent pushes that completed."),
+            ("kv_agent_push_lost_total",
+             "kv_agent pushes accepted that failed later."),
+            ("kv_agent_ready_total", "kv_agent KV landed and reused."),
+            ("kv_agent_not_ready_total",
+             "kv_agent KV not (yet) landed (recompute)."),
+            ("kv_agent_failed_total", "kv_agent transfers failed (recompute)."),
+            ("kv_agent_mismatch_total",
+             "kv_agent KV of another prompt (recompute)."),
+            ("kv_agent_no_agent_total",
+             "dpd decode requests without a usable agent (recompute)."),
+            ("kv_agent_late_released_total",
+             "kv_agent KV that landed after its request; freed."),
         ]
         for n, h in emu_names:
             m("emu_" + n, "counter", h, [(lab, c.get(n, 0))])
@@ -917,6 +1345,11 @@ class Emu(object):
           [(lab, sum(e["blocks"] for e in nx))])
         m("emu_lmcache_held_chunks", "gauge", "LMCache chunks held.",
           [(lab, len(lm))])
+        if self.kva:
+            ka = self.kva.snapshot()
+            m("emu_kv_agent_held_blocks", "gauge",
+              "Source blocks held for kv_agent pushes.",
+              [(lab, ka["held_blocks"])])
         return "\n".join(out) + "\n"
 
     # -- side channel (NIXL, prefill side) ---------------------------------
@@ -956,6 +1389,8 @@ class Emu(object):
     def start(self):
         a = self.args
         self.sched.start()
+        if self.kva:
+            self.kva.start()
         if a.role in ("prefill", "both"):
             serve_lines(a.side_channel_host or a.host, a.side_channel_port,
                         self.on_side_channel, "side-channel")
@@ -1285,8 +1720,13 @@ class Conn(socketserver.BaseRequestHandler):
             else None
         if not isinstance(kvp, dict):
             kvp = None
+        dpd = kvp.get("dpd") if kvp else None
+        if not isinstance(dpd, dict):
+            dpd = None
         req_role = "prefill" if kvp and (kvp.get("do_remote_decode") or
-                                         kvp.get("disagg_spec")) else "decode"
+                                         kvp.get("disagg_spec") or
+                                         (dpd and "decode_node" in dpd)) \
+            else "decode"
         fault = emu.faults.match(path, req_role)
         stream = bool(isinstance(body, dict) and body.get("stream") is True)
         if fault and self.apply_fault(fault, rec, headers, stream, body):
@@ -1315,6 +1755,9 @@ class Conn(socketserver.BaseRequestHandler):
         if kvp and single and kvp.get("do_remote_prefill"):
             kvinfo = self.nixl_pull(kvp, prompts[0], eids[0])
             cached[0] = kvinfo["cached_tokens"]
+        elif dpd is not None and req_role == "decode":
+            kvinfo = self.kv_agent_consume(dpd, prompts)
+            cached[0] = kvinfo["cached_tokens"]
         elif (single and req_role == "decode" and a.lmcache_init_port
               and a.role in ("decode", "both")):
             got = emu.kv.lmc_take_prefix(
@@ -1331,12 +1774,15 @@ class Conn(socketserver.BaseRequestHandler):
         lmc_spec = kvp.get("disagg_spec") if (kvp and single and
                                               a.role in ("prefill", "both")) \
             else None
-        if kvp and (kvp.get("do_remote_decode") or kvp.get("disagg_spec")):
-            if nixl_producer or lmc_spec:
+        dpd_producer = bool(dpd is not None and req_role == "prefill"
+                            and single and a.role in ("prefill", "both"))
+        if req_role == "prefill":
+            if nixl_producer or lmc_spec or dpd_producer:
                 emu.counter_add("prefill_requests_total", 1)
             else:
                 kvinfo = {"protocol": "nixl" if kvp.get("do_remote_decode")
-                          else "lmcache", "side": "producer",
+                          else "lmcache" if kvp.get("disagg_spec")
+                          else "kv_agent", "side": "producer",
                           "outcome": "ignored (role %s)" % a.role}
         rec["cached_tokens"] = sum(cached)
         emu.counter_add("cached_tokens_total", sum(cached))
@@ -1463,6 +1909,8 @@ class Conn(socketserver.BaseRequestHandler):
                 kv_out, kvinfo = self.nixl_hold(seqs[0], eids[0])
             elif lmc_spec is not None:
                 kvinfo = self.lmc_push(lmc_spec, prompts[0])
+            elif dpd_producer:
+                kv_out, kvinfo = self.kv_agent_push(dpd, prompts[0])
             if kvp and "ret_first_tok" in kvp:
                 # LMCache's connector returns the prefill's first token
                 kv_out = {"first_tok": seqs[0].first_tok}
@@ -1746,6 +2194,60 @@ class Conn(socketserver.BaseRequestHandler):
                 "tokens": len(blocks) * a.block_size}
         return kv_out, info
 
+    # -- kv_agent -----------------------------------------------------------
+
+    def kv_agent_push(self, dpd, ids):
+        """Prefill: hand the prompt's full blocks to the local agent for
+        dpd.decode_node.  Returns (kv_transfer_params, kv info)."""
+        emu = self.emu
+        req_id = dpd.get("req_id")
+        node = dpd.get("decode_node")
+        info = {"protocol": "kv_agent", "side": "producer",
+                "req_id": req_id, "decode_node": node, "blocks": 0}
+        if not isinstance(req_id, str) or not req_id or \
+                not isinstance(node, str) or not node:
+            info["outcome"] = "failed: dpd needs req_id and decode_node"
+            state = "failed"
+        elif emu.kva is None:
+            info["outcome"] = "failed: no agent (--kv-agent-socket)"
+            state = "failed"
+        else:
+            state = emu.kva.push(req_id, node, ids, info)
+        emu.counter_add("kv_agent_pushed_total" if state == "pushed"
+                        else "kv_agent_push_failed_total", 1)
+        kv_out = {"dpd": {"req_id": req_id, "blocks": info["blocks"]
+                          if state == "pushed" else 0, "state": state}}
+        return kv_out, info
+
+    def kv_agent_consume(self, dpd, prompts):
+        """Decoder: reuse the KV the agent says landed for dpd.req_id."""
+        emu = self.emu
+        a = emu.args
+        req_id = dpd.get("req_id")
+        info = {"protocol": "kv_agent", "side": "consumer",
+                "req_id": req_id, "cached_tokens": 0}
+        if a.role not in ("decode", "both") or len(prompts) != 1:
+            info["outcome"] = "ignored (%s)" % (
+                "role %s" % a.role if len(prompts) == 1
+                else "%d prompts" % len(prompts))
+            return info
+        if not isinstance(req_id, str) or not req_id:
+            info["outcome"] = "failed"
+            info["error"] = "dpd needs req_id"
+        elif emu.kva is None:
+            info["outcome"] = "no_agent"
+        else:
+            with emu.lock:
+                emu.pulling += 1
+            try:
+                info["cached_tokens"] = emu.kva.consume(req_id, prompts[0],
+                                                        info)
+            finally:
+                with emu.lock:
+                    emu.pulling -= 1
+        emu.counter_add("kv_agent_%s_total" % info["outcome"], 1)
+        return info
+
     # -- LMCache ------------------------------------------------------------
 
     def lmc_push(self, spec, ids):
@@ -1887,6 +2389,23 @@ def parse_args(argv):
                    help="modelled transfer rate in GB/s (0: instant)")
     g.add_argument("--kv-bytes-per-token", type=int, default=131072,
                    help="KV bytes per token (Llama 3 8B: 128 KiB)")
+    g = ap.add_argument_group("kv_agent protocol (see PREFILL PROTOCOLS)")
+    g.add_argument("--kv-agent-socket", default=None, metavar="PATH",
+                   help="local kv_agent API socket; a memfd pool of the "
+                   "agent's geometry is registered at start (without it "
+                   "dpd prefills answer state failed, dpd decodes "
+                   "recompute)")
+    g.add_argument("--kv-wait-ms", type=int, default=0,
+                   help="decode: wait this long for the KV to land "
+                   "(0: poll once; nginx already waited)")
+    g.add_argument("--kv-push-wait-ms", type=int, default=0,
+                   help="prefill: answer only once the push finished, "
+                   "waiting up to this long (0: answer once the agent "
+                   "accepted it)")
+    g.add_argument("--kv-push-timeout", dest="kv_push_timeout_s",
+                   type=float, default=60.0, metavar="S",
+                   help="seconds a background waiter follows a push (or a "
+                   "KV that lands late) before giving up on freeing it")
     g = ap.add_argument_group("faults (see FAULTS below)")
     g.add_argument("--fail-status", type=int, default=None, metavar="CODE",
                    help="answer CODE with an error JSON")

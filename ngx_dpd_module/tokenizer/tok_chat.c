@@ -17,6 +17,8 @@
  *             <think> handling of assistant turns after the last user query,
  *             tool results wrapped in <tool_response> inside a user turn,
  *             tool calls as <tool_call> JSON, "<|im_start|>assistant\n".
+ *             Qwen 2 / 2.5 dialect, when the config's template says so: a
+ *             default system message, assistant content as it is.
  *
  * Content is a string or an array of {"type": "text", "text": ...} parts,
  * joined with "\n" as vLLM does for templates that take string content.
@@ -592,13 +594,18 @@ tok_render_chatml_assistant(const tok_msg_t *m, size_t i, size_t n,
 
 
 static void
-tok_render_chatml(const tok_msg_t *m, size_t n, tok_buf_t *b)
+tok_render_chatml(const dpd_tok_t *tok, const tok_msg_t *m, size_t n,
+    tok_buf_t *b)
 {
     size_t  i, last_query = n - 1;
 
     if (strcmp(m[0].role, "system") == 0) {
         tok_buf_str(b, "<|im_start|>system\n");
         tok_buf_add(b, m[0].content, m[0].len);
+        tok_buf_str(b, "<|im_end|>\n");
+    } else if (tok->chatml_system) {
+        tok_buf_str(b, "<|im_start|>system\n");
+        tok_buf_str(b, tok->chatml_system);
         tok_buf_str(b, "<|im_end|>\n");
     }
     /* the last user turn that is not a wrapped tool response */
@@ -616,6 +623,13 @@ tok_render_chatml(const tok_msg_t *m, size_t n, tok_buf_t *b)
             tok_buf_str(b, "<|im_start|>");
             tok_buf_str(b, m[i].role);
             tok_buf_str(b, "\n");
+            tok_buf_add(b, m[i].content, m[i].len);
+            tok_buf_str(b, "<|im_end|>\n");
+        } else if (strcmp(m[i].role, "assistant") == 0 && tok->chatml_plain
+                   && m[i].tool_calls == NULL)
+        {
+            /* Qwen 2 / 2.5: the content as it is */
+            tok_buf_str(b, "<|im_start|>assistant\n");
             tok_buf_add(b, m[i].content, m[i].len);
             tok_buf_str(b, "<|im_end|>\n");
         } else if (strcmp(m[i].role, "assistant") == 0) {
@@ -677,7 +691,7 @@ dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
         tok_render_llama31(tok, m, n, &b);
         break;
     case DPD_CHAT_CHATML:
-        tok_render_chatml(m, n, &b);
+        tok_render_chatml(tok, m, n, &b);
         break;
     default:
         tok_msgs_free(m, n);

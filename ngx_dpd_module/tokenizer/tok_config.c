@@ -97,6 +97,51 @@ tok_detect_template(const char *t)
 }
 
 
+/*
+ * ChatML dialects: Qwen 2 / 2.5 templates print a default system message
+ * when the first message is not a system one, written as a string literal
+ * '<|im_start|>system\n...<|im_end|>\n'; Qwen 3's builds that block from
+ * messages[0] only.  Take the literal's text (Jinja escapes undone), and
+ * note whether the template handles <think> (Qwen 3) or not.
+ */
+static int
+tok_chatml_dialect(dpd_tok_t *tok)
+{
+    static const char   mark[] = "<|im_start|>system\\n";
+    const char         *t = tok->chat_template, *p, *e;
+    char               *out;
+    size_t              o = 0;
+
+    tok->chatml_plain = strstr(t, "</think>") == NULL;
+    for (p = strstr(t, mark); p; p = strstr(p + 1, mark)) {
+        p += sizeof(mark) - 1;
+        e = strstr(p, "<|im_end|>");
+        if (e == NULL || e == p || memchr(p, '\'', (size_t) (e - p))
+            || memchr(p, '"', (size_t) (e - p))
+            || memchr(p, '{', (size_t) (e - p)))
+        {
+            continue;       /* an expression, not a literal text */
+        }
+        out = malloc((size_t) (e - p) + 1);
+        if (out == NULL) {
+            return -1;
+        }
+        for ( ; p < e; p++) {
+            if (*p == '\\' && p + 1 < e) {
+                p++;
+                out[o++] = *p == 'n' ? '\n' : *p == 't' ? '\t' : *p;
+            } else {
+                out[o++] = *p;
+            }
+        }
+        out[o] = '\0';
+        tok->chatml_system = out;
+        return 0;
+    }
+    return 0;
+}
+
+
 int
 tok_load_config(dpd_tok_t *tok, const char *path, char *err, size_t errlen)
 {
@@ -124,6 +169,11 @@ tok_load_config(dpd_tok_t *tok, const char *path, char *err, size_t errlen)
                                       sizeof(ferr)) == 0)
     {
         tok->detected = tok_detect_template(tok->chat_template);
+        if (tok->detected == DPD_CHAT_CHATML
+            && tok_chatml_dialect(tok) != 0)
+        {
+            tok_err(ferr, sizeof(ferr), "out of memory");
+        }
     }
     cJSON_Delete(root);
     if (ferr[0]) {

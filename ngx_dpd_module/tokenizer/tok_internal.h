@@ -222,6 +222,8 @@ struct dpd_tok_s {
     char          *eos_token;
     char          *chat_template;
     dpd_chat_template_t  detected;
+    char          *chatml_system;   /* default system text (Qwen 2/2.5) */
+    int            chatml_plain;    /* template has no <think> handling */
 };
 
 /* ---- per-call work area and output sink */

@@ -1008,5 +1008,6 @@ dpd_tok_free(dpd_tok_t *tok)
     free(tok->bos_token);
     free(tok->eos_token);
     free(tok->chat_template);
+    free(tok->chatml_system);
     free(tok);
 }

@@ -6,7 +6,11 @@
 #                    space, plain BPE (no ignore_merges), RobertaProcessing
 #   qwen3-flags      NFKC in a Sequence, Split with String pattern and the
 #                    MergedWith* behaviours, Digits, added tokens with
-#                    lstrip/rstrip/single_word/normalized
+#                    lstrip/rstrip/single_word/normalized.  The lines of
+#                    characters new in Unicode 14/15 are left out here:
+#                    utf8proc knows their compatibility decompositions,
+#                    Hugging Face's normalizer tables are older (NFC, what
+#                    the real files use, is compared on them in 10-*.t).
 use strict;
 use warnings;
 use FindBin;
@@ -31,7 +35,8 @@ for my $case (['llama3-template', '--special'], ['llama3-template', ''],
     ($rc, $e) = run_cmd("'$cli' --tokenizer '$file' --jsonl --ids $flag "
                         . "< '$corpus' > '$dir/our-$tag.txt'", 60);
     is($rc, 0, "$tag: dpd-tokenize ran") or diag $e;
-    compare_lines($tag, "$dir/hf-$tag.txt", "$dir/our-$tag.txt", $corpus, $tags);
+    compare_lines($tag, "$dir/hf-$tag.txt", "$dir/our-$tag.txt", $corpus, $tags,
+                  $name eq 'qwen3-flags' ? qr/^unicode-recent$/ : undef);
 }
 
 # add_special_tokens on empty text: only the template's BOS and EOS

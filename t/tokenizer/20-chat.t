@@ -3,7 +3,9 @@
 # strip/lstrip/rstrip semantics as vLLM's Jinja2 has them):
 #   llama3    chat_template of the Llama 3 tokenizer_config.json
 #   llama3.1  Meta's 3.1 template (t/tokenizer/data/llama31-template.jinja)
-#   chatml    chat_template of the Qwen 3 tokenizer_config.json
+#   chatml    chat_template of the Qwen 3 tokenizer_config.json, and a
+#             Qwen 2.5 style template (data/qwen25-template.jinja: default
+#             system message, no <think> handling) detected from a config
 # Then the token counts of the rendered prompts against the oracle, the
 # template detection from tokenizer_config.json, and the errors.
 use strict;
@@ -15,25 +17,35 @@ use JSON::PP;
 use TokTest;
 
 skip_unless_ready(oracle => 1);
-my ($chats, $multi) = need_chats();
+my ($chats, $multi, $plain) = need_chats();
 my $dir = corpus_dir();
 my $cli = tokcli();
 my ($L, $Q) = (llama3(), qwen3());
 my $bos = '<|begin_of_text|>';
 
+# a Qwen 2.5 style config (default system message, no <think> handling)
+my $q25 = "$dir/config-qwen25.json";
+spew($q25, JSON::PP->new->utf8->canonical->encode({
+    eos_token => '<|im_end|>', bos_token => undef,
+    chat_template => slurp("$FindBin::Bin/data/qwen25-template.jinja") }));
+
 my @cases = (
-    # name, tokenizer dir, template source, template, bos, eos, chats
+    # name, tokenizer dir, template source, template, bos, eos, chats[, config]
     ['llama3',   $L, "$L/tokenizer_config.json", 'llama3', $bos, '<|end_of_text|>', $chats],
     ['llama3.1', $L, "$FindBin::Bin/data/llama31-template.jinja", 'llama3.1', $bos,
      '<|end_of_text|>', $chats],
     ['chatml',   $Q, "$Q/tokenizer_config.json", 'chatml', '', '<|im_end|>', $chats],
     ['chatml-multi-calls', $Q, "$Q/tokenizer_config.json", 'chatml', '', '<|im_end|>',
      $multi],
+    # Qwen 2.5 dialect, plain messages (its tool call format is not rendered)
+    ['chatml-qwen2.5', $Q, "$FindBin::Bin/data/qwen25-template.jinja", 'auto', '',
+     '<|im_end|>', $plain, $q25],
 );
 
 for my $c (@cases) {
-    my ($name, $m, $src, $tmpl, $b, $e, $in) = @$c;
-    my $base = "$m/tokenizer.json' --config '$m/tokenizer_config.json' --template $tmpl";
+    my ($name, $m, $src, $tmpl, $b, $e, $in, $cfg) = @$c;
+    $cfg ||= "$m/tokenizer_config.json";
+    my $base = "$m/tokenizer.json' --config '$cfg' --template $tmpl";
     my ($rc, $err) = run_cmd("node '$FindBin::Bin/jinja-render.js' '$src' '$b' '$e' "
                              . "< '$in' > '$dir/ref-$name.txt'", 60);
     is($rc, 0, "$name: jinja rendered") or diag $err;

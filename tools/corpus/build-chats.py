@@ -91,12 +91,19 @@ def main():
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--n", type=int, default=400)
     ap.add_argument("--multi-calls", action="store_true")
+    ap.add_argument("--no-tools", action="store_true",
+                    help="no tool calls or tool messages (plain chats)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as f:
         for _ in range(a.n):
-            f.write(json.dumps(chat(rng, a.multi_calls), ensure_ascii=False) + "\n")
+            c = chat(rng, a.multi_calls)
+            if a.no_tools:
+                c["messages"] = [m for m in c["messages"] if m["role"] != "tool"
+                                 and "tool_calls" not in m] or \
+                    [{"role": "user", "content": "hi"}]
+            f.write(json.dumps(c, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,9 @@ sub start {
     push @cmd, '--model', $o{model} if defined $o{model};
     push @cmd, '--side-channel-port', $o{side_channel_port}
                                       || port_default('side');
-    if ($role ne 'prefill') {
+    if ($o{no_lmcache}) {
+        push @cmd, '--no-lmcache';
+    } elsif ($role ne 'prefill') {
         push @cmd, '--lmcache-init-port', $o{lmcache_init_port}
                                           || port_default('lmc_init'),
                    '--lmcache-alloc-port', $o{lmcache_alloc_port}
@@ -105,9 +107,17 @@ sub start {
                 block_size => 'block-size', chat_template => 'chat-template',
                 kv_hold_timeout => 'kv-hold-timeout',
                 default_max_tokens => 'default-max-tokens',
-                max_model_len => 'max-model-len', engine_id => 'engine-id');
+                max_model_len => 'max-model-len', engine_id => 'engine-id',
+                kv_wait_ms => 'kv-wait-ms',
+                kv_push_wait_ms => 'kv-push-wait-ms',
+                kv_push_timeout => 'kv-push-timeout',
+                kv_connect_timeout => 'kv-connect-timeout');
     for my $k (sort keys %flag) {
         push @cmd, "--$flag{$k}", $o{$k} if defined $o{$k};
+    }
+    if (my $ka = $o{kv_agent}) {
+        push @cmd, '--kv-agent-socket',
+                   ref $ka ? $ka->socket_path : $ka;
     }
     push @cmd, '-v' if $o{verbose} || $ENV{DPD_EMU_VERBOSE};
     push @cmd, @{ $o{args} || [] };
@@ -160,6 +170,20 @@ sub start {
     $self->{lmcache_init_port} = $st->{instance}{lmcache_init_port};
     $self->{lmcache_alloc_port} = $st->{instance}{lmcache_alloc_port};
     $self->{block_size} = $st->{instance}{block_size};
+    if ($o{kv_agent}) {
+        # the pool registration is part of start-up
+        while (!($st->{kv}{kv_agent} && $st->{kv}{kv_agent}{registered})) {
+            if (time > $deadline) {
+                my $e = $st->{kv}{kv_agent} ? $st->{kv}{kv_agent}{error}
+                                            : 'no kv_agent section';
+                $self->stop;
+                croak "DPD::Emu: emulator $host:$port did not register "
+                      . "its pool with the kv_agent: " . ($e // '?');
+            }
+            sleep 0.05;
+            $st = $self->stats(since => 1 << 30);
+        }
+    }
     return $self;
 }
 
@@ -241,6 +265,11 @@ sub last_request {
     my ($self, %f) = @_;
     my @r = $self->requests(%f);
     return $r[-1];
+}
+
+sub kv_agent_stats {
+    my ($self) = @_;
+    return $self->stats(since => 1 << 30)->{kv}{kv_agent};
 }
 
 sub counter {
@@ -499,6 +528,13 @@ or if it exits), and returns an instance object.  Options:
   side_channel_port  NIXL side channel (default $DPD_EMU_SIDE_PORT / 19100)
   lmcache_init_port  (default $DPD_EMU_LMC_INIT_PORT / 19200; not prefill)
   lmcache_alloc_port (default $DPD_EMU_LMC_ALLOC_PORT / 19300; not prefill)
+  no_lmcache  true: --no-lmcache (no LMCache ports at all)
+  kv_agent    a DPD::KvAgent (t/inc/DPD/KvAgent.pm) or an agent API socket
+              path: --kv-agent-socket; start() then also waits until the
+              emulator registered its pool with the agent (croaks with the
+              reason after timeout)
+  kv_wait_ms kv_push_wait_ms kv_push_timeout kv_connect_timeout
+              the kv_agent protocol flags of the same name
   time_scale prefill_tps decode_step_ms max_num_batched_tokens max_num_seqs
   kv_blocks block_size chat_template kv_hold_timeout default_max_tokens
   max_model_len engine_id     the emulator flags of the same name
@@ -542,6 +578,8 @@ True when build/libdpdtok.so exists (C<--tokenizer> needs it).
   engine_id side_channel_port lmcache_init_port lmcache_alloc_port
   block_size
 
+  kv_agent_stats()                -> /emu/stats kv.kv_agent (undef
+                                     without --kv-agent-socket)
   get($path, %headers)            -> HTTP::Response
   post_json($path, $data|$text, %headers) -> HTTP::Response
   stats(since => N)               -> /emu/stats as a hash (see

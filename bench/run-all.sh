@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# All benchmarks, one after the other (`make bench`).  Each one compares
+# against its named baseline in the same run and prints the ratio:
+#   tokenizer.sh          ours vs Hugging Face tokenizers (one core each)
+#   routing_overhead.sh   module on the direct path vs plain proxy_pass
+#   kv_agent.sh           kv_agent over tcp;ofi_rxm vs iperf3 (loopback),
+#                         Llama-shaped push with and without coalescing
+#   dpd_vs_colocated.sh   DPD vs co-located serving, emulator timing model
+# They are not tests: numbers depend on the machine and on its load.
+set -uo pipefail
+cd "$(dirname "$0")"
+rc=0
+for b in tokenizer.sh routing_overhead.sh kv_agent.sh dpd_vs_colocated.sh; do
+  printf '\n######## bench/%s\n' "$b"
+  bash "$b" || { echo "bench/$b failed (rc=$?)"; rc=1; }
+done
+exit $rc
