@@ -88,6 +88,12 @@ static ngx_int_t ngx_http_dpd_state_request_id(ngx_http_request_t *r,
 static ngx_int_t ngx_http_dpd_state_variable(ngx_http_request_t *r,
     ngx_http_variable_value_t *v, uintptr_t data);
 static ngx_int_t ngx_http_dpd_state_status_handler(ngx_http_request_t *r);
+static ngx_int_t ngx_http_dpd_state_lookup_handler(ngx_http_request_t *r,
+    ngx_str_t *addr, ngx_str_t *req);
+static ngx_int_t ngx_http_dpd_state_arg(ngx_http_request_t *r, char *name,
+    size_t len, ngx_str_t *value);
+static ngx_int_t ngx_http_dpd_state_send(ngx_http_request_t *r,
+    ngx_uint_t status, ngx_buf_t *b);
 static u_char *ngx_http_dpd_state_copy_str(u_char *dst, const char *src,
     size_t max);
 
@@ -759,9 +765,9 @@ ngx_http_dpd_state_node_by_addr(ngx_http_request_t *r, ngx_str_t *http_addr,
             continue;
         }
 
-        if (ngx_strncmp(node.http_addr, http_addr->data, http_addr->len)
-            != 0
-            || node.http_addr[http_addr->len] != '\0')
+        if (ngx_strlen(node.http_addr) != http_addr->len
+            || ngx_memcmp(node.http_addr, http_addr->data, http_addr->len)
+               != 0)
         {
             continue;
         }
@@ -981,7 +987,7 @@ ngx_http_dpd_state_status_handler(ngx_http_request_t *r)
     uint64_t                         counts[DPD_REQ_FAILED + 1], total, now;
     ngx_int_t                        rc;
     ngx_buf_t                       *b;
-    ngx_chain_t                      out;
+    ngx_str_t                        addr, req;
     ngx_uint_t                       nodes_alive, shown;
     const u_char                    *rp;
     ngx_http_dpd_state_node_t        node;
@@ -996,6 +1002,26 @@ ngx_http_dpd_state_status_handler(ngx_http_request_t *r)
     rc = ngx_http_discard_request_body(r);
     if (rc != NGX_OK) {
         return rc;
+    }
+
+    /* ?addr=host:port or ?req=ID: one record through the C API */
+
+    rc = ngx_http_dpd_state_arg(r, "addr", 4, &addr);
+    if (rc == NGX_ERROR) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    if (rc == NGX_OK) {
+        return ngx_http_dpd_state_lookup_handler(r, &addr, NULL);
+    }
+
+    rc = ngx_http_dpd_state_arg(r, "req", 3, &req);
+    if (rc == NGX_ERROR) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    if (rc == NGX_OK) {
+        return ngx_http_dpd_state_lookup_handler(r, NULL, &req);
     }
 
     smcf = ngx_http_dpd_state_get(r);
@@ -1144,9 +1170,119 @@ ngx_http_dpd_state_status_handler(ngx_http_request_t *r)
 send:
 
     b->last = p;
+
+    return ngx_http_dpd_state_send(r, r->headers_out.status, b);
+}
+
+
+static ngx_int_t
+ngx_http_dpd_state_lookup_handler(ngx_http_request_t *r, ngx_str_t *addr,
+    ngx_str_t *req)
+{
+    u_char                     *p;
+    ngx_buf_t                  *b;
+    ngx_uint_t                  status;
+    ngx_http_dpd_state_req_t    rec;
+    ngx_http_dpd_state_node_t   node;
+
+    b = ngx_create_temp_buf(r->pool, NGX_HTTP_DPD_STATE_NODE_JSON_LEN
+                                     + sizeof(ngx_http_dpd_state_req_t) * 2
+                                     + 512);
+    if (b == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    p = b->last;
+    status = NGX_HTTP_OK;
+
+    if (!ngx_http_dpd_state_enabled(r)) {
+        status = NGX_HTTP_SERVICE_UNAVAILABLE;
+        p = ngx_sprintf(p, "{\"ok\":false,\"error\":\"no table\"}\n");
+
+    } else if (addr) {
+
+        if (ngx_http_dpd_state_node_by_addr(r, addr, &node) != NGX_OK) {
+            status = NGX_HTTP_NOT_FOUND;
+            p = ngx_sprintf(p, "{\"ok\":false,\"error\":\"unknown node\"}\n");
+
+        } else {
+            p = ngx_sprintf(p, "{\"id\":\"%s\",\"role\":\"%s\","
+                            "\"http\":\"%s\",\"self\":%s,\"alive\":%s,"
+                            "\"heartbeat_age_ms\":%i,\"free_blocks\":%uL,"
+                            "\"total_blocks\":%uL,\"block_bytes\":%uL,"
+                            "\"inflight\":%ui}\n",
+                            node.id, dpd_state_role_name(node.role),
+                            node.http_addr, node.self ? "true" : "false",
+                            node.alive ? "true" : "false",
+                            (ngx_int_t) node.heartbeat_age, node.free_blocks,
+                            node.total_blocks, node.block_bytes,
+                            node.inflight);
+        }
+
+    } else if (ngx_http_dpd_state_request(r, req, &rec) != NGX_OK) {
+        status = NGX_HTTP_NOT_FOUND;
+        p = ngx_sprintf(p, "{\"ok\":false,\"error\":\"unknown request\"}\n");
+
+    } else {
+        p = ngx_sprintf(p, "{\"state\":\"%s\",\"bytes_done\":%uL,"
+                        "\"bytes_total\":%uL,\"nblocks\":%ui,"
+                        "\"t_reserved_ms\":%uL,\"t_start_ms\":%uL,"
+                        "\"t_done_ms\":%uL,\"error\":%i,\"node\":\"%s\","
+                        "\"peer\":\"%s\"}\n",
+                        dpd_state_req_name(rec.state), rec.bytes_done,
+                        rec.bytes_total, rec.nblocks, rec.t_reserved_ms,
+                        rec.t_start_ms, rec.t_done_ms, rec.error,
+                        rec.node_id, rec.peer_id);
+    }
+
+    b->last = p;
+
+    return ngx_http_dpd_state_send(r, status, b);
+}
+
+
+/* NGX_OK with the unescaped argument, NGX_DECLINED when absent. */
+
+static ngx_int_t
+ngx_http_dpd_state_arg(ngx_http_request_t *r, char *name, size_t len,
+    ngx_str_t *value)
+{
+    u_char     *dst, *src;
+    ngx_str_t   raw;
+
+    if (ngx_http_arg(r, (u_char *) name, len, &raw) != NGX_OK
+        || raw.len == 0)
+    {
+        return NGX_DECLINED;
+    }
+
+    dst = ngx_pnalloc(r->pool, raw.len);
+    if (dst == NULL) {
+        return NGX_ERROR;
+    }
+
+    value->data = dst;
+    src = raw.data;
+
+    ngx_unescape_uri(&dst, &src, raw.len, 0);
+
+    value->len = dst - value->data;
+
+    return value->len ? NGX_OK : NGX_DECLINED;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_state_send(ngx_http_request_t *r, ngx_uint_t status,
+    ngx_buf_t *b)
+{
+    ngx_int_t    rc;
+    ngx_chain_t  out;
+
     b->last_buf = (r == r->main) ? 1 : 0;
     b->last_in_chain = 1;
 
+    r->headers_out.status = status;
     ngx_str_set(&r->headers_out.content_type, "application/json");
     r->headers_out.content_type_len = r->headers_out.content_type.len;
     r->headers_out.content_length_n = b->last - b->pos;

@@ -104,8 +104,8 @@ FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
   them (blocks stay held until they expire); pad_bytes adds a field of N
   bytes to a non-streaming JSON reply (oversized reply).  path/role scope
   a rule (role = the request's: "prefill" when it carries do_remote_decode,
-  a disagg_spec or dpd.decode_node, else "decode"); count = only the next K matching
-  requests; the first matching rule applies.  disconnect_after:
+  a disagg_spec or dpd.decode_node, else "decode"); count = only the next
+  K matching requests; the first matching rule applies.  disconnect_after:
   streaming: close after N SSE events; non-streaming: send the headers and N
   bytes of the body (N=0: close without answering).  delay_ms is real time
   (not scaled).  Rules apply to /v1/* generation endpoints unless "path"
@@ -147,33 +147,34 @@ PREFILL PROTOCOLS
     --kv-hold-timeout.  Wire: {"op":"init","sender","req_id"} on the init
     port, then {"op":"alloc","req_id","chunks":[{"key","n_tokens"}]} on the
     alloc port, each answered by one line {"ok":true,..}.
-  kv_agent (push through this project's agent, --kv-agent-socket): at
-    start the instance creates a memfd pool of the agent's geometry (info)
-    and registers it (register_pool, SCM_RIGHTS); it re-registers when the
-    agent comes back after being unreachable.  A request with
-    kv_transfer_params {"dpd":{"req_id":ID,"decode_node":NODE}} on a
-    prefill/both instance is prefilled, then its full prompt blocks
-    (floor(P/block_size)) get source blocks of that pool, are filled with
-    bytes derived from the prompt's token ids (block i of layer-region
-    lr: SHAKE-128 of a chained SHA-256 over the tokens of blocks 0..i,
-    first 8 bytes = <u32 i, u32 lr>), and are pushed (push req_id=ID,
-    peer=NODE, src_runs; no dst: the receiver picks or uses its
-    reservation).  The reply's kv_transfer_params is {"dpd":{"req_id":ID,
-    "blocks":N,"state":"pushed"|"failed"}}: pushed = the agent accepted
-    it (with --kv-push-wait-ms: it finished); failed = no agent, unknown
-    or unconnected peer, source pool full...  N = 0 with pushed means
-    nothing to send (prompt shorter than a block): do not wait for it.
-    Source blocks are freed, and the agent's push record released, when
-    the push ends.  A request with {"dpd":{"req_id":ID}} on a decode/both
-    instance polls the agent for ID (wait with --kv-wait-ms); when it is
-    ready, the landed blocks (blocks_runs, ascending = push order) must
-    hold the bytes its own prompt tokens give, else "mismatch";
-    cached_tokens = block_size * floor((prompt_tokens-1)/block_size),
-    capped by the blocks landed (as nixl).  The request is released at
-    the agent in every final case (ready, failed, mismatch); one that is
-    not final yet is released by a background waiter once it is
-    (late_released).  Anything but ready recomputes (cached_tokens 0),
-    counted by outcome.
+  kv_agent (push through this project's agent, --kv-agent-socket): at start
+    the instance creates a memfd pool of the agent's geometry (info) and
+    registers it (register_pool, SCM_RIGHTS); it re-registers when the agent
+    comes back after being unreachable. A request with kv_transfer_params
+    {"dpd":{"req_id":ID,"decode_node":NODE}} on a prefill/both instance is
+    prefilled, then its full prompt blocks (floor(P/block_size)) get source
+    blocks of that pool, are filled with bytes derived from the prompt's
+    token ids (block i of layer-region lr: SHAKE-128 of a chained SHA-256
+    over the token ids of blocks 0..i, its first 8 bytes replaced by <u32 i,
+    u32 lr>), and are pushed (push req_id=ID, peer=NODE, src_runs; no dst:
+    the receiver picks or uses its reservation). The reply's
+    kv_transfer_params is {"dpd":{"req_id":ID,
+    "blocks":N,"state":"pushed"|"failed"}}: pushed = the agent accepted it
+    (with --kv-push-wait-ms: the sender finished it; the receiver may mark
+    it ready a moment later); failed = no agent, unknown or
+    unconnected peer, source pool full... N = 0 with pushed means nothing to
+    send (prompt shorter than a block): do not wait for it. Source blocks
+    are freed, and the agent's push record released, when the push ends. A
+    request with {"dpd":{"req_id":ID}} on a decode/both instance polls the
+    agent for ID (or waits up to --kv-wait-ms, also for an ID the agent does
+    not know yet); when it is ready, the landed blocks (blocks_runs,
+    ascending = push order) must hold the bytes its own prompt tokens give,
+    else "mismatch"; cached_tokens = block_size *
+    floor((prompt_tokens-1)/block_size), capped by the blocks landed (as
+    nixl). The request is released at the agent in every final case (ready,
+    failed, mismatch); one that is not final yet is released by a background
+    waiter once it is (late_released). Anything but ready recomputes
+    (cached_tokens 0), counted by outcome.
   Transfer time: --kv-transfer-gbps > 0 adds tokens*kv-bytes-per-token/rate
   (times --time-scale) to the pull (nixl) or the push (lmcache); kv_agent
   transfers are real (the agents move the bytes).
@@ -706,11 +707,16 @@ def kv_block_seeds(ids, bs, n):
     return out
 
 
-def kv_slice_bytes(seed, i, lr, n):
-    """The bytes of prompt block i in layer-region lr (n = block_bytes)."""
-    body = hashlib.shake_128(seed).digest(n)
-    tag = struct.pack("<II", i, lr)
-    return (tag + body[len(tag):])[:n]
+def kv_block_body(seed, n):
+    """Block bytes (n = block_bytes) from a block seed."""
+    return hashlib.shake_128(seed).digest(n)
+
+
+def kv_slice_bytes(body, i, lr):
+    """Prompt block i in layer-region lr: the block body under an 8-byte
+    tag <u32 i, u32 lr>, so slices moved to the wrong place show."""
+    n = len(body)
+    return (struct.pack("<II", i, lr) + body[8:])[:n]
 
 
 class KvAgent(object):
@@ -723,6 +729,8 @@ class KvAgent(object):
         self.path = path
         self.timeout = emu.args.kv_connect_timeout
         self.lock = threading.Lock()
+        self.reg_lock = threading.Lock()    # one registration at a time
+        self.reg_gen = 0        # successful registrations so far
         self.pool = None        # HostPool (memfd, MAP_SHARED)
         self.geo = None         # the agent's "pool" from info
         self.node = None
@@ -747,9 +755,18 @@ class KvAgent(object):
             raise ValueError("agent reply is not a JSON object")
         return r
 
-    def register(self):
+    def register(self, stale_gen=None):
         """Connect, create (or keep) the pool of the agent's geometry and
-        register it.  Returns True when the pool is registered."""
+        register it.  Returns True when the pool is registered.  stale_gen:
+        register again even if registered, unless another thread already
+        did since registration stale_gen."""
+        with self.reg_lock:
+            if self.registered and (stale_gen is None or
+                                    self.reg_gen != stale_gen):
+                return True
+            return self._register()
+
+    def _register(self):
         try:
             info = self.call({"verb": "info"})
             if not info.get("ok") or not isinstance(info.get("pool"), dict):
@@ -788,6 +805,7 @@ class KvAgent(object):
                     break
             self.node = info.get("node")
             self.agent_free = g.get("free")
+            self.reg_gen += 1
             self.registered = True
             self.error = None
             return True
@@ -797,16 +815,29 @@ class KvAgent(object):
             return False
 
     def monitor(self):
-        """Register at start; re-register after the agent went away (a
-        restarted agent has no pool)."""
+        """Register at start; re-register when the agent went away (a
+        restarted agent has no pool).  One connection stays open: the
+        agent closing it means the agent is gone; a slow answer does not
+        (registering again would drop the agent's peer links)."""
+        c = None
         while True:
             if not self.registered:
+                if c is not None:
+                    c.close()
+                    c = None
                 self.register()
             else:
                 try:
-                    r = self.call({"verb": "info"}, timeout=2.0)
-                    if isinstance(r.get("pool"), dict):
+                    if c is None:
+                        c = kv_client_mod().Client(self.path, timeout=2.0)
+                    r = c.call_raw({"verb": "info"})
+                    if isinstance(r, dict) and isinstance(r.get("pool"),
+                                                          dict):
                         self.agent_free = r["pool"].get("free")
+                except socket.timeout:
+                    if c is not None:
+                        c.close()   # busy, not gone: resync next time
+                    c = None
                 except (OSError, ValueError):
                     self.registered = False
                     self.error = "agent unreachable"
@@ -836,9 +867,10 @@ class KvAgent(object):
         bb = int(self.geo["block_bytes"])
         mv = self.pool.map
         for i, seed in enumerate(kv_block_seeds(ids, bs, len(blocks))):
+            body = kv_block_body(seed, bb)
             for lr in range(self.nslices()):
                 o = self.slice_off(lr, blocks[i])
-                mv[o:o + bb] = kv_slice_bytes(seed, i, lr, bb)
+                mv[o:o + bb] = kv_slice_bytes(body, i, lr)
 
     def blocks_match(self, ids, blocks):
         """True when pool blocks `blocks` hold prompt blocks 0..n-1 of ids."""
@@ -849,9 +881,10 @@ class KvAgent(object):
         mv = memoryview(self.pool.map)
         try:
             for i, seed in enumerate(kv_block_seeds(ids, bs, len(blocks))):
+                body = kv_block_body(seed, bb)
                 for lr in range(self.nslices()):
                     o = self.slice_off(lr, blocks[i])
-                    if mv[o:o + bb] != kv_slice_bytes(seed, i, lr, bb):
+                    if mv[o:o + bb] != kv_slice_bytes(body, i, lr):
                         return False
         finally:
             mv.release()
@@ -886,11 +919,12 @@ class KvAgent(object):
             self.held[req_id] = e
         info["src_blocks"] = src
         try:
+            gen = self.reg_gen
             self.write_blocks(ids, src)
             r = self.call({"verb": "push", "req_id": req_id, "peer": node,
                            "src_runs": kv_client_mod().runs(src)})
             if not r.get("ok") and "no registered KV pool" in \
-                    str(r.get("error")) and self.register():
+                    str(r.get("error")) and self.register(stale_gen=gen):
                 # the agent restarted since our last look: pool again
                 self.write_blocks(ids, src)
                 r = self.call({"verb": "push", "req_id": req_id,
@@ -964,12 +998,20 @@ class KvAgent(object):
             info["error"] = self.error
             return 0
         try:
-            if a.kv_wait_ms > 0:
-                r = self.call({"verb": "wait", "req_id": req_id,
-                               "timeout_ms": a.kv_wait_ms},
-                              timeout=a.kv_wait_ms / 1000.0 + self.timeout)
-            else:
-                r = self.call({"verb": "poll", "req_id": req_id})
+            # wait up to --kv-wait-ms, also for a request the agent does
+            # not know yet (the sender's push_begin may still be on its way)
+            deadline = time.monotonic() + a.kv_wait_ms / 1000.0
+            while True:
+                left = int((deadline - time.monotonic()) * 1000)
+                if left > 0:
+                    r = self.call({"verb": "wait", "req_id": req_id,
+                                   "timeout_ms": left},
+                                  timeout=left / 1000.0 + self.timeout)
+                else:
+                    r = self.call({"verb": "poll", "req_id": req_id})
+                if left <= 0 or r.get("code") != "not_found":
+                    break
+                time.sleep(min(0.01, left / 1000.0))
         except (OSError, ValueError) as ex:
             self.registered = False
             self.error = str(ex)
@@ -992,7 +1034,11 @@ class KvAgent(object):
         blocks = [s + k for s, c in r.get("blocks_runs") or []
                   for k in range(c)]
         info["blocks"] = len(blocks)
-        ok = bool(blocks) and self.blocks_match(ids, blocks)
+        try:
+            ok = bool(blocks) and self.blocks_match(ids, blocks)
+        except (ValueError, IndexError, TypeError) as ex:
+            ok = False      # pool replaced meanwhile, or blocks off range
+            info["error"] = str(ex)
         self.release(req_id)
         if not ok:
             info["outcome"] = "mismatch"
@@ -1331,7 +1377,8 @@ class Emu(object):
             ("kv_agent_ready_total", "kv_agent KV landed and reused."),
             ("kv_agent_not_ready_total",
              "kv_agent KV not (yet) landed (recompute)."),
-            ("kv_agent_failed_total", "kv_agent transfers failed (recompute)."),
+            ("kv_agent_failed_total",
+             "kv_agent transfers failed (recompute)."),
             ("kv_agent_mismatch_total",
              "kv_agent KV of another prompt (recompute)."),
             ("kv_agent_no_agent_total",
@@ -2396,8 +2443,9 @@ def parse_args(argv):
                    "dpd prefills answer state failed, dpd decodes "
                    "recompute)")
     g.add_argument("--kv-wait-ms", type=int, default=0,
-                   help="decode: wait this long for the KV to land "
-                   "(0: poll once; nginx already waited)")
+                   help="decode: wait up to this long for the KV to land, "
+                   "also for a request the agent does not know yet (0: "
+                   "poll once; nginx already waited)")
     g.add_argument("--kv-push-wait-ms", type=int, default=0,
                    help="prefill: answer only once the push finished, "
                    "waiting up to this long (0: answer once the agent "

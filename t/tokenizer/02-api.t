@@ -28,7 +28,7 @@ for (split /\n/, $out) {
 }
 
 SKIP: {
-    skip 'valgrind not installed', 2 if system('valgrind --version >/dev/null 2>&1');
+    skip 'valgrind not installed', 4 if system('valgrind --version >/dev/null 2>&1');
     my $cli = tokcli();
     my $in = corpus_dir() . '/vg-in.jsonl';
     # a slice of the corpus: every category, valgrind is slow
@@ -40,6 +40,19 @@ SKIP: {
     is($rc, 0, 'valgrind: no memory errors, no leaks (qwen3, corpus slice)')
         or diag substr($err, -3000);
     like($err, qr/ERROR SUMMARY: 0 errors/, 'valgrind error summary is clean');
+
+    # chat rendering and counting, tool calls included
+    my (undef, $multi) = need_chats();
+    my @chats = split /\n/, slurp($multi);
+    spew("$in.chat", join('', map { "$_\n" } @chats[0 .. 59]));
+    ($rc, $err) = run_cmd("valgrind --error-exitcode=9 --leak-check=full "
+                          . "--errors-for-leak-kinds=definite '$cli' --tokenizer '"
+                          . qwen3() . "/tokenizer.json' --config '" . qwen3()
+                          . "/tokenizer_config.json' --chat --jsonl --ids "
+                          . "< '$in.chat' >/dev/null", 240);
+    is($rc, 0, 'valgrind: chat rendering clean (qwen3, 60 chats)')
+        or diag substr($err, -3000);
+    like($err, qr/ERROR SUMMARY: 0 errors/, 'valgrind chat error summary is clean');
 }
 
 done_testing();

@@ -604,6 +604,9 @@ True when build/libdpdtok.so exists (C<--tokenizer> needs it).
 
 DPD_ROOT (repository root; default derived from this file), DPD_BUILD,
 DPD_NPM, DPD_EMU_PORT, DPD_EMU_SIDE_PORT, DPD_EMU_LMC_INIT_PORT,
-DPD_EMU_LMC_ALLOC_PORT, DPD_EMU_LOG_DIR, DPD_EMU_VERBOSE.
+DPD_EMU_LMC_ALLOC_PORT, DPD_EMU_LOG_DIR, DPD_EMU_VERBOSE.  The kv_agent
+tests (t/emu/10-kv-agent*.t) use DPD_EMU_KVA_PORT (emulators, default
+19500 upward) and DPD_KV_AGENT_PORT (agents, default 18800 upward; see
+DPD::KvAgent).
 
 =cut
