@@ -307,9 +307,7 @@ ngx_http_dpd_state_init_process(ngx_cycle_t *cycle)
 {
     ngx_http_dpd_state_main_conf_t  *smcf;
 
-    if (ngx_http_cycle_get_module_main_conf(cycle, ngx_http_module) == NULL) {
-        return NGX_OK;
-    }
+    /* NULL without an http{} block */
 
     smcf = ngx_http_cycle_get_module_main_conf(cycle,
                                                ngx_http_dpd_state_module);
@@ -328,10 +326,6 @@ static void
 ngx_http_dpd_state_exit_process(ngx_cycle_t *cycle)
 {
     ngx_http_dpd_state_main_conf_t  *smcf;
-
-    if (ngx_http_cycle_get_module_main_conf(cycle, ngx_http_module) == NULL) {
-        return;
-    }
 
     smcf = ngx_http_cycle_get_module_main_conf(cycle,
                                                ngx_http_dpd_state_module);
@@ -472,7 +466,6 @@ ngx_http_dpd_state_refresh(ngx_http_dpd_state_main_conf_t *smcf,
                   smcf->max_nodes, smcf->max_reqs);
 
     smcf->reason_len = 0;
-    smcf->last_warn = 0;
 }
 
 
@@ -554,32 +547,42 @@ ngx_http_dpd_state_unmap(ngx_http_dpd_state_main_conf_t *smcf)
 }
 
 
-/* Remembers why there is no table; warns on a change, then once a minute. */
+/*
+ * Remembers why there is no table (the status handler shows it) and warns:
+ * a new reason at most once a second, the same one once a minute.
+ */
 
 static void
 ngx_http_dpd_state_fail(ngx_http_dpd_state_main_conf_t *smcf, ngx_log_t *log,
     const char *fmt, ...)
 {
-    u_char   *p;
-    size_t    len;
-    va_list   args;
-    u_char    buf[NGX_HTTP_DPD_STATE_REASON_LEN];
+    u_char      *p;
+    size_t       len;
+    time_t       now;
+    va_list      args;
+    ngx_uint_t   same;
+    u_char       buf[NGX_HTTP_DPD_STATE_REASON_LEN];
 
     va_start(args, fmt);
     p = ngx_vslprintf(buf, buf + sizeof(buf), fmt, args);
     va_end(args);
 
     len = p - buf;
+    same = (len == smcf->reason_len
+            && ngx_memcmp(buf, smcf->reason, len) == 0);
 
-    if (len == smcf->reason_len && ngx_memcmp(buf, smcf->reason, len) == 0
-        && ngx_time() - smcf->last_warn < NGX_HTTP_DPD_STATE_WARN_EVERY)
+    ngx_memcpy(smcf->reason, buf, len);
+    smcf->reason_len = len;
+
+    now = ngx_time();
+
+    if (smcf->last_warn
+        && now - smcf->last_warn < (same ? NGX_HTTP_DPD_STATE_WARN_EVERY : 1))
     {
         return;
     }
 
-    ngx_memcpy(smcf->reason, buf, len);
-    smcf->reason_len = len;
-    smcf->last_warn = ngx_time();
+    smcf->last_warn = now;
 
     ngx_log_error(NGX_LOG_WARN, log, 0,
                   "dpd_state: table \"%V\" %*s: no readiness information",
@@ -721,7 +724,8 @@ ngx_http_dpd_state_find_req(ngx_http_dpd_state_main_conf_t *smcf, u_char *id,
             && ngx_strncmp(rec->req_id, id, cmp) == 0
             && rec->req_id[cmp] == '\0')
         {
-            return NGX_OK;
+            /* a state this reader does not know is no answer */
+            return rec->state <= DPD_REQ_FAILED ? NGX_OK : NGX_ERROR;
         }
     }
 

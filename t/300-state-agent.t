@@ -48,12 +48,19 @@ our $PRE = start_agent(agent_config(id => "prefill-0", role => "prefill",
               peer("router-0", "router")]));
 
 # both decoders mirrored alive in the router's table before nginx starts
-my $deadline = time + 15;
+my ($deadline, $up) = (time + 15, 0);
 while (time < $deadline) {
     my ($st) = status_json($ROUTER_CFG->{state_path});
-    my $n = grep { $_->{alive} } @{ $st->{nodes} // [] };
-    last if $n == 4;
+    $up = grep { $_->{alive} } @{ $st->{nodes} // [] };
+    last if $up == 4;
     sleep 0.1;
+}
+if ($up != 4) {
+    my @down = grep { !agent_alive($_) } $ROUTER, @DEC, $PRE;
+    die "only $up of 4 agents alive in the router's table (ports "
+        . "$base-" . ($base + 3) . " in use?); exited: "
+        . join(", ", map { $_->{name} } @down) . "\n"
+        . join("", map { "$_->{name}: " . log_text($_) } @down);
 }
 
 $ENV{TEST_NGINX_STATE} = $ROUTER_CFG->{state_path};

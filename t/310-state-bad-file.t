@@ -466,6 +466,7 @@ signal
 --- config
 --- must_die
 --- error_log
+[emerg]
 invalid parameter "bogus=1"
 
 
@@ -476,6 +477,7 @@ invalid parameter "bogus=1"
 --- config
 --- must_die
 --- error_log
+[emerg]
 invalid parameter "check=soon"
 
 
@@ -487,4 +489,5 @@ invalid parameter "check=soon"
 --- config
 --- must_die
 --- error_log
+[emerg]
 "dpd_state_table" directive is duplicate
