@@ -26,7 +26,8 @@ $(NGX_BUILD)/objs/Makefile: config $(BUILD)/module-srcs.txt | $(BUILD)
 $(MODULE_SO): $(NGX_BUILD)/objs/Makefile $(MODULE_DEPS) $(TOK_PIC_LIB)
 	rm -f $(NGX_BUILD)/objs/ngx_http_dpd_module.so
 	$(MAKE) --no-print-directory -C $(NGX_BUILD) -f objs/Makefile modules
-	cp $(NGX_BUILD)/objs/ngx_http_dpd_module.so $@
+	@# replace by rename: a running nginx keeps its mapping of the old file
+	cp $(NGX_BUILD)/objs/ngx_http_dpd_module.so $@.tmp && mv -f $@.tmp $@
 
 $(BUILD):
 	mkdir -p $(BUILD)
