@@ -13,13 +13,21 @@
 #include <ngx_http.h>
 
 #include "ngx_http_dpd_balancer.h"
+#include "ngx_http_dpd_state.h"
 
 
 typedef struct {
     /* the round-robin data must be first: rr's free handler gets it */
     ngx_http_upstream_rr_peer_data_t   rrp;
     ngx_http_dpd_pin_t                *pin;
+    ngx_http_request_t                *request;   /* readiness lookups */
 } ngx_http_dpd_balancer_peer_data_t;
+
+
+/* what the kv_agent state table says about one peer */
+#define NGX_HTTP_DPD_READY_UNKNOWN  0   /* no table or no record: usable */
+#define NGX_HTTP_DPD_READY_ALIVE    1
+#define NGX_HTTP_DPD_READY_DEAD     2
 
 
 static ngx_int_t ngx_http_dpd_balancer_init_upstream(ngx_conf_t *cf,
@@ -31,8 +39,13 @@ static ngx_int_t ngx_http_dpd_balancer_get_peer(ngx_peer_connection_t *pc,
 static ngx_int_t ngx_http_dpd_balancer_get_pinned(ngx_peer_connection_t *pc,
     ngx_http_dpd_balancer_peer_data_t *bp);
 static ngx_http_upstream_rr_peer_t *ngx_http_dpd_balancer_least(
-    ngx_http_upstream_rr_peers_t *peers, uintptr_t *tried, time_t now,
-    ngx_uint_t *index);
+    ngx_http_request_t *r, ngx_http_upstream_rr_peers_t *peers,
+    uintptr_t *tried, time_t now, ngx_uint_t *index);
+static ngx_http_upstream_rr_peer_t *ngx_http_dpd_balancer_least_pass(
+    ngx_http_request_t *r, ngx_http_upstream_rr_peers_t *peers,
+    uintptr_t *tried, time_t now, ngx_uint_t *index, ngx_uint_t *dead);
+static ngx_uint_t ngx_http_dpd_balancer_ready(ngx_http_request_t *r,
+    ngx_http_upstream_rr_peer_t *peer, uint64_t *free_blocks);
 static ngx_uint_t ngx_http_dpd_balancer_usable(
     ngx_http_upstream_rr_peers_t *peers, ngx_http_upstream_rr_peer_t *peer,
     uintptr_t *tried, ngx_uint_t i, time_t now);
@@ -97,6 +110,9 @@ ngx_module_t  ngx_http_dpd_balancer_module = {
 };
 
 
+static ngx_str_t  ngx_http_dpd_unnamed = ngx_string("?");
+
+
 #define ngx_http_dpd_bit_word(i)  ((i) / (8 * sizeof(uintptr_t)))
 #define ngx_http_dpd_bit_mask(i)                                            \
     ((uintptr_t) 1 << (i) % (8 * sizeof(uintptr_t)))
@@ -137,6 +153,8 @@ ngx_http_dpd_balancer_init_peer(ngx_http_request_t *r,
     }
 
     r->upstream->peer.get = ngx_http_dpd_balancer_get_peer;
+
+    bp->request = r;
 
     pin = ngx_http_dpd_balancer_get_pin(r);
 
@@ -191,7 +209,8 @@ ngx_http_dpd_balancer_get_peer(ngx_peer_connection_t *pc, void *data)
 
     ngx_http_upstream_rr_peers_wlock(peers);
 
-    best = ngx_http_dpd_balancer_least(peers, rrp->tried, now, &p);
+    best = ngx_http_dpd_balancer_least(bp->request, peers, rrp->tried, now,
+                                       &p);
 
     if (best == NULL) {
         goto failed;
@@ -347,19 +366,58 @@ ngx_http_dpd_balancer_get_pinned(ngx_peer_connection_t *pc,
 
 
 /*
- * The usable peer with the fewest outstanding requests per weight; equally
- * loaded peers share by smooth weighted round robin.  Peers lock held.
+ * The usable peer with the fewest outstanding requests per weight; among
+ * equally loaded peers the one with the most free KV blocks (kv_agent state
+ * table; no record counts as 0); peers equal in both share by smooth
+ * weighted round robin.  Peers the table knows as dead are skipped, unless
+ * that would leave none: the table is advice (a stale table says every node
+ * is dead), nginx's own max_fails still applies.  Peers lock held.
  */
 
 static ngx_http_upstream_rr_peer_t *
-ngx_http_dpd_balancer_least(ngx_http_upstream_rr_peers_t *peers,
-    uintptr_t *tried, time_t now, ngx_uint_t *index)
+ngx_http_dpd_balancer_least(ngx_http_request_t *r,
+    ngx_http_upstream_rr_peers_t *peers, uintptr_t *tried, time_t now,
+    ngx_uint_t *index)
 {
+    ngx_uint_t                    dead;
+    ngx_http_upstream_rr_peer_t  *best;
+
+    if (r != NULL && !ngx_http_dpd_state_enabled(r)) {
+        r = NULL;
+    }
+
+    dead = 0;
+
+    best = ngx_http_dpd_balancer_least_pass(r, peers, tried, now, index,
+                                            &dead);
+
+    if (best == NULL && dead) {
+        /* info: the state module already warns about a stale table */
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "dpd: the state table says every usable peer of "
+                      "upstream \"%V\" is dead, ignoring it",
+                      peers->name ? peers->name : &ngx_http_dpd_unnamed);
+
+        best = ngx_http_dpd_balancer_least_pass(NULL, peers, tried, now,
+                                                index, &dead);
+    }
+
+    return best;
+}
+
+
+static ngx_http_upstream_rr_peer_t *
+ngx_http_dpd_balancer_least_pass(ngx_http_request_t *r,
+    ngx_http_upstream_rr_peers_t *peers, uintptr_t *tried, time_t now,
+    ngx_uint_t *index, ngx_uint_t *dead)
+{
+    uint64_t                      free, best_free;
     ngx_int_t                     total;
     ngx_uint_t                    i, p, many;
     ngx_http_upstream_rr_peer_t  *peer, *best, *first;
 
     best = NULL;
+    best_free = 0;
     many = 0;
     p = 0;
 
@@ -369,14 +427,29 @@ ngx_http_dpd_balancer_least(ngx_http_upstream_rr_peers_t *peers,
             continue;
         }
 
+        free = 0;
+
+        if (r
+            && ngx_http_dpd_balancer_ready(r, peer, &free)
+               == NGX_HTTP_DPD_READY_DEAD)
+        {
+            (*dead)++;
+            continue;
+        }
+
         if (best == NULL
-            || peer->conns * best->weight < best->conns * peer->weight)
+            || peer->conns * best->weight < best->conns * peer->weight
+            || (peer->conns * best->weight == best->conns * peer->weight
+                && free > best_free))
         {
             best = peer;
+            best_free = free;
             many = 0;
             p = i;
 
-        } else if (peer->conns * best->weight == best->conns * peer->weight) {
+        } else if (peer->conns * best->weight == best->conns * peer->weight
+                   && free == best_free)
+        {
             many = 1;
         }
     }
@@ -400,6 +473,17 @@ ngx_http_dpd_balancer_least(ngx_http_upstream_rr_peers_t *peers,
                 continue;
             }
 
+            free = 0;
+
+            if (r
+                && (ngx_http_dpd_balancer_ready(r, peer, &free)
+                    == NGX_HTTP_DPD_READY_DEAD
+                    || free != best_free))
+            {
+                /* the table may have moved since the first pass */
+                continue;
+            }
+
             peer->current_weight += peer->effective_weight;
             total += peer->effective_weight;
 
@@ -413,6 +497,11 @@ ngx_http_dpd_balancer_least(ngx_http_upstream_rr_peers_t *peers,
             }
         }
 
+        if (best == NULL) {
+            *index = p;
+            return first;
+        }
+
         best->current_weight -= total;
 
         return best;
@@ -421,6 +510,30 @@ ngx_http_dpd_balancer_least(ngx_http_upstream_rr_peers_t *peers,
     *index = p;
 
     return best;
+}
+
+
+/* the kv_agent's view of a peer, by its "host:port" name */
+
+static ngx_uint_t
+ngx_http_dpd_balancer_ready(ngx_http_request_t *r,
+    ngx_http_upstream_rr_peer_t *peer, uint64_t *free_blocks)
+{
+    ngx_http_dpd_state_node_t  node;
+
+    *free_blocks = 0;
+
+    if (ngx_http_dpd_state_node_by_addr(r, &peer->name, &node) != NGX_OK) {
+        return NGX_HTTP_DPD_READY_UNKNOWN;
+    }
+
+    if (!node.alive) {
+        return NGX_HTTP_DPD_READY_DEAD;
+    }
+
+    *free_blocks = node.free_blocks;
+
+    return NGX_HTTP_DPD_READY_ALIVE;
 }
 
 
@@ -503,7 +616,7 @@ ngx_http_dpd_balancer_pin(ngx_http_request_t *r,
 
         ngx_http_upstream_rr_peers_wlock(list);
 
-        best = ngx_http_dpd_balancer_least(list, NULL, now, &p);
+        best = ngx_http_dpd_balancer_least(r, list, NULL, now, &p);
 
         if (best) {
             best->conns++;
@@ -630,7 +743,7 @@ ngx_http_dpd_balancer_srv_conf(ngx_http_upstream_srv_conf_t *us)
 
 ngx_http_upstream_srv_conf_t *
 ngx_http_dpd_balancer_find_upstream(ngx_conf_t *cf, ngx_str_t *name,
-    char **err)
+    ngx_uint_t need_ports, char **err)
 {
     ngx_uint_t                         i, found;
     ngx_http_upstream_srv_conf_t     **uscfp, *us;
@@ -693,7 +806,7 @@ ngx_http_dpd_balancer_find_upstream(ngx_conf_t *cf, ngx_str_t *name,
         return NULL;
     }
 
-    if (bscf->init_ports == NULL) {
+    if (need_ports && bscf->init_ports == NULL) {
         *err = "the decode upstream has no \"dpd_lmcache_ports\"";
         return NULL;
     }

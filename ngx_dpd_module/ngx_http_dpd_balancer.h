@@ -12,7 +12,13 @@
  *                                  LMCache receiver ports of every decoder
  *                                  of this pool, one per TP rank
  *
- * The prefill code chooses a decoder before the prefill (lmcache) with
+ * With a kv_agent state table (dpd_state_table), peers whose node record
+ * says not alive are skipped (unless that leaves none) and, among peers
+ * with equally many outstanding requests, the one with more free KV blocks
+ * wins; peers without a record are ordinary peers.
+ *
+ * The prefill code chooses a decoder before the prefill (lmcache,
+ * kv_agent) with
  * ngx_http_dpd_balancer_pin(): the choice is reserved at once (it counts as
  * an outstanding request on that peer, so concurrent choices spread) and the
  * decode request of the same client request then goes to exactly that peer,
@@ -70,11 +76,12 @@ ngx_http_dpd_pin_t *ngx_http_dpd_balancer_get_pin(ngx_http_request_t *r);
 
 /*
  * Configuration time: the upstream{} named "name", or when name is empty the
- * single upstream that carries dpd_lmcache_ports.  It must use dpd_balance.
- * Returns NULL with *err set on failure.
+ * single upstream that carries dpd_lmcache_ports.  It must use dpd_balance
+ * (and have dpd_lmcache_ports when need_ports is set).  Returns NULL with
+ * *err set on failure.
  */
 ngx_http_upstream_srv_conf_t *ngx_http_dpd_balancer_find_upstream(
-    ngx_conf_t *cf, ngx_str_t *name, char **err);
+    ngx_conf_t *cf, ngx_str_t *name, ngx_uint_t need_ports, char **err);
 
 ngx_http_dpd_balancer_srv_conf_t *ngx_http_dpd_balancer_srv_conf(
     ngx_http_upstream_srv_conf_t *us);

@@ -4,17 +4,21 @@
  * For a request routed "disaggregated" the core calls
  * ngx_http_dpd_prefill_handler() from its phase handler:
  *
- *   1. lmcache: choose the decoder now (least outstanding) and pin it;
+ *   1. lmcache, kv_agent: choose the decoder now (least outstanding) and
+ *      pin it; kv_agent also needs its node id from the state table;
  *   2. send the prefill copy of the request as a waited in-memory
  *      subrequest (auth_request pattern) with its own POST body to
  *      dpd_prefill_pass + URI, under a dpd_prefill_timeout timer;
  *   3. the post-subrequest handler records the outcome (once: it runs on
  *      every finalize of the subrequest) and the parent resumes;
- *   4. on success build the decode body (nixl: the reply's
+ *   4. kv_agent: after the reply, poll the state table (timer, 1 ms rising
+ *      to 10 ms) until the decoder's agent says the KV is ready or failed,
+ *      or dpd_kv_wait passes;
+ *   5. on success build the decode body (nixl: the reply's
  *      kv_transfer_params with remote_host forced to the prefill peer that
  *      answered) and replace the main request body; proxy_pass streams the
  *      decoder's answer;
- *   5. on failure: a prefill 4xx goes back to the client as it came; 5xx,
+ *   6. on failure: a prefill 4xx goes back to the client as it came; 5xx,
  *      timeout, connection errors and unusable replies fall back to a
  *      decode-only request (dpd_fallback decode) or end in a 502/504
  *      OpenAI-shaped error (dpd_fallback error).
@@ -22,6 +26,8 @@
  * A client that goes away while the prefill runs terminates the main
  * request and with it the subrequest (nginx does this); the pool cleanup
  * below stops our timer and the balancer's drops a decoder reservation.
+ * During the KV wait no subrequest watches the client: a read handler of
+ * our own notices it going away and terminates the request.
  */
 
 #include <ngx_config.h>
@@ -32,6 +38,7 @@
 #include "ngx_http_dpd_module.h"
 #include "ngx_http_dpd_protocol.h"
 #include "ngx_http_dpd_balancer.h"
+#include "ngx_http_dpd_state.h"
 
 
 static ngx_int_t ngx_http_dpd_prefill_start(ngx_http_request_t *r,
@@ -57,11 +64,26 @@ static ngx_int_t ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name,
     ngx_str_t *host);
 static ngx_int_t ngx_http_dpd_prefill_variable(ngx_http_request_t *r,
     ngx_http_variable_value_t *v, uintptr_t data);
+static ngx_int_t ngx_http_dpd_kv_choose(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
+static ngx_int_t ngx_http_dpd_kv_reply(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
+static ngx_int_t ngx_http_dpd_kv_check(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
+static void ngx_http_dpd_kv_arm(ngx_http_dpd_prefill_ctx_t *p,
+    ngx_http_dpd_prefill_conf_t *pcf);
+static void ngx_http_dpd_kv_tick(ngx_event_t *ev);
+static void ngx_http_dpd_kv_reading(ngx_http_request_t *r);
+static ngx_int_t ngx_http_dpd_kv_client_gone(ngx_http_request_t *r);
+static ngx_int_t ngx_http_dpd_kv_handoff(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf,
+    const char *why);
 
 
 ngx_conf_enum_t  ngx_http_dpd_prefill_protocols[] = {
     { ngx_string("nixl"), NGX_HTTP_DPD_PROTO_NIXL },
     { ngx_string("lmcache"), NGX_HTTP_DPD_PROTO_LMCACHE },
+    { ngx_string("kv_agent"), NGX_HTTP_DPD_PROTO_KV_AGENT },
     { ngx_null_string, 0 }
 };
 
@@ -77,6 +99,10 @@ ngx_conf_enum_t  ngx_http_dpd_prefill_fallbacks[] = {
 #define NGX_HTTP_DPD_VAR_DECODE_PEER     1
 #define NGX_HTTP_DPD_VAR_PREFILL_TIME    2
 #define NGX_HTTP_DPD_VAR_PREFILL_STATUS  3
+#define NGX_HTTP_DPD_VAR_KV_WAIT_TIME    4
+
+/* kv_agent: state table polls start at 1 ms and double up to this */
+#define NGX_HTTP_DPD_KV_POLL_MAX         10
 
 
 static ngx_http_variable_t  ngx_http_dpd_prefill_vars[] = {
@@ -93,6 +119,9 @@ static ngx_http_variable_t  ngx_http_dpd_prefill_vars[] = {
     { ngx_string("dpd_prefill_status"), NULL, ngx_http_dpd_prefill_variable,
       NGX_HTTP_DPD_VAR_PREFILL_STATUS, NGX_HTTP_VAR_NOCACHEABLE, 0 },
 
+    { ngx_string("dpd_kv_wait_time"), NULL, ngx_http_dpd_prefill_variable,
+      NGX_HTTP_DPD_VAR_KV_WAIT_TIME, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
       ngx_http_null_variable
 };
 
@@ -100,7 +129,12 @@ static ngx_http_variable_t  ngx_http_dpd_prefill_vars[] = {
 static const char  *ngx_http_dpd_cause_names[] = {
     "none", "prefill 5xx", "prefill 4xx", "prefill timeout",
     "prefill connection error", "unusable prefill reply",
-    "no live decoder to pin"
+    "no live decoder to pin", "no state record of the decoder"
+};
+
+
+static const char  *ngx_http_dpd_kv_names[] = {
+    "none", "ready", "failed", "not ready after dpd_kv_wait", "not pushed"
 };
 
 
@@ -120,6 +154,7 @@ ngx_http_dpd_prefill_init_conf(ngx_http_dpd_prefill_conf_t *conf)
     conf->protocol = NGX_CONF_UNSET_UINT;
     conf->timeout = NGX_CONF_UNSET_MSEC;
     conf->fallback = NGX_CONF_UNSET_UINT;
+    conf->kv_wait = NGX_CONF_UNSET_MSEC;
 }
 
 
@@ -127,7 +162,8 @@ char *
 ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
     ngx_http_dpd_prefill_conf_t *prev, ngx_http_dpd_prefill_conf_t *conf)
 {
-    char  *err;
+    char        *err;
+    const char  *proto;
 
     if (conf->prefill_pass.data == NULL) {
         conf->prefill_pass = prev->prefill_pass;
@@ -139,14 +175,28 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
     ngx_conf_merge_uint_value(conf->fallback, prev->fallback,
                               NGX_HTTP_DPD_FALLBACK_DECODE);
     ngx_conf_merge_str_value(conf->decode_name, prev->decode_name, "");
+    ngx_conf_merge_msec_value(conf->kv_wait, prev->kv_wait, 2000);
 
     if (conf->prefill_pass.len == 0
-        || conf->protocol != NGX_HTTP_DPD_PROTO_LMCACHE)
+        || (conf->protocol != NGX_HTTP_DPD_PROTO_LMCACHE
+            && conf->protocol != NGX_HTTP_DPD_PROTO_KV_AGENT))
     {
         return NGX_CONF_OK;
     }
 
-    /* lmcache chooses the decoder itself: find its pool now */
+    proto = (conf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE)
+            ? "lmcache" : "kv_agent";
+
+    if (conf->protocol == NGX_HTTP_DPD_PROTO_KV_AGENT
+        && conf->decode_name.len == 0)
+    {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"dpd_protocol kv_agent\" needs "
+                           "\"dpd_decode_upstream\" naming the decode pool");
+        return NGX_CONF_ERROR;
+    }
+
+    /* lmcache and kv_agent choose the decoder: find its pool now */
 
     if (prev->decode_upstream
         && conf->decode_name.len == prev->decode_name.len
@@ -158,11 +208,13 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
     }
 
     conf->decode_upstream = ngx_http_dpd_balancer_find_upstream(cf,
-                                                    &conf->decode_name, &err);
+                                &conf->decode_name,
+                                conf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE,
+                                &err);
 
     if (conf->decode_upstream == NULL) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "\"dpd_protocol lmcache\"%s%V%s: %s",
+                           "\"dpd_protocol %s\"%s%V%s: %s", proto,
                            conf->decode_name.len ? " with upstream \"" : "",
                            &conf->decode_name,
                            conf->decode_name.len ? "\"" : "", err);
@@ -257,6 +309,13 @@ ngx_http_dpd_prefill_handler(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
 
         return ngx_http_dpd_prefill_finish(r, ctx, &dlcf->prefill);
 
+    case NGX_HTTP_DPD_PREFILL_KV_WAIT:
+        if (!p->kv_done) {
+            return NGX_AGAIN;
+        }
+
+        return ngx_http_dpd_kv_handoff(r, ctx, &dlcf->prefill, NULL);
+
     default:
         return NGX_DECLINED;
     }
@@ -268,6 +327,7 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_prefill_conf_t *pcf)
 {
     u_char                      *u;
+    ngx_int_t                    rc;
     ngx_str_t                    uri, path, body;
     ngx_buf_t                   *b;
     ngx_chain_t                 *cl;
@@ -310,6 +370,14 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
         default:
             return NGX_ERROR;
+        }
+    }
+
+    if (pcf->protocol == NGX_HTTP_DPD_PROTO_KV_AGENT) {
+        rc = ngx_http_dpd_kv_choose(r, ctx, pcf);
+
+        if (rc != NGX_OK) {
+            return rc;
         }
     }
 
@@ -420,6 +488,18 @@ ngx_http_dpd_prefill_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     sp = NULL;
 
+    if (pcf->protocol == NGX_HTTP_DPD_PROTO_KV_AGENT) {
+        spec.req_id = (char *) ngx_http_dpd_cstr(r->pool, &ctx->request_id);
+        if (spec.req_id == NULL || ctx->prefill.decode_node == NULL) {
+            return NGX_ERROR;
+        }
+
+        text = ngx_http_dpd_proto_kv_agent_prefill_body(ctx->json,
+                                    spec.req_id,
+                                    (char *) ctx->prefill.decode_node, &len);
+        goto copy;
+    }
+
     if (pcf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE) {
         pin = ngx_http_dpd_balancer_get_pin(r);
         bscf = ngx_http_dpd_balancer_srv_conf(pcf->decode_upstream);
@@ -451,6 +531,9 @@ ngx_http_dpd_prefill_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     text = ngx_http_dpd_proto_prefill_body(ctx->json, pcf->protocol, sp,
                                            &len);
+
+copy:
+
     if (text == NULL) {
         return NGX_ERROR;
     }
@@ -643,6 +726,10 @@ ngx_http_dpd_prefill_cleanup(void *data)
     if (p->timer.timer_set) {
         ngx_del_timer(&p->timer);
     }
+
+    if (p->kv_timer.timer_set) {
+        ngx_del_timer(&p->kv_timer);
+    }
 }
 
 
@@ -707,6 +794,10 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                                          ? NGX_HTTP_DPD_CAUSE_5XX
                                          : NGX_HTTP_DPD_CAUSE_BAD_REPLY,
                                          NULL);
+    }
+
+    if (pcf->protocol == NGX_HTTP_DPD_PROTO_KV_AGENT) {
+        return ngx_http_dpd_kv_reply(r, ctx, pcf);
     }
 
     kind = ngx_http_dpd_proto_parse_reply((char *) p->reply.data,
@@ -1047,6 +1138,20 @@ ngx_http_dpd_prefill_variable(ngx_http_request_t *r,
         v->len = ngx_sprintf(s, "%M", p->elapsed) - s;
         break;
 
+    case NGX_HTTP_DPD_VAR_KV_WAIT_TIME:
+        if (p->kv == NGX_HTTP_DPD_KV_NONE) {
+            return NGX_OK;
+        }
+
+        s = ngx_pnalloc(r->pool, NGX_TIME_T_LEN);
+        if (s == NULL) {
+            return NGX_ERROR;
+        }
+
+        v->data = s;
+        v->len = ngx_sprintf(s, "%M", p->kv_elapsed) - s;
+        break;
+
     default: /* NGX_HTTP_DPD_VAR_PREFILL_STATUS */
         if (!p->done || p->status == 0) {
             return NGX_OK;
@@ -1067,4 +1172,471 @@ ngx_http_dpd_prefill_variable(ngx_http_request_t *r,
     v->not_found = 0;
 
     return NGX_OK;
+}
+
+
+/* kv_agent */
+
+/*
+ * The decoder first (least outstanding, reserved and pinned), then its node
+ * id from the state table: the prefill engine's agent pushes to that node.
+ * NGX_OK: chosen; NGX_DECLINED: decode-only body in place (no table or no
+ * record: a prefill could not hand its KV to anyone); NGX_DONE/NGX_ERROR as
+ * the handler's.
+ */
+
+static ngx_int_t
+ngx_http_dpd_kv_choose(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefill_conf_t *pcf)
+{
+    char                        *text;
+    size_t                       len;
+    u_char                      *data;
+    const char                  *why;
+    ngx_http_dpd_pin_t          *pin;
+    ngx_http_dpd_state_node_t    node;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+
+    switch (ngx_http_dpd_balancer_pin(r, pcf->decode_upstream, &pin)) {
+
+    case NGX_OK:
+        p->decode_peer = pin->name;
+        break;
+
+    case NGX_BUSY:
+        p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
+        return ngx_http_dpd_prefill_fail(r, ctx, pcf,
+                                         NGX_HTTP_DPD_CAUSE_NO_DECODER, NULL);
+
+    default:
+        return NGX_ERROR;
+    }
+
+    why = NULL;
+
+    if (!ngx_http_dpd_state_enabled(r)) {
+        why = "no usable dpd_state_table";
+
+    } else if (ngx_http_dpd_state_node_by_addr(r, &pin->name, &node)
+               != NGX_OK)
+    {
+        why = "no node record for the decoder in the state table";
+
+    } else {
+        p->decode_node = ngx_pnalloc(r->pool, ngx_strlen(node.id) + 1);
+        if (p->decode_node == NULL) {
+            return NGX_ERROR;
+        }
+
+        ngx_cpystrn(p->decode_node, node.id, ngx_strlen(node.id) + 1);
+
+        if (p->decode_node[0] != '\0') {
+            return NGX_OK;
+        }
+
+        why = "the decoder's node record has no id";
+    }
+
+    /* decode only, on any decoder: nothing can be handed over */
+
+    ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                  "dpd: kv_agent: %s (decoder %V) for request \"%V\", "
+                  "falling back to decode only",
+                  why, &pin->name, &ctx->request_id);
+
+    p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
+    p->cause = NGX_HTTP_DPD_CAUSE_NO_NODE;
+    p->decode_peer.len = 0;
+    p->decode_peer.data = NULL;
+
+    ngx_http_dpd_balancer_unpin(r);
+
+    ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
+    ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
+
+    text = ngx_http_dpd_proto_kv_agent_decode_body(ctx->json, NULL, &len);
+    if (text == NULL) {
+        return NGX_ERROR;
+    }
+
+    data = ngx_pnalloc(r->pool, len);
+    if (data == NULL) {
+        cJSON_free(text);
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(data, text, len);
+    cJSON_free(text);
+
+    if (ngx_http_dpd_replace_body(r, data, len) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    return NGX_DECLINED;
+}
+
+
+/* a 2xx prefill reply: wait for the KV, or hand off at once */
+
+static ngx_int_t
+ngx_http_dpd_kv_reply(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefill_conf_t *pcf)
+{
+    int                          kind;
+    u_char                      *id;
+    ngx_connection_t            *c;
+    const char                  *why;
+    unsigned long                blocks;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+    c = r->connection;
+
+    id = ngx_http_dpd_cstr(r->pool, &ctx->request_id);
+    if (id == NULL) {
+        return NGX_ERROR;
+    }
+
+    kind = ngx_http_dpd_proto_kv_agent_reply((char *) p->reply.data,
+                                             p->reply.len, (char *) id,
+                                             &blocks, &why);
+
+    if (kind == NGX_HTTP_DPD_REPLY_INVALID) {
+        return ngx_http_dpd_prefill_fail(r, ctx, pcf,
+                                         NGX_HTTP_DPD_CAUSE_BAD_REPLY, why);
+    }
+
+    p->kv_start = ngx_current_msec;
+
+    if (kind != NGX_HTTP_DPD_REPLY_PARAMS) {
+        /* nothing on its way: do not wait for it */
+        p->kv = NGX_HTTP_DPD_KV_NOT_PUSHED;
+        p->kv_done = 1;
+        return ngx_http_dpd_kv_handoff(r, ctx, pcf, why);
+    }
+
+    p->kv_waited = 1;
+    p->state = NGX_HTTP_DPD_PREFILL_KV_WAIT;
+
+    ngx_log_debug3(NGX_LOG_DEBUG_HTTP, c->log, 0,
+                   "dpd kv_agent: %ui blocks pushed to %s for \"%V\"",
+                   (ngx_uint_t) blocks, p->decode_node, &ctx->request_id);
+
+    if (ngx_http_dpd_kv_check(r, ctx, pcf) == NGX_OK) {
+        p->kv_done = 1;
+        return ngx_http_dpd_kv_handoff(r, ctx, pcf, NULL);
+    }
+
+    /* no subrequest watches the client any more: we do */
+
+    r->read_event_handler = ngx_http_dpd_kv_reading;
+
+    if (ngx_handle_read_event(c->read, 0) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    p->kv_timer.handler = ngx_http_dpd_kv_tick;
+    p->kv_timer.data = r;
+    p->kv_timer.log = c->log;
+    p->kv_interval = 1;
+
+    ngx_http_dpd_kv_arm(p, pcf);
+
+    return NGX_AGAIN;
+}
+
+
+/* NGX_OK: the wait is over (p->kv says why); NGX_AGAIN: keep waiting */
+
+static ngx_int_t
+ngx_http_dpd_kv_check(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefill_conf_t *pcf)
+{
+    ngx_http_dpd_state_req_t     rec;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+
+    if (ngx_http_dpd_state_request(r, &ctx->request_id, &rec) == NGX_OK) {
+
+        p->kv_state = rec.state;
+
+        /* a record of the same id on another node is not ours */
+
+        if (rec.node_id[0] == '\0'
+            || ngx_strcmp(rec.node_id, p->decode_node) == 0)
+        {
+            if (rec.state == DPD_REQ_READY) {
+                p->kv = NGX_HTTP_DPD_KV_READY;
+                return NGX_OK;
+            }
+
+            if (rec.state == DPD_REQ_FAILED) {
+                p->kv = NGX_HTTP_DPD_KV_FAILED;
+                return NGX_OK;
+            }
+        }
+    }
+
+    if (ngx_current_msec - p->kv_start >= pcf->kv_wait) {
+        p->kv = NGX_HTTP_DPD_KV_TIMEOUT;
+        return NGX_OK;
+    }
+
+    return NGX_AGAIN;
+}
+
+
+static void
+ngx_http_dpd_kv_arm(ngx_http_dpd_prefill_ctx_t *p,
+    ngx_http_dpd_prefill_conf_t *pcf)
+{
+    ngx_msec_t  t, elapsed;
+
+    t = p->kv_interval;
+    elapsed = ngx_current_msec - p->kv_start;
+
+    /* never sleep past the deadline */
+
+    if (elapsed < pcf->kv_wait && pcf->kv_wait - elapsed < t) {
+        t = pcf->kv_wait - elapsed;
+    }
+
+    if (t == 0) {
+        t = 1;
+    }
+
+    ngx_add_timer(&p->kv_timer, t);
+
+    if (p->kv_interval < NGX_HTTP_DPD_KV_POLL_MAX) {
+        p->kv_interval *= 2;
+
+        if (p->kv_interval > NGX_HTTP_DPD_KV_POLL_MAX) {
+            p->kv_interval = NGX_HTTP_DPD_KV_POLL_MAX;
+        }
+    }
+}
+
+
+static void
+ngx_http_dpd_kv_tick(ngx_event_t *ev)
+{
+    ngx_connection_t            *c;
+    ngx_http_request_t          *r;
+    ngx_http_dpd_ctx_t          *ctx;
+    ngx_http_dpd_loc_conf_t     *dlcf;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    r = ev->data;
+    c = r->connection;
+
+    ctx = ngx_http_dpd_get_ctx(r);
+    if (ctx == NULL) {
+        return;
+    }
+
+    p = &ctx->prefill;
+
+    if (p->state != NGX_HTTP_DPD_PREFILL_KV_WAIT || p->kv_done) {
+        return;
+    }
+
+    /* an event nobody consumed yet (edge-triggered): is the client gone? */
+
+    if ((c->read->ready || c->read->pending_eof)
+        && ngx_http_dpd_kv_client_gone(r))
+    {
+        ngx_http_finalize_request(r, NGX_HTTP_CLIENT_CLOSED_REQUEST);
+        ngx_http_run_posted_requests(c);
+        return;
+    }
+
+    dlcf = ngx_http_get_module_loc_conf(r, ngx_http_dpd_module);
+
+    if (ngx_http_dpd_kv_check(r, ctx, &dlcf->prefill) == NGX_AGAIN) {
+        ngx_http_dpd_kv_arm(p, &dlcf->prefill);
+        return;
+    }
+
+    p->kv_done = 1;
+
+    /* resume the phases: the handler hands off to the decoder */
+
+    r->write_event_handler = ngx_http_core_run_phases;
+    ngx_http_core_run_phases(r);
+    ngx_http_run_posted_requests(c);
+}
+
+
+static void
+ngx_http_dpd_kv_reading(ngx_http_request_t *r)
+{
+    if (ngx_http_dpd_kv_client_gone(r)) {
+        ngx_http_finalize_request(r, NGX_HTTP_CLIENT_CLOSED_REQUEST);
+    }
+}
+
+
+/*
+ * 1 when the client closed its connection (as nginx's upstream checks a
+ * broken connection: epoll's RDHUP, else a peek at the socket); the
+ * request is then to be finalized with 499.
+ */
+
+static ngx_int_t
+ngx_http_dpd_kv_client_gone(ngx_http_request_t *r)
+{
+    int                n;
+    char               buf[1];
+    ngx_err_t          err;
+    ngx_event_t       *rev;
+    ngx_connection_t  *c;
+
+    c = r->connection;
+    rev = c->read;
+
+#if (NGX_HTTP_V2)
+    if (r->stream) {
+        /* a reset stream finalizes the request through HTTP/2 itself */
+        return 0;
+    }
+#endif
+
+    if (c->error) {
+        return 1;
+    }
+
+    err = 0;
+
+#if (NGX_HAVE_EPOLLRDHUP)
+
+    if ((ngx_event_flags & NGX_USE_EPOLL_EVENT) && ngx_use_epoll_rdhup) {
+
+        if (!rev->pending_eof) {
+            return 0;
+        }
+
+        goto closed;
+    }
+
+#endif
+
+    n = recv(c->fd, buf, 1, MSG_PEEK);
+
+    if (n == 0) {
+        goto closed;
+    }
+
+    if (n == -1) {
+        err = ngx_socket_errno;
+
+        if (err != NGX_EAGAIN) {
+            goto closed;
+        }
+    }
+
+    /* still there (a pipelined request, or nothing): no busy loop */
+
+    if ((ngx_event_flags & NGX_USE_LEVEL_EVENT) && rev->active) {
+        if (ngx_del_event(rev, NGX_READ_EVENT, 0) != NGX_OK) {
+            return 1;
+        }
+    }
+
+    return 0;
+
+closed:
+
+    rev->eof = 1;
+    c->error = 1;
+
+    ngx_log_error(NGX_LOG_INFO, c->log, err,
+                  "client prematurely closed connection while waiting "
+                  "for the KV of request \"%V\"",
+                  &ngx_http_dpd_get_ctx(r)->request_id);
+
+    return 1;
+}
+
+
+/* the decode request: pinned to the chosen decoder, {"dpd":{"req_id"}} */
+
+static ngx_int_t
+ngx_http_dpd_kv_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefill_conf_t *pcf, const char *why)
+{
+    char                        *text;
+    size_t                       len;
+    u_char                      *data, *id;
+    ngx_uint_t                   level;
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+
+    p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
+    p->kv_elapsed = ngx_current_msec - p->kv_start;
+
+    if (p->kv_timer.timer_set) {
+        ngx_del_timer(&p->kv_timer);
+    }
+
+    if (r->read_event_handler == ngx_http_dpd_kv_reading) {
+        r->read_event_handler = ngx_http_block_reading;
+    }
+
+    id = ngx_http_dpd_cstr(r->pool, &ctx->request_id);
+    if (id == NULL) {
+        return NGX_ERROR;
+    }
+
+    /* always: the decoder asks its agent, and recomputes if nothing landed */
+
+    text = ngx_http_dpd_proto_kv_agent_decode_body(ctx->json, (char *) id,
+                                                   &len);
+    if (text == NULL) {
+        return NGX_ERROR;
+    }
+
+    data = ngx_pnalloc(r->pool, len);
+    if (data == NULL) {
+        cJSON_free(text);
+        return NGX_ERROR;
+    }
+
+    ngx_memcpy(data, text, len);
+    cJSON_free(text);
+
+    if (ngx_http_dpd_replace_body(r, data, len) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    if (p->kv == NGX_HTTP_DPD_KV_READY) {
+        p->params = 1;
+        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS);
+
+        ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "dpd kv_agent: KV of \"%V\" ready on %s after %M ms",
+                       &ctx->request_id, p->decode_node, p->kv_elapsed);
+
+        return NGX_DECLINED;
+    }
+
+    ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS);
+
+    /* a prompt shorter than one KV block has nothing to send: not a fault */
+
+    level = (why && p->kv == NGX_HTTP_DPD_KV_NOT_PUSHED
+             && ngx_strncmp(why, "nothing to push", 15) == 0)
+            ? NGX_LOG_INFO : NGX_LOG_WARN;
+
+    ngx_log_error(level, r->connection->log, 0,
+                  "dpd: kv_agent: KV of request \"%V\" %s%s%s "
+                  "(waited %M ms), decoder %V recomputes the prompt",
+                  &ctx->request_id, ngx_http_dpd_kv_names[p->kv],
+                  why ? ": " : "", why ? why : "", p->kv_elapsed,
+                  &p->decode_peer);
+
+    return NGX_DECLINED;
 }

@@ -5,18 +5,22 @@
  * structs below in its location conf and request ctx and calls the hooks.
  *
  * Directives (location level, inherited):
- *   dpd_protocol nixl|lmcache;        default nixl
+ *   dpd_protocol nixl|lmcache|kv_agent;  default nixl
  *   dpd_prefill_pass URI|off;         internal location of the prefill pool;
  *                                     the subrequest goes to URI followed by
  *                                     the engine path (/v1/completions or
  *                                     /v1/chat/completions)
  *   dpd_prefill_timeout TIME;         default 60s, whole prefill incl. retries
  *   dpd_fallback decode|error;        default decode
- *   dpd_decode_upstream NAME;         lmcache: the decode pool to pin in
- *                                     (default: the one upstream{} that has
- *                                     dpd_lmcache_ports)
+ *   dpd_decode_upstream NAME;         lmcache, kv_agent: the decode pool to
+ *                                     pin in (lmcache default: the one
+ *                                     upstream{} that has dpd_lmcache_ports;
+ *                                     kv_agent: required)
+ *   dpd_kv_wait TIME;                 kv_agent: how long to wait after the
+ *                                     prefill for the state table to say the
+ *                                     KV is ready on the decoder; default 2s
  * Variables: $dpd_prefill_peer $dpd_decode_peer $dpd_prefill_time (ms)
- *            $dpd_prefill_status
+ *            $dpd_prefill_status $dpd_kv_wait_time (ms)
  */
 
 #ifndef _NGX_HTTP_DPD_PREFILL_H_INCLUDED_
@@ -39,6 +43,8 @@ typedef struct ngx_http_dpd_ctx_s  ngx_http_dpd_ctx_t;
 #define NGX_HTTP_DPD_PREFILL_NEW       0
 #define NGX_HTTP_DPD_PREFILL_WAITING   1   /* subrequest in flight */
 #define NGX_HTTP_DPD_PREFILL_FINISHED  2   /* outcome applied */
+#define NGX_HTTP_DPD_PREFILL_KV_WAIT   3   /* kv_agent: waiting for the KV
+                                              to land on the decoder */
 
 /* ngx_http_dpd_prefill_ctx_t.cause: why the prefill did not hand off */
 #define NGX_HTTP_DPD_CAUSE_NONE        0
@@ -48,6 +54,15 @@ typedef struct ngx_http_dpd_ctx_s  ngx_http_dpd_ctx_t;
 #define NGX_HTTP_DPD_CAUSE_CONNECT     4
 #define NGX_HTTP_DPD_CAUSE_BAD_REPLY   5
 #define NGX_HTTP_DPD_CAUSE_NO_DECODER  6
+#define NGX_HTTP_DPD_CAUSE_NO_NODE     7   /* kv_agent: no state table or
+                                              no record of the decoder */
+
+/* ngx_http_dpd_prefill_ctx_t.kv: how the kv_agent wait ended */
+#define NGX_HTTP_DPD_KV_NONE           0   /* no wait (yet) */
+#define NGX_HTTP_DPD_KV_READY          1   /* the table says ready */
+#define NGX_HTTP_DPD_KV_FAILED         2   /* the table says failed */
+#define NGX_HTTP_DPD_KV_TIMEOUT        3   /* dpd_kv_wait passed */
+#define NGX_HTTP_DPD_KV_NOT_PUSHED     4   /* the prefill reply said so */
 
 
 /* location-level settings of the disaggregated path */
@@ -57,7 +72,8 @@ typedef struct {
     ngx_msec_t                   timeout;       /* dpd_prefill_timeout */
     ngx_uint_t                   fallback;      /* dpd_fallback */
     ngx_str_t                    decode_name;   /* dpd_decode_upstream */
-    ngx_http_upstream_srv_conf_t *decode_upstream; /* lmcache: resolved */
+    ngx_http_upstream_srv_conf_t *decode_upstream; /* lmcache, kv_agent */
+    ngx_msec_t                   kv_wait;       /* dpd_kv_wait */
 } ngx_http_dpd_prefill_conf_t;
 
 
@@ -75,12 +91,21 @@ typedef struct {
     ngx_str_t                    decode_peer;   /* pinned decoder */
     ngx_str_t                    reply;         /* prefill reply body */
     ngx_str_t                    content_type;  /* of the reply */
+    ngx_event_t                  kv_timer;      /* kv_agent: state polls */
+    ngx_msec_t                   kv_start;
+    ngx_msec_t                   kv_interval;   /* next poll, 1..10 ms */
+    ngx_msec_t                   kv_elapsed;    /* $dpd_kv_wait_time */
+    ngx_uint_t                   kv;            /* NGX_HTTP_DPD_KV_* */
+    ngx_uint_t                   kv_state;      /* last DPD_REQ_* seen */
+    u_char                      *decode_node;   /* kv_agent: node id */
     unsigned                     done:1;        /* subrequest finalized */
     unsigned                     answered:1;    /* a prefill peer replied */
     unsigned                     timed_out:1;   /* our deadline passed */
     unsigned                     aborted:1;     /* client went away */
     unsigned                     broken:1;      /* reply too large etc. */
     unsigned                     params:1;      /* decode got KV params */
+    unsigned                     kv_waited:1;   /* a KV wait ran */
+    unsigned                     kv_done:1;     /* the KV wait is over */
 } ngx_http_dpd_prefill_ctx_t;
 
 
@@ -127,6 +152,13 @@ char *ngx_http_dpd_prefill_pass(ngx_conf_t *cf, ngx_command_t *cmd,
       ngx_conf_set_str_slot,                                                  \
       NGX_HTTP_LOC_CONF_OFFSET,                                               \
       offsetof(ngx_http_dpd_loc_conf_t, prefill.decode_name),                 \
+      NULL },                                                                 \
+                                                                              \
+    { ngx_string("dpd_kv_wait"),                                              \
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,  \
+      ngx_conf_set_msec_slot,                                                 \
+      NGX_HTTP_LOC_CONF_OFFSET,                                               \
+      offsetof(ngx_http_dpd_loc_conf_t, prefill.kv_wait),                     \
       NULL },
 
 void ngx_http_dpd_prefill_init_conf(ngx_http_dpd_prefill_conf_t *conf);

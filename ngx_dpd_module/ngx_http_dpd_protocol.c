@@ -20,6 +20,8 @@ static cJSON *dpd_nixl_request_params(void);
 static cJSON *dpd_lmcache_request_params(
     const ngx_http_dpd_lmcache_spec_t *spec);
 static char *dpd_print(cJSON *obj, size_t *len);
+static char *dpd_prefill_copy(const cJSON *req, cJSON *ktp, size_t *len);
+static cJSON *dpd_parse_object(const char *data, size_t len);
 
 
 /* removes every occurrence of key: JSON objects may repeat a key */
@@ -193,9 +195,7 @@ char *
 ngx_http_dpd_proto_prefill_body(const cJSON *req, int protocol,
     const ngx_http_dpd_lmcache_spec_t *spec, size_t *len)
 {
-    int     has_mct;
-    char   *text;
-    cJSON  *copy, *ktp;
+    cJSON  *ktp;
 
     if (!cJSON_IsObject(req)) {
         return NULL;
@@ -214,6 +214,50 @@ ngx_http_dpd_proto_prefill_body(const cJSON *req, int protocol,
     default:
         return NULL;
     }
+
+    return dpd_prefill_copy(req, ktp, len);
+}
+
+
+char *
+ngx_http_dpd_proto_kv_agent_prefill_body(const cJSON *req,
+    const char *req_id, const char *decode_node, size_t *len)
+{
+    cJSON  *ktp, *dpd;
+
+    if (!cJSON_IsObject(req) || req_id == NULL || req_id[0] == '\0'
+        || decode_node == NULL || decode_node[0] == '\0')
+    {
+        return NULL;
+    }
+
+    ktp = cJSON_CreateObject();
+    if (ktp == NULL) {
+        return NULL;
+    }
+
+    dpd = cJSON_AddObjectToObject(ktp, "dpd");
+
+    if (dpd == NULL
+        || cJSON_AddStringToObject(dpd, "req_id", req_id) == NULL
+        || cJSON_AddStringToObject(dpd, "decode_node", decode_node) == NULL)
+    {
+        cJSON_Delete(ktp);
+        return NULL;
+    }
+
+    return dpd_prefill_copy(req, ktp, len);
+}
+
+
+/* the prefill copy of req with ktp as its kv_transfer_params (taken over) */
+
+static char *
+dpd_prefill_copy(const cJSON *req, cJSON *ktp, size_t *len)
+{
+    int     has_mct;
+    char   *text;
+    cJSON  *copy;
 
     if (ktp == NULL) {
         return NULL;
@@ -315,7 +359,7 @@ ngx_http_dpd_proto_parse_reply(const char *data, size_t len, int protocol,
     cJSON **params, const char **why)
 {
     cJSON         *reply, *ktp;
-    const char    *bad, *end;
+    const char    *bad;
 
     *params = NULL;
     *why = NULL;
@@ -325,22 +369,9 @@ ngx_http_dpd_proto_parse_reply(const char *data, size_t len, int protocol,
         return NGX_HTTP_DPD_REPLY_INVALID;
     }
 
-    reply = cJSON_ParseWithLengthOpts(data, len, &end, 0);
+    reply = dpd_parse_object(data, len);
 
-    /* one JSON object and nothing after it but white space */
-
-    while (reply != NULL && end < data + len) {
-        if (*end != ' ' && *end != '\t' && *end != '\r' && *end != '\n') {
-            cJSON_Delete(reply);
-            reply = NULL;
-            break;
-        }
-
-        end++;
-    }
-
-    if (reply == NULL || !cJSON_IsObject(reply)) {
-        cJSON_Delete(reply);
+    if (reply == NULL) {
         *why = "prefill reply is not a JSON object";
         return NGX_HTTP_DPD_REPLY_INVALID;
     }
@@ -413,6 +444,157 @@ ngx_http_dpd_proto_decode_body(const cJSON *req, const cJSON *params,
 
         /* dpd_json_set() releases ktp when it fails */
 
+        if (dpd_json_set(copy, DPD_KTP, ktp) != 0) {
+            cJSON_Delete(copy);
+            return NULL;
+        }
+    }
+
+    text = dpd_print(copy, len);
+
+    cJSON_Delete(copy);
+
+    return text;
+}
+
+
+/* one JSON object and nothing after it but white space, else NULL */
+
+static cJSON *
+dpd_parse_object(const char *data, size_t len)
+{
+    cJSON       *obj;
+    const char  *end;
+
+    if (data == NULL || len == 0) {
+        return NULL;
+    }
+
+    obj = cJSON_ParseWithLengthOpts(data, len, &end, 0);
+
+    while (obj != NULL && end < data + len) {
+        if (*end != ' ' && *end != '\t' && *end != '\r' && *end != '\n') {
+            cJSON_Delete(obj);
+            return NULL;
+        }
+
+        end++;
+    }
+
+    if (obj != NULL && !cJSON_IsObject(obj)) {
+        cJSON_Delete(obj);
+        return NULL;
+    }
+
+    return obj;
+}
+
+
+int
+ngx_http_dpd_proto_kv_agent_reply(const char *data, size_t len,
+    const char *req_id, unsigned long *blocks, const char **why)
+{
+    int           rc;
+    cJSON        *reply;
+    const cJSON  *ktp, *dpd, *v;
+
+    *blocks = 0;
+    *why = NULL;
+
+    reply = dpd_parse_object(data, len);
+
+    if (reply == NULL) {
+        *why = "prefill reply is not a JSON object";
+        return NGX_HTTP_DPD_REPLY_INVALID;
+    }
+
+    rc = NGX_HTTP_DPD_REPLY_NO_PARAMS;
+
+    ktp = cJSON_GetObjectItemCaseSensitive(reply, DPD_KTP);
+    dpd = cJSON_GetObjectItemCaseSensitive(ktp, "dpd");
+
+    if (!cJSON_IsObject(dpd)) {
+        *why = "prefill reply has no kv_transfer_params.dpd";
+        goto done;
+    }
+
+    /* the reply must be about this request: never wait for another one */
+
+    v = cJSON_GetObjectItemCaseSensitive(dpd, "req_id");
+    if (!cJSON_IsString(v) || req_id == NULL
+        || strcmp(v->valuestring, req_id) != 0)
+    {
+        *why = "prefill reply names another req_id";
+        goto done;
+    }
+
+    v = cJSON_GetObjectItemCaseSensitive(dpd, "state");
+    if (!cJSON_IsString(v)) {
+        *why = "prefill reply has no push state";
+        goto done;
+    }
+
+    if (strcmp(v->valuestring, "pushed") != 0) {
+        *why = (strcmp(v->valuestring, "failed") == 0)
+               ? "the prefill engine's agent could not push the KV"
+               : "prefill reply has an unknown push state";
+        goto done;
+    }
+
+    v = cJSON_GetObjectItemCaseSensitive(dpd, "blocks");
+    if (!dpd_json_is_uint(v, 4294967295.0)) {
+        *why = "prefill reply has no block count";
+        goto done;
+    }
+
+    *blocks = (unsigned long) v->valuedouble;
+
+    if (*blocks == 0) {
+        *why = "nothing to push (prompt shorter than a KV block)";
+        goto done;
+    }
+
+    rc = NGX_HTTP_DPD_REPLY_PARAMS;
+
+done:
+
+    cJSON_Delete(reply);
+
+    return rc;
+}
+
+
+char *
+ngx_http_dpd_proto_kv_agent_decode_body(const cJSON *req, const char *req_id,
+    size_t *len)
+{
+    char   *text;
+    cJSON  *copy, *ktp, *dpd;
+
+    if (!cJSON_IsObject(req)) {
+        return NULL;
+    }
+
+    copy = cJSON_Duplicate(req, 1);
+    if (copy == NULL) {
+        return NULL;
+    }
+
+    ngx_http_dpd_proto_strip(copy);
+
+    if (req_id != NULL && req_id[0] != '\0') {
+        ktp = cJSON_CreateObject();
+        dpd = ktp ? cJSON_AddObjectToObject(ktp, "dpd") : NULL;
+
+        if (dpd == NULL
+            || cJSON_AddStringToObject(dpd, "req_id", req_id) == NULL)
+        {
+            cJSON_Delete(ktp);
+            cJSON_Delete(copy);
+            return NULL;
+        }
+
+        /* dpd_json_set() releases ktp when it fails */
         if (dpd_json_set(copy, DPD_KTP, ktp) != 0) {
             cJSON_Delete(copy);
             return NULL;

@@ -26,6 +26,7 @@
 
 #define NGX_HTTP_DPD_PROTO_NIXL      1
 #define NGX_HTTP_DPD_PROTO_LMCACHE   2
+#define NGX_HTTP_DPD_PROTO_KV_AGENT  3
 
 
 /* what a prefill reply gave the decoder */
@@ -69,6 +70,35 @@ int ngx_http_dpd_proto_parse_reply(const char *data, size_t len,
  */
 char *ngx_http_dpd_proto_decode_body(const cJSON *req, const cJSON *params,
     const char *prefill_host, size_t *len);
+
+
+/*
+ * kv_agent (DESIGN.md §2): the prefill copy of "req" with
+ *   "kv_transfer_params": {"dpd": {"req_id": req_id,
+ *                                  "decode_node": decode_node}}
+ * Returns the serialized body, or NULL.
+ */
+char *ngx_http_dpd_proto_kv_agent_prefill_body(const cJSON *req,
+    const char *req_id, const char *decode_node, size_t *len);
+
+/*
+ * kv_agent prefill reply: NGX_HTTP_DPD_REPLY_INVALID when it is not a JSON
+ * object; NGX_HTTP_DPD_REPLY_PARAMS when the engine's agent accepted a
+ * push of *blocks > 0 blocks for req_id ({"dpd": {"req_id", "blocks",
+ * "state": "pushed"}}): worth waiting for; NGX_HTTP_DPD_REPLY_NO_PARAMS
+ * otherwise (state "failed", 0 blocks, missing or foreign params), with
+ * *why saying which.
+ */
+int ngx_http_dpd_proto_kv_agent_reply(const char *data, size_t len,
+    const char *req_id, unsigned long *blocks, const char **why);
+
+/*
+ * kv_agent decode body: "req" without client kv_transfer_params, plus
+ *   "kv_transfer_params": {"dpd": {"req_id": req_id}}
+ * (req_id NULL: without any, as for a fallback).
+ */
+char *ngx_http_dpd_proto_kv_agent_decode_body(const cJSON *req,
+    const char *req_id, size_t *len);
 
 
 #endif /* _NGX_HTTP_DPD_PROTOCOL_H_INCLUDED_ */

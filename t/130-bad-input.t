@@ -452,4 +452,4 @@ X-Dpd-Tokens: ^\d+$
 --- response_body
 decoder reached
 --- error_log
-text counted only (messages[0].role: "developer" is not one of
+text counted only (messages[
