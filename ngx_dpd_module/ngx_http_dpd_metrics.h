@@ -44,6 +44,7 @@ typedef enum {
     NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS,    /* decode got kv_transfer_params */
     NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS, /* prefill reply had none */
     NGX_HTTP_DPD_M_KV_STRIPPED,          /* client kv_transfer_params cut */
+    NGX_HTTP_DPD_M_COUNT_SKIPPED,        /* dpd_count bound: no BPE */
     NGX_HTTP_DPD_M_N
 } ngx_http_dpd_counter_e;
 
@@ -53,8 +54,25 @@ typedef enum {
     NGX_HTTP_DPD_H_PROMPT_TOKENS = 0,    /* tokens */
     NGX_HTTP_DPD_H_DECISION_SECONDS,     /* seconds: read+parse+count */
     NGX_HTTP_DPD_H_PREFILL_SECONDS,      /* seconds: prefill subrequest */
+    NGX_HTTP_DPD_H_KV_WAIT_SECONDS,      /* seconds: kv_agent table wait */
     NGX_HTTP_DPD_H_N
 } ngx_http_dpd_histogram_e;
+
+
+/* kv_agent: how the wait for the KV ended, label "outcome" of
+ * dpd_kv_wait_total: ngx_http_dpd_metrics_kv_wait() */
+typedef enum {
+    NGX_HTTP_DPD_KVW_READY = 0,          /* ready: the table said ready */
+    NGX_HTTP_DPD_KVW_FAILED,             /* failed: the table said failed */
+    NGX_HTTP_DPD_KVW_TIMEOUT,            /* timeout: dpd_kv_wait passed */
+    NGX_HTTP_DPD_KVW_NOT_PUSHED,         /* not_pushed: prefill reply said
+                                            nothing was sent */
+    NGX_HTTP_DPD_KVW_NO_TABLE,           /* no_table: no state table */
+    NGX_HTTP_DPD_KVW_NO_RECORD,          /* no_record: no node record (or
+                                            no id) for the decoder */
+    NGX_HTTP_DPD_KVW_CLIENT_CLOSED,      /* client_closed: during the wait */
+    NGX_HTTP_DPD_KVW_N
+} ngx_http_dpd_kv_wait_e;
 
 
 /* requests by route (label) and status class */
@@ -75,6 +93,11 @@ void ngx_http_dpd_metrics_inc(ngx_http_request_t *r, ngx_uint_t counter);
 void ngx_http_dpd_metrics_observe(ngx_http_request_t *r,
     ngx_uint_t histogram, double value);
 void ngx_http_dpd_metrics_error(ngx_http_request_t *r, ngx_uint_t reason);
+
+/* one kv_agent wait outcome; msec >= 0: a table wait that long ran (fed to
+ * dpd_kv_wait_seconds), -1: no wait */
+void ngx_http_dpd_metrics_kv_wait(ngx_http_request_t *r, ngx_uint_t outcome,
+    ngx_msec_int_t msec);
 
 const char *ngx_http_dpd_error_reason_name(ngx_uint_t reason);
 

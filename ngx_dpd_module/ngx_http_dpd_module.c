@@ -20,7 +20,26 @@
 
 #include <time.h>
 
+#if (NGX_OPENSSL)
+#include <openssl/rand.h>
+#endif
+
 #include "ngx_http_dpd_module.h"
+
+
+/*
+ * Random bytes for generated request ids, drawn from OpenSSL in batches:
+ * one RAND_bytes() call per 256 ids instead of one per request (it costs
+ * about as much as the rest of the direct path).  Per process: refilled
+ * when the pid changes, so forked workers never share bytes.
+ */
+#define NGX_HTTP_DPD_RAND_BATCH  4096
+
+#if (NGX_OPENSSL)
+static u_char     ngx_http_dpd_rand[NGX_HTTP_DPD_RAND_BATCH];
+static size_t     ngx_http_dpd_rand_left;
+static ngx_pid_t  ngx_http_dpd_rand_pid;
+#endif
 
 
 static ngx_int_t ngx_http_dpd_handler(ngx_http_request_t *r);
@@ -34,6 +53,8 @@ static ngx_int_t ngx_http_dpd_decided(ngx_http_request_t *r,
 static void ngx_http_dpd_cleanup(void *data);
 static ngx_uint_t ngx_http_dpd_classify(ngx_http_request_t *r);
 static ngx_table_elt_t *ngx_http_dpd_find_request_id(ngx_http_request_t *r);
+static ngx_int_t ngx_http_dpd_fill_request_id(ngx_http_request_t *r,
+    ngx_http_dpd_main_conf_t *dmcf);
 static ngx_int_t ngx_http_dpd_set_request_id(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx);
 static ngx_int_t ngx_http_dpd_log_handler(ngx_http_request_t *r);
@@ -59,6 +80,13 @@ static char *ngx_http_dpd_metrics(ngx_conf_t *cf, ngx_command_t *cmd,
 
 static ngx_conf_num_bounds_t  ngx_http_dpd_json_depth_bounds = {
     ngx_conf_check_num_bounds, 1, NGX_HTTP_DPD_MAX_JSON_DEPTH
+};
+
+
+static ngx_conf_enum_t  ngx_http_dpd_count_modes[] = {
+    { ngx_string("exact"), NGX_HTTP_DPD_COUNT_EXACT },
+    { ngx_string("bound"), NGX_HTTP_DPD_COUNT_BOUND },
+    { ngx_null_string, 0 }
 };
 
 
@@ -91,6 +119,13 @@ static ngx_command_t  ngx_http_dpd_commands[] = {
       NGX_HTTP_LOC_CONF_OFFSET,
       offsetof(ngx_http_dpd_loc_conf_t, threshold),
       NULL },
+
+    { ngx_string("dpd_count"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_enum_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_dpd_loc_conf_t, count),
+      &ngx_http_dpd_count_modes },
 
     { ngx_string("dpd_max_json_depth"),
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
@@ -147,6 +182,7 @@ ngx_module_t  ngx_http_dpd_module = {
 #define NGX_HTTP_DPD_VAR_ROUTE           1
 #define NGX_HTTP_DPD_VAR_REQUEST_ID      2
 #define NGX_HTTP_DPD_VAR_DECISION_TIME   3
+#define NGX_HTTP_DPD_VAR_TOKENS_BOUND    4
 
 
 static ngx_http_variable_t  ngx_http_dpd_vars[] = {
@@ -162,6 +198,9 @@ static ngx_http_variable_t  ngx_http_dpd_vars[] = {
 
     { ngx_string("dpd_decision_time"), NULL, ngx_http_dpd_variable,
       NGX_HTTP_DPD_VAR_DECISION_TIME, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_prompt_tokens_bound"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_TOKENS_BOUND, NGX_HTTP_VAR_NOCACHEABLE, 0 },
 
       ngx_http_null_variable
 };
@@ -304,7 +343,11 @@ ngx_http_dpd_decide(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 {
     /* >= threshold: disaggregate (HyperPod's routingThreshold rule) */
 
-    if (dlcf->threshold == 0 || ctx->prompt_tokens >= dlcf->threshold) {
+    /* count_skipped: the upper bound is already below the threshold */
+
+    if (!ctx->count_skipped
+        && (dlcf->threshold == 0 || ctx->prompt_tokens >= dlcf->threshold))
+    {
         ctx->route = NGX_HTTP_DPD_ROUTE_DISAGGREGATED;
 
     } else {
@@ -313,7 +356,13 @@ ngx_http_dpd_decide(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     ctx->observe = (dlcf->prefill.prefill_pass.len == 0);
 
-    if (ctx->observe) {
+    if (ctx->count_skipped) {
+        ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "dpd: request \"%V\": at most %i prompt tokens "
+                       "(dpd_count bound), threshold %i: direct",
+                       &ctx->request_id, ctx->prompt_bound, dlcf->threshold);
+
+    } else if (ctx->observe) {
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "dpd observe: request \"%V\": %i prompt tokens%s, "
                       "threshold %i: %s (sent direct: no dpd_prefill_pass)",
@@ -444,6 +493,7 @@ ngx_http_dpd_create_ctx(ngx_http_request_t *r)
     cln->data = ctx;
 
     ctx->prompt_tokens = -1;
+    ctx->prompt_bound = -1;
     ctx->route = NGX_HTTP_DPD_ROUTE_NONE;
     ctx->start_usec = ngx_http_dpd_now_usec();
 
@@ -582,6 +632,63 @@ ngx_http_dpd_request_id_valid(ngx_str_t *id)
 }
 
 
+/*
+ * Give $request_id its value (as nginx would: 32 hex digits of 16 random
+ * bytes, cached for the request) from the batch, unless it has one
+ * already; $request_id and the X-Request-Id sent upstream stay equal.
+ */
+
+static ngx_int_t
+ngx_http_dpd_fill_request_id(ngx_http_request_t *r,
+    ngx_http_dpd_main_conf_t *dmcf)
+{
+#if (NGX_OPENSSL)
+    u_char                     *id, *bytes;
+    ngx_http_variable_value_t  *vv;
+
+    vv = &r->variables[dmcf->request_id_index];
+
+    if (vv->valid || vv->not_found) {
+        return NGX_OK;
+    }
+
+    if (ngx_http_dpd_rand_pid != ngx_pid || ngx_http_dpd_rand_left < 16) {
+
+        if (RAND_bytes(ngx_http_dpd_rand, NGX_HTTP_DPD_RAND_BATCH) != 1) {
+            /* nginx's own variable handler reports and copes */
+            ngx_http_dpd_rand_left = 0;
+            return NGX_OK;
+        }
+
+        ngx_http_dpd_rand_pid = ngx_pid;
+        ngx_http_dpd_rand_left = NGX_HTTP_DPD_RAND_BATCH;
+    }
+
+    id = ngx_pnalloc(r->pool, 32);
+    if (id == NULL) {
+        return NGX_ERROR;
+    }
+
+    bytes = ngx_http_dpd_rand + NGX_HTTP_DPD_RAND_BATCH
+            - ngx_http_dpd_rand_left;
+
+    ngx_hex_dump(id, bytes, 16);
+
+    /* used once: do not keep it around */
+    ngx_explicit_memzero(bytes, 16);
+    ngx_http_dpd_rand_left -= 16;
+
+    vv->data = id;
+    vv->len = 32;
+    vv->valid = 1;
+    vv->no_cacheable = 0;
+    vv->not_found = 0;
+#endif
+
+    return NGX_OK;
+}
+
+
 static ngx_int_t
 ngx_http_dpd_set_request_id(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
 {
@@ -599,6 +706,10 @@ ngx_http_dpd_set_request_id(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
     /* none, or unusable: nginx's own $request_id (32 hex digits) */
 
     dmcf = ngx_http_get_module_main_conf(r, ngx_http_dpd_module);
+
+    if (ngx_http_dpd_fill_request_id(r, dmcf) != NGX_OK) {
+        return NGX_ERROR;
+    }
 
     vv = ngx_http_get_indexed_variable(r, dmcf->request_id_index);
     if (vv == NULL || vv->not_found) {
@@ -692,6 +803,7 @@ ngx_http_dpd_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
     uintptr_t data)
 {
     u_char              *p;
+    ngx_int_t            n;
     const char          *name;
     ngx_table_elt_t     *h;
     ngx_http_dpd_ctx_t  *ctx;
@@ -707,7 +819,10 @@ ngx_http_dpd_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
     switch (data) {
 
     case NGX_HTTP_DPD_VAR_PROMPT_TOKENS:
-        if (ctx->prompt_tokens < 0) {
+    case NGX_HTTP_DPD_VAR_TOKENS_BOUND:
+        n = (data == NGX_HTTP_DPD_VAR_PROMPT_TOKENS) ? ctx->prompt_tokens
+                                                     : ctx->prompt_bound;
+        if (n < 0) {
             return NGX_OK;
         }
 
@@ -716,7 +831,7 @@ ngx_http_dpd_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
             return NGX_ERROR;
         }
 
-        v->len = ngx_sprintf(p, "%i", ctx->prompt_tokens) - p;
+        v->len = ngx_sprintf(p, "%i", n) - p;
         v->data = p;
         break;
 
@@ -883,6 +998,7 @@ ngx_http_dpd_create_loc_conf(ngx_conf_t *cf)
     dlcf->threshold = NGX_CONF_UNSET;
     dlcf->chat_template = NGX_CONF_UNSET;
     dlcf->max_json_depth = NGX_CONF_UNSET;
+    dlcf->count = NGX_CONF_UNSET_UINT;
     dlcf->metrics = NGX_CONF_UNSET;
 
     ngx_http_dpd_prefill_init_conf(&dlcf->prefill);
@@ -907,6 +1023,8 @@ ngx_http_dpd_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
     ngx_conf_merge_value(conf->max_json_depth, prev->max_json_depth,
                          NGX_HTTP_DPD_DEFAULT_JSON_DEPTH);
     ngx_conf_merge_value(conf->metrics, prev->metrics, 0);
+    ngx_conf_merge_uint_value(conf->count, prev->count,
+                              NGX_HTTP_DPD_COUNT_EXACT);
 
     dmcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_dpd_module);
 
@@ -1028,6 +1146,8 @@ ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     dmcf->tok_template = dpd_tok_chat_template(dmcf->tok);
     dmcf->used = 1;
+
+    ngx_http_dpd_count_bound_init(dmcf);
 
     ngx_log_error(NGX_LOG_NOTICE, cf->log, 0,
                   "dpd_tokenizer \"%V\": %uD ids, chat template \"%s\"",

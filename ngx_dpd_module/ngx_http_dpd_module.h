@@ -47,6 +47,11 @@
 #define NGX_HTTP_DPD_MAX_JSON_DEPTH       512
 #define NGX_HTTP_DPD_REQUEST_ID_MAX       256
 
+/* dpd_count: how a text prompt is measured against dpd_threshold */
+#define NGX_HTTP_DPD_COUNT_EXACT          0   /* always the exact BPE count */
+#define NGX_HTTP_DPD_COUNT_BOUND          1   /* skip BPE when a byte bound
+                                                 is below the threshold */
+
 
 /* http{}-level settings */
 typedef struct {
@@ -57,6 +62,12 @@ typedef struct {
     ngx_shm_zone_t              *metrics_zone;
     ngx_uint_t                   used;         /* any dpd directive seen */
     ngx_int_t                    request_id_index; /* $request_id */
+
+    /* dpd_count bound: ids <= (ascii + other * bound_other)
+     * * bound_prefix + specials; see ngx_http_dpd_count_bound_init() */
+    ngx_uint_t                   bound_other;   /* non-ASCII byte factor */
+    ngx_uint_t                   bound_prefix;  /* prefix-space factor */
+    ngx_uint_t                   bound_specials; /* post-processor ids */
 } ngx_http_dpd_main_conf_t;
 
 
@@ -66,6 +77,7 @@ typedef struct {
     ngx_int_t                    threshold;     /* dpd_threshold */
     ngx_int_t                    chat_template; /* dpd_chat_template */
     ngx_int_t                    max_json_depth; /* dpd_max_json_depth */
+    ngx_uint_t                   count;         /* dpd_count */
     ngx_flag_t                   metrics;       /* dpd_metrics handler */
     ngx_http_dpd_prefill_conf_t  prefill;       /* owned by prefill code */
 } ngx_http_dpd_loc_conf_t;
@@ -80,6 +92,8 @@ struct ngx_http_dpd_ctx_s {
     ngx_str_t                    request_id;    /* X-Request-Id sent upstream */
 
     ngx_int_t                    prompt_tokens; /* -1: not counted */
+    ngx_int_t                    prompt_bound;  /* dpd_count bound: upper
+                                                   bound; -1: none */
     ngx_uint_t                   route;         /* NGX_HTTP_DPD_ROUTE_* */
     ngx_uint_t                   kind;          /* NGX_HTTP_DPD_KIND_* */
     ngx_uint_t                   state;         /* NGX_HTTP_DPD_STATE_* */
@@ -99,6 +113,8 @@ struct ngx_http_dpd_ctx_s {
     unsigned                     stream:1;      /* "stream": true */
     unsigned                     observe:1;     /* no prefill_pass: direct */
     unsigned                     estimated:1;   /* chat count is estimate */
+    unsigned                     count_skipped:1; /* bound < threshold: no
+                                                   BPE count, direct */
     unsigned                     kv_stripped:1; /* client kv_transfer_params
                                                    removed */
     unsigned                     own_error:1;   /* send_error() replied */
@@ -158,6 +174,7 @@ ngx_int_t ngx_http_dpd_read_body(ngx_http_request_t *r,
     ngx_http_client_body_handler_pt handler);
 ngx_int_t ngx_http_dpd_body_bytes(ngx_http_request_t *r, ngx_str_t *body);
 
+void ngx_http_dpd_count_bound_init(ngx_http_dpd_main_conf_t *dmcf);
 ngx_int_t ngx_http_dpd_openai_process(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_main_conf_t *dmcf,
     ngx_http_dpd_loc_conf_t *dlcf);

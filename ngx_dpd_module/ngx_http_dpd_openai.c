@@ -25,8 +25,22 @@
 
 #include "ngx_http_dpd_module.h"
 
+/* the loaded tokenizer's normalizers, pre-tokenizers and post-processor,
+ * read once at configuration time for the dpd_count bound */
+#include "tok_internal.h"
+#include <utf8proc.h>
+
 
 #define NGX_HTTP_DPD_ERR_MSG_LEN  512
+
+/*
+ * Largest growth, in UTF-8 bytes, of a string under one Unicode normal
+ * form (Unicode normalization FAQ: NFC/NFD 3x, NFKC/NFKD 11x; e.g.
+ * U+1D160 -> 3 code points, U+FDFA -> 18).  ASCII never changes.
+ */
+#define NGX_HTTP_DPD_NORM_CANON_GROWTH   3
+#define NGX_HTTP_DPD_NORM_COMPAT_GROWTH  11
+#define NGX_HTTP_DPD_BOUND_FACTOR_MAX    1000000
 
 
 static ngx_int_t ngx_http_dpd_reject(ngx_http_request_t *r,
@@ -36,15 +50,133 @@ static ngx_int_t ngx_http_dpd_json_scan(ngx_http_request_t *r,
 static ngx_int_t ngx_http_dpd_parse(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx);
 static ngx_int_t ngx_http_dpd_count_completions(ngx_http_request_t *r,
-    ngx_http_dpd_ctx_t *ctx, const dpd_tok_t *tok);
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_main_conf_t *dmcf,
+    ngx_http_dpd_loc_conf_t *dlcf);
 static ngx_int_t ngx_http_dpd_count_ids(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, const cJSON *arr, uint32_t vocab,
     ngx_int_t outer, ngx_int_t *total);
 static ngx_int_t ngx_http_dpd_count_chat(ngx_http_request_t *r,
-    ngx_http_dpd_ctx_t *ctx, const dpd_tok_t *tok, dpd_chat_template_t tmpl);
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_main_conf_t *dmcf,
+    ngx_http_dpd_loc_conf_t *dlcf, dpd_chat_template_t tmpl);
 static cJSON *ngx_http_dpd_chat_text_only(const cJSON *messages);
 static ngx_int_t ngx_http_dpd_check_messages(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, const cJSON *messages);
+static uint64_t ngx_http_dpd_text_bound(ngx_http_dpd_main_conf_t *dmcf,
+    const u_char *text, size_t len, ngx_uint_t add_special);
+static ngx_uint_t ngx_http_dpd_bound_skips(ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_loc_conf_t *dlcf, uint64_t bound);
+
+
+/*
+ * dpd_count bound.  The tokenizers dpd_tokenizer loads are byte-level BPE
+ * (byte_fallback refused): every id of the text part covers at least one
+ * byte of the normalized, pre-tokenized text, added tokens included, and
+ * the post-processor adds a fixed number of ids.  So
+ *
+ *   ids <= (ascii bytes + other bytes * G) * P + specials
+ *
+ * G: the product of the normalizers' worst growth (1 without one; ASCII
+ * is stable under every normal form), P: 2 per ByteLevel stage with
+ * add_prefix_space (one space per piece of at least one byte).  A
+ * tokenizer the bound cannot describe gets factor 0: always exact.
+ */
+
+void
+ngx_http_dpd_count_bound_init(ngx_http_dpd_main_conf_t *dmcf)
+{
+    int                 i;
+    uint64_t            other, prefix;
+    const dpd_tok_t    *tok;
+
+    tok = dmcf->tok;
+
+    other = 1;
+    prefix = 1;
+
+    for (i = 0; i < tok->n_norm; i++) {
+        other *= (tok->norm[i] & UTF8PROC_COMPAT)
+                 ? NGX_HTTP_DPD_NORM_COMPAT_GROWTH
+                 : NGX_HTTP_DPD_NORM_CANON_GROWTH;
+
+        if (other > NGX_HTTP_DPD_BOUND_FACTOR_MAX) {
+            goto exact;
+        }
+    }
+
+    for (i = 0; i < tok->n_pre; i++) {
+        if (tok->pre[i].kind == TOK_PRE_BYTELEVEL
+            && tok->pre[i].add_prefix_space)
+        {
+            prefix *= 2;
+
+            if (prefix > NGX_HTTP_DPD_BOUND_FACTOR_MAX) {
+                goto exact;
+            }
+        }
+    }
+
+    dmcf->bound_other = (ngx_uint_t) other;
+    dmcf->bound_prefix = (ngx_uint_t) prefix;
+    dmcf->bound_specials = tok->n_prefix + tok->n_suffix;
+
+    return;
+
+exact:
+
+    dmcf->bound_other = 0;
+    dmcf->bound_prefix = 0;
+    dmcf->bound_specials = 0;
+}
+
+
+/* UINT64_MAX: no bound for this tokenizer */
+
+static uint64_t
+ngx_http_dpd_text_bound(ngx_http_dpd_main_conf_t *dmcf, const u_char *text,
+    size_t len, ngx_uint_t add_special)
+{
+    size_t         other;
+    const u_char  *p, *end;
+
+    if (dmcf->bound_prefix == 0) {
+        return UINT64_MAX;
+    }
+
+    other = 0;
+
+    if (dmcf->bound_other != 1) {
+        end = text + len;
+
+        for (p = text; p < end; p++) {
+            other += (*p >> 7);
+        }
+    }
+
+    return ((uint64_t) (len - other) + (uint64_t) other * dmcf->bound_other)
+           * dmcf->bound_prefix
+           + (add_special ? dmcf->bound_specials : 0);
+}
+
+
+/* bound mode and the bound below the threshold: no exact count needed */
+
+static ngx_uint_t
+ngx_http_dpd_bound_skips(ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_loc_conf_t *dlcf, uint64_t bound)
+{
+    if (bound > (uint64_t) NGX_MAX_INT_T_VALUE) {
+        return 0;
+    }
+
+    ctx->prompt_bound = (ngx_int_t) bound;
+
+    if (dlcf->threshold > 0 && ctx->prompt_bound < dlcf->threshold) {
+        ctx->count_skipped = 1;
+        return 1;
+    }
+
+    return 0;
+}
 
 
 ngx_int_t
@@ -97,10 +229,10 @@ ngx_http_dpd_openai_process(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
             tmpl = dmcf->tok_template;
         }
 
-        return ngx_http_dpd_count_chat(r, ctx, dmcf->tok, tmpl);
+        return ngx_http_dpd_count_chat(r, ctx, dmcf, dlcf, tmpl);
     }
 
-    return ngx_http_dpd_count_completions(r, ctx, dmcf->tok);
+    return ngx_http_dpd_count_completions(r, ctx, dmcf, dlcf);
 }
 
 
@@ -300,12 +432,16 @@ ngx_http_dpd_parse(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
 
 static ngx_int_t
 ngx_http_dpd_count_completions(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
-    const dpd_tok_t *tok)
+    ngx_http_dpd_main_conf_t *dmcf, ngx_http_dpd_loc_conf_t *dlcf)
 {
-    long          n;
-    uint32_t      vocab;
-    ngx_int_t     i, total, rc;
-    const cJSON  *prompt, *item, *first;
+    long              n;
+    uint32_t          vocab;
+    uint64_t          bound, b;
+    ngx_int_t         i, total, rc;
+    const cJSON      *prompt, *item, *first;
+    const dpd_tok_t  *tok;
+
+    tok = dmcf->tok;
 
     prompt = cJSON_GetObjectItemCaseSensitive(ctx->json, "prompt");
 
@@ -315,6 +451,16 @@ ngx_http_dpd_count_completions(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     }
 
     if (cJSON_IsString(prompt)) {
+        if (dlcf->count == NGX_HTTP_DPD_COUNT_BOUND
+            && ngx_http_dpd_bound_skips(ctx, dlcf,
+                   ngx_http_dpd_text_bound(dmcf,
+                                           (u_char *) prompt->valuestring,
+                                           ngx_strlen(prompt->valuestring),
+                                           1)))
+        {
+            return NGX_OK;
+        }
+
         n = dpd_tok_count(tok, prompt->valuestring,
                           ngx_strlen(prompt->valuestring), 1);
         if (n < 0) {
@@ -343,6 +489,7 @@ ngx_http_dpd_count_completions(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         /* a batch of prompts: each tokenized with its specials */
 
         i = 0;
+        bound = 0;
 
         for (item = first; item; item = item->next, i++) {
             if (!cJSON_IsString(item)) {
@@ -352,6 +499,24 @@ ngx_http_dpd_count_completions(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                            "elements", i);
             }
 
+            if (dlcf->count == NGX_HTTP_DPD_COUNT_BOUND
+                && bound != UINT64_MAX)
+            {
+                b = ngx_http_dpd_text_bound(dmcf,
+                                            (u_char *) item->valuestring,
+                                            ngx_strlen(item->valuestring),
+                                            1);
+                bound = (b > UINT64_MAX - bound) ? UINT64_MAX : bound + b;
+            }
+        }
+
+        if (dlcf->count == NGX_HTTP_DPD_COUNT_BOUND
+            && ngx_http_dpd_bound_skips(ctx, dlcf, bound))
+        {
+            return NGX_OK;
+        }
+
+        for (item = first; item; item = item->next) {
             n = dpd_tok_count(tok, item->valuestring,
                               ngx_strlen(item->valuestring), 1);
             if (n < 0) {
@@ -372,7 +537,7 @@ ngx_http_dpd_count_completions(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         }
 
         ctx->prompt_tokens = total;
-        return NGX_OK;
+        goto ids_counted;
     }
 
     if (cJSON_IsArray(first)) {
@@ -399,8 +564,20 @@ ngx_http_dpd_count_completions(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         }
 
         ctx->prompt_tokens = total;
-        return NGX_OK;
+        goto ids_counted;
     }
+
+    goto wrong_type;
+
+ids_counted:
+
+    /* token ids: counted exactly and cheaply; the bound is the count */
+
+    if (dlcf->count == NGX_HTTP_DPD_COUNT_BOUND) {
+        ctx->prompt_bound = ctx->prompt_tokens;
+    }
+
+    return NGX_OK;
 
 wrong_type:
 
@@ -470,14 +647,19 @@ invalid:
 
 static ngx_int_t
 ngx_http_dpd_count_chat(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
-    const dpd_tok_t *tok, dpd_chat_template_t tmpl)
+    ngx_http_dpd_main_conf_t *dmcf, ngx_http_dpd_loc_conf_t *dlcf,
+    dpd_chat_template_t tmpl)
 {
-    int           estimated;
-    long          n;
-    char          err[256], err2[256];
-    cJSON        *copy;
-    ngx_int_t     rc;
-    const cJSON  *messages;
+    int               estimated;
+    long              n;
+    char              err[256], err2[256], *text;
+    size_t            len;
+    cJSON            *copy;
+    ngx_int_t         rc;
+    const cJSON      *messages;
+    const dpd_tok_t  *tok;
+
+    tok = dmcf->tok;
 
     messages = cJSON_GetObjectItemCaseSensitive(ctx->json, "messages");
 
@@ -503,6 +685,45 @@ ngx_http_dpd_count_chat(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     estimated = 0;
     err[0] = '\0';
+
+    if (dlcf->count == NGX_HTTP_DPD_COUNT_BOUND) {
+
+        /*
+         * The rendered prompt holds the template's specials as text (each
+         * at least one byte) and is encoded without added specials: its
+         * bytes bound the ids.  Render once, count the same text if the
+         * bound is not enough.  Unknown template (estimate) or messages
+         * the renderer refuses: the exact path below.
+         */
+
+        text = NULL;
+        len = 0;
+
+        if (dpd_chat_render_json(tok, tmpl, messages, &text, &len, err,
+                                 sizeof(err))
+            == 0)
+        {
+            if (ngx_http_dpd_bound_skips(ctx, dlcf,
+                    ngx_http_dpd_text_bound(dmcf, (u_char *) text, len, 0)))
+            {
+                free(text);
+                return NGX_OK;
+            }
+
+            n = dpd_tok_count(tok, text, len, 0);
+            free(text);
+
+            if (n < 0) {
+                return NGX_ERROR;
+            }
+
+            ctx->prompt_tokens = n;
+            return NGX_OK;
+        }
+
+        free(text);
+        err[0] = '\0';
+    }
 
     n = dpd_chat_count_json(tok, tmpl, messages, &estimated, err,
                             sizeof(err));

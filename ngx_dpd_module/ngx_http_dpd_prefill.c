@@ -74,6 +74,8 @@ static void ngx_http_dpd_kv_arm(ngx_http_dpd_prefill_ctx_t *p,
     ngx_http_dpd_prefill_conf_t *pcf);
 static void ngx_http_dpd_kv_tick(ngx_event_t *ev);
 static void ngx_http_dpd_kv_reading(ngx_http_request_t *r);
+static void ngx_http_dpd_kv_client_closed(ngx_http_request_t *r,
+    ngx_http_dpd_prefill_ctx_t *p);
 static ngx_int_t ngx_http_dpd_kv_client_gone(ngx_http_request_t *r);
 static ngx_int_t ngx_http_dpd_kv_handoff(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf,
@@ -1193,6 +1195,7 @@ ngx_http_dpd_kv_choose(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     size_t                       len;
     u_char                      *data;
     const char                  *why;
+    ngx_uint_t                   outcome;
     ngx_http_dpd_pin_t          *pin;
     ngx_http_dpd_state_node_t    node;
     ngx_http_dpd_prefill_ctx_t  *p;
@@ -1215,9 +1218,11 @@ ngx_http_dpd_kv_choose(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     }
 
     why = NULL;
+    outcome = NGX_HTTP_DPD_KVW_NO_RECORD;
 
     if (!ngx_http_dpd_state_enabled(r)) {
         why = "no usable dpd_state_table";
+        outcome = NGX_HTTP_DPD_KVW_NO_TABLE;
 
     } else if (ngx_http_dpd_state_node_by_addr(r, &pin->name, &node)
                != NGX_OK)
@@ -1245,6 +1250,8 @@ ngx_http_dpd_kv_choose(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                   "dpd: kv_agent: %s (decoder %V) for request \"%V\", "
                   "falling back to decode only",
                   why, &pin->name, &ctx->request_id);
+
+    ngx_http_dpd_metrics_kv_wait(r, outcome, -1);
 
     p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
     p->cause = NGX_HTTP_DPD_CAUSE_NO_NODE;
@@ -1448,6 +1455,7 @@ ngx_http_dpd_kv_tick(ngx_event_t *ev)
     if ((c->read->ready || c->read->pending_eof)
         && ngx_http_dpd_kv_client_gone(r))
     {
+        ngx_http_dpd_kv_client_closed(r, p);
         ngx_http_finalize_request(r, NGX_HTTP_CLIENT_CLOSED_REQUEST);
         ngx_http_run_posted_requests(c);
         return;
@@ -1473,9 +1481,30 @@ ngx_http_dpd_kv_tick(ngx_event_t *ev)
 static void
 ngx_http_dpd_kv_reading(ngx_http_request_t *r)
 {
+    ngx_http_dpd_ctx_t  *ctx;
+
     if (ngx_http_dpd_kv_client_gone(r)) {
+        ctx = ngx_http_dpd_get_ctx(r);
+        if (ctx) {
+            ngx_http_dpd_kv_client_closed(r, &ctx->prefill);
+        }
+
         ngx_http_finalize_request(r, NGX_HTTP_CLIENT_CLOSED_REQUEST);
     }
+}
+
+
+/* the wait ends with the client (the request is terminated next) */
+
+static void
+ngx_http_dpd_kv_client_closed(ngx_http_request_t *r,
+    ngx_http_dpd_prefill_ctx_t *p)
+{
+    if (p->state != NGX_HTTP_DPD_PREFILL_KV_WAIT || p->kv_done) {
+        return;
+    }
+
+    ngx_http_dpd_metrics_kv_wait(r, NGX_HTTP_DPD_KVW_CLIENT_CLOSED, -1);
 }
 
 
@@ -1570,13 +1599,33 @@ ngx_http_dpd_kv_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     char                        *text;
     size_t                       len;
     u_char                      *data, *id;
-    ngx_uint_t                   level;
+    ngx_uint_t                   level, outcome;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
 
     p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
     p->kv_elapsed = ngx_current_msec - p->kv_start;
+
+    switch (p->kv) {
+    case NGX_HTTP_DPD_KV_READY:
+        outcome = NGX_HTTP_DPD_KVW_READY;
+        break;
+    case NGX_HTTP_DPD_KV_FAILED:
+        outcome = NGX_HTTP_DPD_KVW_FAILED;
+        break;
+    case NGX_HTTP_DPD_KV_TIMEOUT:
+        outcome = NGX_HTTP_DPD_KVW_TIMEOUT;
+        break;
+    default: /* NGX_HTTP_DPD_KV_NOT_PUSHED */
+        outcome = NGX_HTTP_DPD_KVW_NOT_PUSHED;
+    }
+
+    /* the histogram holds the waits that polled the table */
+
+    ngx_http_dpd_metrics_kv_wait(r, outcome,
+                                 p->kv_waited
+                                 ? (ngx_msec_int_t) p->kv_elapsed : -1);
 
     if (p->kv_timer.timer_set) {
         ngx_del_timer(&p->kv_timer);

@@ -6,41 +6,13 @@ use strict;
 use warnings;
 
 use Test::More;
-use File::Spec;
-use File::Temp qw(tempdir);
-use IPC::Open3 qw(open3);
 use JSON::PP ();
+use DPD::ProtoDriver;
 
-my $root = $ENV{DPD_ROOT}
-           || File::Spec->rel2abs(File::Spec->catdir(
-                  (File::Spec->splitpath(__FILE__))[1], File::Spec->updir));
-my $src = "$root/ngx_dpd_module/ngx_http_dpd_protocol.c";
-my $cc = $ENV{CC} || 'cc';
+plan skip_all => $_ for DPD::ProtoDriver->unavailable;
 
-plan skip_all => "cJSON headers not installed (apt-get install libcjson-dev)"
-    unless -f '/usr/include/cjson/cJSON.h';
-
-my $dir = tempdir('dpd-proto-XXXXXX', TMPDIR => 1, CLEANUP => 1);
-my $driver = "$dir/driver.c";
-open my $fh, '>', $driver or die "$driver: $!";
-print $fh <<'_C_';
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include "ngx_http_dpd_protocol.h"
-
-static char *slurp(size_t *n)
-{
-    size_t cap = 1 << 16, len = 0, r;
-    char *buf = malloc(cap);
-    while (buf && (r = fread(buf + len, 1, cap - len, stdin)) > 0) {
-        len += r;
-        if (len == cap) { cap *= 2; buf = realloc(buf, cap); }
-    }
-    *n = len;
-    return buf;
-}
-
+# slurp() (all of stdin) and the includes come from DPD::ProtoDriver
+my $drv = DPD::ProtoDriver->build(tmp => 'dpd-proto', main => <<'_C_');
 static size_t ports(const char *s, unsigned short *out)
 {
     size_t n = 0;
@@ -123,25 +95,17 @@ int main(int argc, char **argv)
     return 2;
 }
 _C_
-close $fh;
-
-my $bin = "$dir/driver";
-my $build = `$cc -std=c11 -Wall -Wextra -Werror -O1 -g -I$root/ngx_dpd_module $driver $src -o $bin -lcjson -lm 2>&1`;
-is $?, 0, 'driver builds with ngx_http_dpd_protocol.c alone (no nginx)'
-    or diag $build;
-BAIL_OUT("cannot build the protocol driver") if $?;
+is $drv->status, 0,
+    'driver builds with ngx_http_dpd_protocol.c alone (no nginx)'
+    or diag $drv->output;
+BAIL_OUT("cannot build the protocol driver") if $drv->status;
 
 my $json = JSON::PP->new->utf8->canonical;
 
 sub run_driver {
     my ($input, @args) = @_;
-    my $pid = open3(my $w, my $r, undef, $bin, @args);
-    print $w $input;
-    close $w;
-    local $/;
-    my $out = <$r>;
-    waitpid $pid, 0;
-    die "driver @args exited $?" if $?;
+    my ($out, $status) = $drv->run($input, @args);
+    die "driver @args exited $status" if $status;
     return $out;
 }
 
@@ -298,19 +262,14 @@ SKIP: {
         ['{"a":', 'reply', 'nixl'],
         [$json->encode({req => $chat, params => $ktp}), 'decode', '127.0.0.2'],
     );
+    my @memcheck = ('valgrind', '-q', '--error-exitcode=99',
+                    '--leak-check=full',
+                    '--errors-for-leak-kinds=definite,indirect');
     my $errors = '';
     for my $run (@runs) {
         my ($input, @args) = @$run;
-        my $pid = open3(my $w, my $r, undef, 'valgrind', '-q',
-                        '--error-exitcode=99', '--leak-check=full',
-                        '--errors-for-leak-kinds=definite,indirect',
-                        $bin, @args);
-        print $w $input;
-        close $w;
-        local $/;
-        my $o = <$r>;
-        waitpid $pid, 0;
-        $errors .= "@args: exit " . ($? >> 8) . "\n$o\n" if $? >> 8 == 99;
+        my ($o, $st) = $drv->run_under(\@memcheck, $input, @args);
+        $errors .= "@args: exit " . ($st >> 8) . "\n$o\n" if $st >> 8 == 99;
     }
     is $errors, '', 'no leak or invalid access on any path (valgrind)';
 }

@@ -8,53 +8,24 @@ use warnings;
 
 use Test::Nginx::Socket 'no_plan';
 use DPD::Emu;
+use DPD::Pools qw(block_defaults recs one);
 use JSON::PP ();
 
-my ($tj, $tc) = DPD::Emu->tokenizer_files('llama3');
-plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
-    unless $tj && $tc;
-plan(skip_all => 'build/libdpdtok.so missing (make)')
-    unless DPD::Emu->have_tokenizer_lib;
+plan(skip_all => $_) for DPD::Pools->unavailable;
 
-my $base = $ENV{DPD_TEST_PORT_BASE} || 18600;
-my $port = $base + 30;
-my %emu = (port => $port, side_channel_port => $base + 31,
-           lmcache_init_port => $base + 32, lmcache_alloc_port => $base + 33,
-           tokenizer => 'llama3', time_scale => 0.01, kv_hold_timeout => 30);
-
-my @prefill = DPD::Emu->start_many(count => 2, first => 2, role => 'prefill',
-                                   %emu);
-my @decode = DPD::Emu->start_many(count => 2, first => 4, role => 'decode',
-                                  %emu);
+# ports: $DPD_TEST_PORT_BASE (default 18600) + 30 .. 33
+my $pools = DPD::Pools->start(offset => 30, time_scale => 0.01);
+my @prefill = $pools->prefill;
+my @decode = $pools->decode;
 # a prefill engine whose replies name another host (127.0.0.9, where its
 # side channel really listens): the decoder must not be sent there
-my $liar = DPD::Emu->start(host => '127.0.0.6', role => 'prefill', %emu,
+my $liar = DPD::Emu->start(host => '127.0.0.6', role => 'prefill',
+                           $pools->emu_options,
                            args => ['--side-channel-host', '127.0.0.9']);
 
-$ENV{TEST_NGINX_LLAMA3} = $tj;
-$ENV{TEST_NGINX_LLAMA3_CONFIG} = $tc;
-$ENV{TEST_NGINX_EMU_PORT} = $port;
-
-# ~600 prompt tokens: over the test threshold (256)
-$ENV{TEST_NGINX_LONG} = join ' ', ('the quick brown fox jumps over the lazy dog') x 60;
-
-my $http_config = <<'_EOC_';
-    dpd_tokenizer $TEST_NGINX_LLAMA3 config=$TEST_NGINX_LLAMA3_CONFIG;
-
-    upstream prefill {
-        dpd_balance;
-        zone prefill 64k;
-        server 127.0.0.2:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.3:$TEST_NGINX_EMU_PORT;
-        keepalive 8;
-    }
-
-    upstream decode {
-        dpd_balance;
-        zone decode 64k;
-        server 127.0.0.4:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.5:$TEST_NGINX_EMU_PORT;
-    }
+# $TEST_NGINX_LONG (set by DPD::Pools): ~600 prompt tokens, over the test
+# threshold (256)
+my $http_config = $pools->http_config(prefill_keepalive => 8) . <<'_EOC_';
 
     upstream liar { server 127.0.0.6:$TEST_NGINX_EMU_PORT; }
     upstream not_a_prefiller { server 127.0.0.4:$TEST_NGINX_EMU_PORT; }
@@ -128,33 +99,13 @@ my $config = <<'_EOC_';
     location = /metrics { dpd_metrics; }
 _EOC_
 
-add_block_preprocessor(sub {
-    my $block = shift;
-    $block->set_value('http_config', $http_config)
-        unless defined $block->http_config;
-    $block->set_value('config', $config) unless defined $block->config;
-    $block->set_value('timeout', 30) unless defined $block->timeout;
-});
+block_defaults(http_config => $http_config, config => $config, timeout => 30);
 
 no_shuffle();
 log_level('info');
 run_tests();
 
 # --- what the engines received ---------------------------------------------
-
-my $J = JSON::PP->new->canonical;
-
-sub recs {
-    my ($id, @emus) = @_;
-    return map { my $e = $_; map { {emu => $e, %$_} } $e->requests(request_id => $id) } @emus;
-}
-
-sub one {
-    my ($what, $id, @emus) = @_;
-    my @r = recs($id, @emus);
-    is scalar(@r), 1, "$id: exactly one $what request";
-    return $r[0] || {};
-}
 
 sub expected_cached {
     my ($prompt, $bs) = @_;

@@ -8,51 +8,17 @@ use strict;
 use warnings;
 
 use Test::Nginx::Socket 'no_plan';
-use DPD::Emu;
+use DPD::Pools qw(block_defaults recs one count_requests);
 use JSON::PP ();
 
-my ($tj, $tc) = DPD::Emu->tokenizer_files('llama3');
-plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
-    unless $tj && $tc;
-plan(skip_all => 'build/libdpdtok.so missing (make)')
-    unless DPD::Emu->have_tokenizer_lib;
+plan(skip_all => $_) for DPD::Pools->unavailable;
 
-my $base = $ENV{DPD_TEST_PORT_BASE} || 18600;
-my $port = $base + 40;
-my %emu = (port => $port, side_channel_port => $base + 41,
-           lmcache_init_port => $base + 42, lmcache_alloc_port => $base + 43,
-           tokenizer => 'llama3', time_scale => 0.01, kv_hold_timeout => 30);
+# ports: $DPD_TEST_PORT_BASE (default 18600) + 40 .. 43
+my $pools = DPD::Pools->start(offset => 40, time_scale => 0.01);
+my @prefill = $pools->prefill;
+our @decode = $pools->decode;
 
-my @prefill = DPD::Emu->start_many(count => 2, first => 2, role => 'prefill',
-                                   %emu);
-our @decode = DPD::Emu->start_many(count => 2, first => 4, role => 'decode',
-                                  %emu);
-
-$ENV{TEST_NGINX_LLAMA3} = $tj;
-$ENV{TEST_NGINX_LLAMA3_CONFIG} = $tc;
-$ENV{TEST_NGINX_EMU_PORT} = $port;
-$ENV{TEST_NGINX_LMC_INIT} = $base + 42;
-$ENV{TEST_NGINX_LMC_ALLOC} = $base + 43;
-$ENV{TEST_NGINX_LONG} = join ' ', ('the quick brown fox jumps over the lazy dog') x 60;
-
-my $http_config = <<'_EOC_';
-    dpd_tokenizer $TEST_NGINX_LLAMA3 config=$TEST_NGINX_LLAMA3_CONFIG;
-
-    upstream prefill {
-        dpd_balance;
-        zone prefill 64k;
-        server 127.0.0.2:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.3:$TEST_NGINX_EMU_PORT;
-    }
-
-    upstream decode {
-        dpd_balance;
-        zone decode 64k;
-        server 127.0.0.4:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.5:$TEST_NGINX_EMU_PORT;
-        dpd_lmcache_ports init=$TEST_NGINX_LMC_INIT alloc=$TEST_NGINX_LMC_ALLOC;
-    }
-_EOC_
+my $http_config = $pools->http_config(lmcache => 1);
 
 my $config = <<'_EOC_';
     location /v1/ {
@@ -82,31 +48,13 @@ my $config = <<'_EOC_';
     location = /metrics { dpd_metrics; }
 _EOC_
 
-add_block_preprocessor(sub {
-    my $block = shift;
-    $block->set_value('http_config', $http_config)
-        unless defined $block->http_config;
-    $block->set_value('config', $config) unless defined $block->config;
-    $block->set_value('timeout', 30) unless defined $block->timeout;
-});
+block_defaults(http_config => $http_config, config => $config, timeout => 30);
 
 no_shuffle();
 log_level('info');
 run_tests();
 
 # --- what the engines received ---------------------------------------------
-
-sub recs {
-    my ($id, @emus) = @_;
-    return map { my $e = $_; map { {emu => $e, %$_} } $e->requests(request_id => $id) } @emus;
-}
-
-sub one {
-    my ($what, $id, @emus) = @_;
-    my @r = recs($id, @emus);
-    is scalar(@r), 1, "$id: exactly one $what request";
-    return $r[0] || {};
-}
 
 for my $id (qw(lmc-cmpl lmc-chat-stream lmc-chat)) {
     my $p = one('prefill', $id, @prefill);
@@ -115,9 +63,9 @@ for my $id (qw(lmc-cmpl lmc-chat-stream lmc-chat)) {
     is $spec->{req_id}, $id, "$id: disagg_spec.req_id is the request id";
     is $spec->{receiver_host}, $d->{emu}->host,
         "$id: the KV was pushed to the decoder that got the decode request";
-    is_deeply $spec->{receiver_init_port}, [$ENV{TEST_NGINX_LMC_INIT}],
+    is_deeply $spec->{receiver_init_port}, [$pools->lmcache_init_port],
         "$id: receiver_init_port from dpd_lmcache_ports";
-    is_deeply $spec->{receiver_alloc_port}, [$ENV{TEST_NGINX_LMC_ALLOC}],
+    is_deeply $spec->{receiver_alloc_port}, [$pools->lmcache_alloc_port],
         "$id: receiver_alloc_port from dpd_lmcache_ports";
     ok $p->{body}{kv_transfer_params}{ret_first_tok}, "$id: ret_first_tok";
     is $p->{body}{max_tokens}, 1, "$id: prefill max_tokens 1";
@@ -143,11 +91,8 @@ for my $id (qw(lmc-cmpl lmc-chat-stream lmc-chat)) {
 }
 
 {
-    my %per;
-    for my $d (@decode) {
-        $per{$d->host} = grep { $_->{request_id} =~ /^lmc-seq-/ } $d->requests;
-    }
-    is_deeply [sort values %per], [2, 2],
+    my @per = map { count_requests(qr/^lmc-seq-/, $_) } @decode;
+    is_deeply [sort @per], [2, 2],
         'sequential lmcache requests: the choice alternates between idle decoders';
 }
 

@@ -8,48 +8,20 @@ use strict;
 use warnings;
 
 use Test::Nginx::Socket 'no_plan';
-use DPD::Emu;
+use DPD::Pools qw(block_defaults long_body recs);
 use JSON::PP ();
 
-my ($tj, $tc) = DPD::Emu->tokenizer_files('llama3');
-plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
-    unless $tj && $tc;
-plan(skip_all => 'build/libdpdtok.so missing (make)')
-    unless DPD::Emu->have_tokenizer_lib;
+plan(skip_all => $_) for DPD::Pools->unavailable;
 
-my $base = $ENV{DPD_TEST_PORT_BASE} || 18600;
-my $port = $base + 50;
-my %emu = (port => $port, side_channel_port => $base + 51,
-           lmcache_init_port => $base + 52, lmcache_alloc_port => $base + 53,
-           tokenizer => 'llama3', time_scale => 0.01, kv_hold_timeout => 30);
+# ports: $DPD_TEST_PORT_BASE (default 18600) + 50 .. 53; nothing listens
+# on + 59
+my $pools = DPD::Pools->start(offset => 50, time_scale => 0.01);
+our @prefill = $pools->prefill;
+our @decode = $pools->decode;
 
-our @prefill = DPD::Emu->start_many(count => 2, first => 2, role => 'prefill',
-                                    %emu);
-our @decode = DPD::Emu->start_many(count => 2, first => 4, role => 'decode',
-                                   %emu);
+$ENV{TEST_NGINX_DEAD_PORT} = DPD::Pools::port_base() + 59;
 
-$ENV{TEST_NGINX_LLAMA3} = $tj;
-$ENV{TEST_NGINX_LLAMA3_CONFIG} = $tc;
-$ENV{TEST_NGINX_EMU_PORT} = $port;
-$ENV{TEST_NGINX_DEAD_PORT} = $base + 59;      # nothing listens there
-$ENV{TEST_NGINX_LONG} = join ' ', ('the quick brown fox jumps over the lazy dog') x 60;
-
-my $http_config = <<'_EOC_';
-    dpd_tokenizer $TEST_NGINX_LLAMA3 config=$TEST_NGINX_LLAMA3_CONFIG;
-
-    upstream prefill {
-        dpd_balance;
-        zone prefill 64k;
-        server 127.0.0.2:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.3:$TEST_NGINX_EMU_PORT;
-    }
-
-    upstream decode {
-        dpd_balance;
-        zone decode 64k;
-        server 127.0.0.4:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.5:$TEST_NGINX_EMU_PORT;
-    }
+my $http_config = $pools->http_config . <<'_EOC_';
 
     upstream dead_prefill { server 127.0.0.1:$TEST_NGINX_DEAD_PORT; }
 
@@ -129,22 +101,15 @@ my $config = <<'_EOC_';
     location = /metrics { dpd_metrics; }
 _EOC_
 
-add_block_preprocessor(sub {
-    my $block = shift;
-    $block->set_value('http_config', $http_config)
-        unless defined $block->http_config;
-    $block->set_value('config', $config) unless defined $block->config;
-    $block->set_value('timeout', 30) unless defined $block->timeout;
-    $block->set_value('more_headers',
-                      "Content-Type: application/json\nX-Request-Id: "
-                      . ($block->rid // 'x'))
-        unless defined $block->more_headers;
-    $block->set_value('request',
-                      "POST " . ($block->uri // '/v1/completions') . "\n"
-                      . JSON::PP->new->encode({model => 'm',
-                            prompt => $ENV{TEST_NGINX_LONG}, max_tokens => 2}))
-        unless defined $block->request;
-});
+# a block names its X-Request-Id (--- rid) and path (--- uri); the request
+# is the long completions prompt unless the block says otherwise
+block_defaults(http_config => $http_config, config => $config, timeout => 30,
+               more_headers => sub {
+                   "Content-Type: application/json\nX-Request-Id: "
+                   . ($_[0]->rid // 'x') },
+               request => sub {
+                   "POST " . ($_[0]->uri // '/v1/completions') . "\n"
+                   . long_body() });
 
 sub faults {
     my (%rule) = @_;
@@ -159,19 +124,19 @@ run_tests();
 # --- what the decoders received ----------------------------------------------
 
 for my $id (qw(f-5xx f-timeout f-connect f-malformed f-large)) {
-    my @d = map { $_->requests(request_id => $id) } @decode;
+    my @d = recs($id, @decode);
     is scalar(@d), 1, "$id: one decode request";
     ok !exists(($d[0] || {})->{body}{kv_transfer_params}),
         "$id: the fallback decode request carries no transfer params";
 }
 
 for my $id (qw(f-strict-5xx f-strict-timeout f-strict-connect f-4xx)) {
-    my @d = map { $_->requests(request_id => $id) } @decode;
+    my @d = recs($id, @decode);
     is scalar(@d), 0, "$id: no decode request";
 }
 
 {
-    my @d = map { $_->requests(request_id => 'f-decoder-retry') } @decode;
+    my @d = recs('f-decoder-retry', @decode);
     is scalar(@d), 1, 'a decoder that fails to connect: the next one took it';
 }
 

@@ -7,54 +7,22 @@ use strict;
 use warnings;
 
 use Test::Nginx::Socket 'no_plan';
-use DPD::Emu;
-use IO::Socket::INET ();
+use DPD::Pools qw(block_defaults long_body recs count_requests wait_for
+                  nginx_socket send_post);
 use JSON::PP ();
 use Time::HiRes qw(sleep time);
 
-my ($tj, $tc) = DPD::Emu->tokenizer_files('llama3');
-plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
-    unless $tj && $tc;
-plan(skip_all => 'build/libdpdtok.so missing (make)')
-    unless DPD::Emu->have_tokenizer_lib;
+plan(skip_all => $_) for DPD::Pools->unavailable;
 
-my $base = $ENV{DPD_TEST_PORT_BASE} || 18600;
-my $port = $base + 60;
-my %emu = (port => $port, side_channel_port => $base + 61,
-           lmcache_init_port => $base + 62, lmcache_alloc_port => $base + 63,
-           tokenizer => 'llama3', kv_hold_timeout => 30);
-
-our @prefill = DPD::Emu->start_many(count => 2, first => 2, role => 'prefill',
-                                    time_scale => 0.01, %emu);
+# ports: $DPD_TEST_PORT_BASE (default 18600) + 60 .. 63
 # slow decode steps (1 ms): a long answer streams for seconds
-our @decode = DPD::Emu->start_many(count => 2, first => 4, role => 'decode',
-                                   time_scale => 0.05, %emu);
+my $pools = DPD::Pools->start(offset => 60,
+                              prefill => {time_scale => 0.01},
+                              decode => {time_scale => 0.05});
+our @prefill = $pools->prefill;
+our @decode = $pools->decode;
 
-$ENV{TEST_NGINX_LLAMA3} = $tj;
-$ENV{TEST_NGINX_LLAMA3_CONFIG} = $tc;
-$ENV{TEST_NGINX_EMU_PORT} = $port;
-$ENV{TEST_NGINX_LMC_INIT} = $base + 62;
-$ENV{TEST_NGINX_LMC_ALLOC} = $base + 63;
-$ENV{TEST_NGINX_LONG} = join ' ', ('the quick brown fox jumps over the lazy dog') x 60;
-
-my $http_config = <<'_EOC_';
-    dpd_tokenizer $TEST_NGINX_LLAMA3 config=$TEST_NGINX_LLAMA3_CONFIG;
-
-    upstream prefill {
-        dpd_balance;
-        zone prefill 64k;
-        server 127.0.0.2:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.3:$TEST_NGINX_EMU_PORT;
-    }
-
-    upstream decode {
-        dpd_balance;
-        zone decode 64k;
-        server 127.0.0.4:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.5:$TEST_NGINX_EMU_PORT;
-        dpd_lmcache_ports init=$TEST_NGINX_LMC_INIT alloc=$TEST_NGINX_LMC_ALLOC;
-    }
-_EOC_
+my $http_config = $pools->http_config(lmcache => 1);
 
 my $config = <<'_EOC_';
     dpd_threshold 256;
@@ -83,56 +51,22 @@ my $config = <<'_EOC_';
     }
 _EOC_
 
-add_block_preprocessor(sub {
-    my $block = shift;
-    $block->set_value('http_config', $http_config)
-        unless defined $block->http_config;
-    $block->set_value('config', $config) unless defined $block->config;
-});
-
-sub body {
-    my (%o) = @_;
-    return JSON::PP->new->encode({model => 'm', prompt => $ENV{TEST_NGINX_LONG},
-                                  max_tokens => 2, %o});
-}
-
-sub wait_for {
-    my ($what, $cond, $timeout) = @_;
-    my $deadline = time + ($timeout || 10);
-    while (time < $deadline) {
-        return 1 if $cond->();
-        sleep 0.05;
-    }
-    Test::More::diag("timed out waiting for $what");
-    return 0;
-}
+block_defaults(http_config => $http_config, config => $config);
 
 # send a request, wait until $ready says the stage is reached, hang up
 sub abort_at {
     my ($path, $rid, $body, $ready) = @_;
-    my $s;
-    # nginx may still be starting (valgrind)
-    wait_for('nginx to listen', sub {
-        $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1',
-                                   PeerPort => server_port(), Timeout => 5);
-    }, 20) or die "connect: $!";
-    print $s "POST $path HTTP/1.1\r\nHost: localhost\r\n"
-           . "Content-Type: application/json\r\nX-Request-Id: $rid\r\n"
-           . "Content-Length: " . length($body) . "\r\n\r\n$body";
+    my $s = nginx_socket();
+    send_post($s, $path, $rid, $body);
     my $ok = wait_for("$rid to reach its stage", $ready, 15);
     close $s;
     return $ok;
 }
 
-sub recs {
-    my ($id, @emus) = @_;
-    return map { $_->requests(request_id => $id) } @emus;
-}
-
 sub abort_during_prefill {
     my ($path, $rid) = @_;
     $_->fault(hang => JSON::PP::true) for @prefill;
-    abort_at($path, $rid, body(), sub { scalar recs($rid, @prefill) });
+    abort_at($path, $rid, long_body(), sub { scalar recs($rid, @prefill) });
     wait_for("$rid prefill aborted",
              sub { grep { $_->{aborted} } recs($rid, @prefill) });
     $_->clear_faults for @prefill;
@@ -141,7 +75,8 @@ sub abort_during_prefill {
 sub abort_during_decode {
     my ($path, $rid) = @_;
     $_->clear_faults for @prefill;
-    abort_at($path, $rid, body(max_tokens => 20000, stream => JSON::PP::true),
+    abort_at($path, $rid,
+             long_body(max_tokens => 20000, stream => JSON::PP::true),
              sub { grep { ($_->{completion_tokens} // 0) > 0
                           || ($_->{ttft_ms} // 0) > 0 } recs($rid, @decode)
                    or (recs($rid, @decode) and sleep 0.3) });
@@ -172,10 +107,8 @@ for my $rid (qw(abort-nixl-decode abort-lm-decode)) {
 
 for my $set (['after-prefill-abort', 'lm-a'], ['after-decode-abort', 'lm-b']) {
     my ($what, $prefix) = @$set;
-    my %per = map { my $d = $_;
-                    ($d->host => scalar grep { $_->{request_id} =~ /^$prefix-/ }
-                                 $d->requests) } @decode;
-    is_deeply [sort values %per], [2, 2],
+    my @per = map { count_requests(qr/^$prefix-/, $_) } @decode;
+    is_deeply [sort @per], [2, 2],
         "$what: the decoder reservation was released, both decoders used";
 }
 
@@ -211,7 +144,7 @@ qr/client prematurely closed connection|\(\) failed \((?:32|104): /
 --- init
 main::abort_during_prefill('/lm/v1/completions', 'abort-lm-prefill');
 --- request eval
-[map { "POST /lm/v1/completions\n" . main::body() } 1 .. 4]
+[map { "POST /lm/v1/completions\n" . main::long_body() } 1 .. 4]
 --- more_headers eval
 [map { "Content-Type: application/json\nX-Request-Id: lm-a-$_" } 1 .. 4]
 --- response_body_like eval
@@ -225,7 +158,7 @@ main::abort_during_prefill('/lm/v1/completions', 'abort-lm-prefill');
 --- init
 main::abort_during_decode('/lm/v1/completions', 'abort-lm-decode');
 --- request eval
-[map { "POST /lm/v1/completions\n" . main::body() } 1 .. 4]
+[map { "POST /lm/v1/completions\n" . main::long_body() } 1 .. 4]
 --- more_headers eval
 [map { "Content-Type: application/json\nX-Request-Id: lm-b-$_" } 1 .. 4]
 --- response_body_like eval

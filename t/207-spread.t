@@ -7,57 +7,23 @@ use strict;
 use warnings;
 
 use Test::Nginx::Socket 'no_plan';
-use DPD::Emu;
+use DPD::Pools qw(block_defaults count_requests);
 use JSON::PP ();
 use LWP::UserAgent ();
 use HTTP::Request ();
 use POSIX ();
 
-my ($tj, $tc) = DPD::Emu->tokenizer_files('llama3');
-plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
-    unless $tj && $tc;
-plan(skip_all => 'build/libdpdtok.so missing (make)')
-    unless DPD::Emu->have_tokenizer_lib;
+plan(skip_all => $_) for DPD::Pools->unavailable;
 
-my $base = $ENV{DPD_TEST_PORT_BASE} || 18600;
-my $port = $base + 70;
-my %emu = (port => $port, side_channel_port => $base + 71,
-           lmcache_init_port => $base + 72, lmcache_alloc_port => $base + 73,
-           tokenizer => 'llama3', time_scale => 0.02, kv_hold_timeout => 30);
-
-our @prefill = DPD::Emu->start_many(count => 2, first => 2, role => 'prefill',
-                                    %emu);
-our @decode = DPD::Emu->start_many(count => 2, first => 4, role => 'decode',
-                                   %emu);
-
-$ENV{TEST_NGINX_LLAMA3} = $tj;
-$ENV{TEST_NGINX_LLAMA3_CONFIG} = $tc;
-$ENV{TEST_NGINX_EMU_PORT} = $port;
-$ENV{TEST_NGINX_LMC_INIT} = $base + 72;
-$ENV{TEST_NGINX_LMC_ALLOC} = $base + 73;
-$ENV{TEST_NGINX_LONG} = join ' ', ('the quick brown fox jumps over the lazy dog') x 60;
+# ports: $DPD_TEST_PORT_BASE (default 18600) + 70 .. 73
+my $pools = DPD::Pools->start(offset => 70, time_scale => 0.02);
+our @prefill = $pools->prefill;
+our @decode = $pools->decode;
 
 our $N = $ENV{DPD_SPREAD_REQUESTS} || 32;     # requests per block
 our $C = 8;                                    # concurrent clients
 
-my $http_config = <<'_EOC_';
-    dpd_tokenizer $TEST_NGINX_LLAMA3 config=$TEST_NGINX_LLAMA3_CONFIG;
-
-    upstream prefill {
-        dpd_balance;
-        zone prefill 64k;
-        server 127.0.0.2:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.3:$TEST_NGINX_EMU_PORT;
-    }
-
-    upstream decode {
-        dpd_balance;
-        zone decode 64k;
-        server 127.0.0.4:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.5:$TEST_NGINX_EMU_PORT;
-        dpd_lmcache_ports init=$TEST_NGINX_LMC_INIT alloc=$TEST_NGINX_LMC_ALLOC;
-    }
-_EOC_
+my $http_config = $pools->http_config(lmcache => 1);
 
 my $config = <<'_EOC_';
     dpd_threshold 256;
@@ -89,16 +55,8 @@ _EOC_
 master_on();
 workers(2);
 
-add_block_preprocessor(sub {
-    my $block = shift;
-    $block->set_value('http_config', $http_config)
-        unless defined $block->http_config;
-    $block->set_value('config', $config) unless defined $block->config;
-    $block->set_value('request', "GET /workers") unless defined $block->request;
-    $block->set_value('response_body', "ok\n")
-        unless defined $block->response_body;
-    $block->set_value('timeout', 60) unless defined $block->timeout;
-});
+block_defaults(http_config => $http_config, config => $config, timeout => 60,
+               request => "GET /workers", response_body => "ok\n");
 
 our %STATUS;
 
@@ -145,9 +103,7 @@ sub blast {
 
 sub per_decoder {
     my ($prefix) = @_;
-    return map { my $d = $_;
-                 scalar grep { $_->{request_id} =~ /^$prefix-\d+$/ } $d->requests }
-           @decode;
+    return map { count_requests(qr/^$prefix-\d+$/, $_) } @decode;
 }
 
 no_shuffle();
@@ -169,7 +125,7 @@ is scalar(grep { $STATUS{$_} == 200 } grep { /^nixl-/ } keys %STATUS), $N,
     'nixl: all requests answered 200';
 band_ok('nixl', per_decoder('nixl'));
 {
-    my @p = map { my $e = $_; scalar grep { $_->{request_id} =~ /^nixl-\d+$/ } $e->requests } @prefill;
+    my @p = map { count_requests(qr/^nixl-\d+$/, $_) } @prefill;
     ok !(grep { $_ < int($N * 0.25) } @p), "nixl: both prefill engines busy (@p)";
     my @cached = grep { ($_->{cached_tokens} // 0) > 0 }
                  grep { $_->{request_id} =~ /^nixl-\d+$/ } map { $_->requests } @decode;

@@ -11,128 +11,27 @@ use strict;
 use warnings;
 
 use Test::Nginx::Socket 'no_plan';
-use DPD::Emu;
-use DPD::KvAgent;
-use File::Temp qw(tempdir);
+use DPD::KvMesh;
+use DPD::Pools qw(block_defaults recs count_requests);
 use JSON::PP ();
 use Time::HiRes qw(sleep time);
 
-if (my ($why) = DPD::KvAgent->unavailable('tcp;ofi_rxm')) {
-    plan(skip_all => $why);
-}
-my ($tj, $tc) = DPD::Emu->tokenizer_files('llama3');
-plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
-    unless $tj && $tc;
-plan(skip_all => 'build/libdpdtok.so missing (make)')
-    unless DPD::Emu->have_tokenizer_lib;
+plan(skip_all => $_) for DPD::KvMesh->unavailable;
 
 my $J = JSON::PP->new->utf8->canonical;
-my $eport = $ENV{DPD_KVA_EMU_PORT} || 19690;
-my $aport = $ENV{DPD_KVA_AGENT_PORT} || 18900;
-my $dir = tempdir('dpd-kva-t4-XXXXXX', TMPDIR => 1,
-                  CLEANUP => !$ENV{DPD_KEEP_TMP});
 
-our %HTTP = ('prefill-0' => "127.0.0.2:$eport",
-             'decode-0' => "127.0.0.3:$eport",
-             'decode-1' => "127.0.0.4:$eport");
-my %CTRL = ('router-0' => "127.0.0.1:$aport",
-            'prefill-0' => "127.0.0.1:" . ($aport + 1),
-            'decode-0' => "127.0.0.1:" . ($aport + 2),
-            'decode-1' => "127.0.0.1:" . ($aport + 3));
-my %ROLE = ('router-0' => 'router', 'prefill-0' => 'prefill',
-            'decode-0' => 'decode', 'decode-1' => 'decode');
-
-sub peers {
-    return [map { {id => $_, ctrl => $CTRL{$_}, role => $ROLE{$_},
-                   $HTTP{$_} ? (http => $HTTP{$_}) : ()} } @_];
-}
-
-# dead after 3 s: long enough for the frozen-agent cases below
-my %timeouts = (heartbeat_ms => 100, dead_after_ms => 3000);
-my $pool = DPD::KvAgent->small_pool(blocks => 256);
-
-sub agent {
-    my ($id, @peers) = @_;
-    return DPD::KvAgent->start(id => $id, role => $ROLE{$id},
-        port => (split /:/, $CTRL{$id})[1], dir => $dir,
-        $HTTP{$id} ? (http => $HTTP{$id}) : (), pool => $pool,
-        peers => peers(@peers), timeouts => \%timeouts);
-}
-
-our $ROUTER = agent('router-0', qw(prefill-0 decode-0 decode-1));
-our %DA = map { $_ => agent($_, qw(prefill-0 router-0)) }
-          qw(decode-0 decode-1);
-our $PA = agent('prefill-0', qw(decode-0 decode-1 router-0));
-
-my %emu = (port => $eport, side_channel_port => $eport + 1, no_lmcache => 1,
-           tokenizer => 'llama3', time_scale => 0.01,
-           kv_connect_timeout => 0.5);
-our $P = DPD::Emu->start(%emu, host => '127.0.0.2', role => 'prefill',
-                         kv_agent => $PA);
-our %D = map { my $n = $_;
-               ("decode-$n" => DPD::Emu->start(%emu, host => "127.0.0.${\($n + 3)}",
-                                               role => 'decode',
-                                               kv_agent => $DA{"decode-$n"})) }
-         0, 1;
+# router-0, prefill-0 (127.0.0.2), decode-0 (127.0.0.3), decode-1
+# (127.0.0.4); pools of 256 blocks; agents dead after 3 s
+my $mesh = DPD::KvMesh->start(tmp => 'dpd-kva-t4', blocks => 256,
+                              dead_after_ms => 3000);
+our %DA = map { $_ => $mesh->agent($_) } qw(decode-0 decode-1);
+our $P = $mesh->engine('prefill-0');
+our %D = map { $_ => $mesh->engine($_) } qw(decode-0 decode-1);
 our %HOST_OF = ('decode-0' => '127.0.0.3', 'decode-1' => '127.0.0.4');
-
-# registering pools makes the agents reconnect: wait for the mesh and the
-# router's table (4 nodes alive) before nginx starts
-$PA->wait_connected(['decode-0', 'decode-1', 'router-0'])
-    or die "prefill agent not connected:\n" . $PA->log_text;
-$DA{$_}->wait_connected(['prefill-0', 'router-0'])
-    or die "$_ not connected:\n" . $DA{$_}->log_text for sort keys %DA;
-
-sub table {
-    my $out = `'@{[DPD::KvAgent::bin()]}' status --state '@{[$ROUTER->state_path]}' --json 2>&1`;
-    return eval { $J->decode($out) } || {};
-}
-
-sub table_wait {
-    my ($cond, $timeout) = @_;
-    my $end = time + ($timeout // 10);
-    while (time < $end) {
-        return 1 if $cond->(table());
-        sleep 0.05;
-    }
-    return 0;
-}
-
-sub node {
-    my ($t, $id) = @_;
-    my ($n) = grep { $_->{id} eq $id } @{ $t->{nodes} || [] };
-    return $n || {};
-}
-
-table_wait(sub { 4 == grep { $_->{alive} } @{ $_[0]{nodes} || [] } }, 15)
-    or die "router table: not 4 nodes alive: " . $J->encode(table());
-
-$ENV{TEST_NGINX_LLAMA3} = $tj;
-$ENV{TEST_NGINX_LLAMA3_CONFIG} = $tc;
-$ENV{TEST_NGINX_EMU_PORT} = $eport;
-$ENV{TEST_NGINX_STATE} = $ROUTER->state_path;
-$ENV{TEST_NGINX_LONG} = join ' ',
-    ('the quick brown fox jumps over the lazy dog') x 60;
 
 our $BS = $P->block_size;
 
-my $http_config = <<'_EOC_';
-    dpd_tokenizer $TEST_NGINX_LLAMA3 config=$TEST_NGINX_LLAMA3_CONFIG;
-    dpd_state_table $TEST_NGINX_STATE check=100ms stale=3s;
-
-    upstream prefill {
-        dpd_balance;
-        zone prefill 64k;
-        server 127.0.0.2:$TEST_NGINX_EMU_PORT;
-    }
-
-    upstream decode {
-        dpd_balance;
-        zone decode 64k;
-        server 127.0.0.3:$TEST_NGINX_EMU_PORT;
-        server 127.0.0.4:$TEST_NGINX_EMU_PORT;
-    }
-_EOC_
+my $http_config = $mesh->http_config;
 
 my $config = <<'_EOC_';
     location /v1/ {
@@ -165,24 +64,13 @@ my $config = <<'_EOC_';
     location = /metrics { dpd_metrics; }
 _EOC_
 
-add_block_preprocessor(sub {
-    my $block = shift;
-    $block->set_value('http_config', $http_config)
-        unless defined $block->http_config;
-    $block->set_value('config', $config) unless defined $block->config;
-    $block->set_value('timeout', 30) unless defined $block->timeout;
-});
+block_defaults(http_config => $http_config, config => $config, timeout => 30);
 
 no_shuffle();
 log_level('info');
 run_tests();
 
 # --- what the engines and agents saw ---------------------------------------
-
-sub recs {
-    my ($id, @emus) = @_;
-    return map { my $e = $_; map { {emu => $e, %$_} } $e->requests(request_id => $id) } @emus;
-}
 
 for my $id (qw(kva-cmpl kva-chat-stream kva-chat kva-client-ktp
                kva-seq-1 kva-seq-2 kva-seq-3 kva-seq-4)) {
@@ -219,9 +107,7 @@ for my $id (qw(kva-cmpl kva-chat-stream kva-chat kva-client-ktp
 }
 
 {
-    my %per = map { my $n = $_;
-                    ($n => scalar grep { $_->{request_id} =~ /^kva-seq-/ }
-                                   $D{$n}->requests) } keys %D;
+    my %per = map { $_ => count_requests(qr/^kva-seq-/, $D{$_}) } keys %D;
     ok $per{'decode-0'} >= 1 && $per{'decode-1'} >= 1,
         'sequential requests: both decoders chosen'
         or diag($J->encode(\%per));

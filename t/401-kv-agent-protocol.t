@@ -7,41 +7,13 @@ use strict;
 use warnings;
 
 use Test::More;
-use File::Spec;
-use File::Temp qw(tempdir);
-use IPC::Open3 qw(open3);
 use JSON::PP ();
+use DPD::ProtoDriver;
 
-my $root = $ENV{DPD_ROOT}
-           || File::Spec->rel2abs(File::Spec->catdir(
-                  (File::Spec->splitpath(__FILE__))[1], File::Spec->updir));
-my $src = "$root/ngx_dpd_module/ngx_http_dpd_protocol.c";
-my $cc = $ENV{CC} || 'cc';
+plan skip_all => $_ for DPD::ProtoDriver->unavailable;
 
-plan skip_all => "cJSON headers not installed (apt-get install libcjson-dev)"
-    unless -f '/usr/include/cjson/cJSON.h';
-
-my $dir = tempdir('dpd-kvaproto-XXXXXX', TMPDIR => 1, CLEANUP => 1);
-my $driver = "$dir/driver.c";
-open my $fh, '>', $driver or die "$driver: $!";
-print $fh <<'_C_';
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include "ngx_http_dpd_protocol.h"
-
-static char *slurp(size_t *n)
-{
-    size_t cap = 1 << 16, len = 0, r;
-    char *buf = malloc(cap);
-    while (buf && (r = fread(buf + len, 1, cap - len, stdin)) > 0) {
-        len += r;
-        if (len == cap) { cap *= 2; buf = realloc(buf, cap); }
-    }
-    *n = len;
-    return buf;
-}
-
+# slurp() (all of stdin) and the includes come from DPD::ProtoDriver
+my $drv = DPD::ProtoDriver->build(tmp => 'dpd-kvaproto', main => <<'_C_');
 int main(int argc, char **argv)
 {
     size_t n, len;
@@ -87,29 +59,23 @@ int main(int argc, char **argv)
     return rc;
 }
 _C_
-close $fh;
-
-my $bin = "$dir/driver";
-my $build = `$cc -std=c11 -Wall -Wextra -Werror -O1 -g -I$root/ngx_dpd_module $driver $src -o $bin -lcjson -lm 2>&1`;
-is $?, 0, 'driver builds with ngx_http_dpd_protocol.c alone' or diag $build;
-BAIL_OUT("cannot build the protocol driver") if $?;
+is $drv->status, 0, 'driver builds with ngx_http_dpd_protocol.c alone'
+    or diag $drv->output;
+BAIL_OUT("cannot build the protocol driver") if $drv->status;
 
 my $vg = !system('valgrind --version >/dev/null 2>&1');
 my $J = JSON::PP->new->utf8->canonical;
 my @vg_errors;
 
+my @wrap = ('valgrind', '-q', '--leak-check=full', '--error-exitcode=99',
+            '--log-file=' . $drv->dir . '/vg.%p');
+@wrap = () unless $vg && ($ENV{DPD_PROTO_VALGRIND}
+                          || $ENV{TEST_NGINX_USE_VALGRIND});
+
 sub run_driver {
     my ($input, @args) = @_;
-    my @cmd = ($bin, @args);
-    @cmd = ('valgrind', '-q', '--leak-check=full', '--error-exitcode=99',
-            "--log-file=$dir/vg.%p", @cmd) if $vg && ($ENV{DPD_PROTO_VALGRIND} || $ENV{TEST_NGINX_USE_VALGRIND});
-    my $pid = open3(my $w, my $r, undef, @cmd);
-    print $w $input;
-    close $w;
-    local $/;
-    my $out = <$r>;
-    waitpid($pid, 0);
-    push @vg_errors, "@args" if ($? >> 8) == 99;
+    my ($out, $status) = $drv->run_under(\@wrap, $input, @args);
+    push @vg_errors, "@args" if ($status >> 8) == 99;
     return $out;
 }
 

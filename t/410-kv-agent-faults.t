@@ -19,130 +19,33 @@ use warnings;
 
 use Test::Nginx::Socket 'no_plan';
 use DPD::Emu;
-use DPD::KvAgent;
-use File::Temp qw(tempdir);
+use DPD::KvMesh;
+use DPD::Pools qw(block_defaults long_body recs count_requests wait_for
+                  nginx_socket send_post);
 use JSON::PP ();
 use Time::HiRes qw(sleep time);
-use IO::Socket::INET;
 
-if (my ($why) = DPD::KvAgent->unavailable('tcp;ofi_rxm')) {
-    plan(skip_all => $why);
-}
-my ($tj, $tc) = DPD::Emu->tokenizer_files('llama3');
-plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
-    unless $tj && $tc;
-plan(skip_all => 'build/libdpdtok.so missing (make)')
-    unless DPD::Emu->have_tokenizer_lib;
+plan(skip_all => $_) for DPD::KvMesh->unavailable;
 
-my $J = JSON::PP->new->utf8->canonical;
-my $eport = $ENV{DPD_KVA_EMU_PORT} || 19690;
-my $aport = $ENV{DPD_KVA_AGENT_PORT} || 18900;
-my $dir = tempdir('dpd-kva-t41-XXXXXX', TMPDIR => 1,
-                  CLEANUP => !$ENV{DPD_KEEP_TMP});
+our $J = JSON::PP->new->utf8->canonical;
 
-our %HTTP = ('prefill-0' => "127.0.0.2:$eport",
-             'decode-0' => "127.0.0.3:$eport",
-             'decode-1' => "127.0.0.4:$eport");
-my %CTRL = ('router-0' => "127.0.0.1:$aport",
-            'prefill-0' => "127.0.0.1:" . ($aport + 1),
-            'decode-0' => "127.0.0.1:" . ($aport + 2),
-            'decode-1' => "127.0.0.1:" . ($aport + 3));
-my %ROLE = ('router-0' => 'router', 'prefill-0' => 'prefill',
-            'decode-0' => 'decode', 'decode-1' => 'decode');
-
-sub peers {
-    return [map { {id => $_, ctrl => $CTRL{$_}, role => $ROLE{$_},
-                   $HTTP{$_} ? (http => $HTTP{$_}) : ()} } @_];
-}
-
-# dead after 3 s: long enough for the frozen-agent cases below
-my %timeouts = (heartbeat_ms => 100, dead_after_ms => 3000);
-my $pool = DPD::KvAgent->small_pool(blocks => 256);
-
-sub agent {
-    my ($id, @peers) = @_;
-    return DPD::KvAgent->start(id => $id, role => $ROLE{$id},
-        port => (split /:/, $CTRL{$id})[1], dir => $dir,
-        $HTTP{$id} ? (http => $HTTP{$id}) : (), pool => $pool,
-        peers => peers(@peers), timeouts => \%timeouts);
-}
-
-our $ROUTER = agent('router-0', qw(prefill-0 decode-0 decode-1));
-our %DA = map { $_ => agent($_, qw(prefill-0 router-0)) }
-          qw(decode-0 decode-1);
-our $PA = agent('prefill-0', qw(decode-0 decode-1 router-0));
-
-my %emu = (port => $eport, side_channel_port => $eport + 1, no_lmcache => 1,
-           tokenizer => 'llama3', time_scale => 0.01,
-           kv_connect_timeout => 0.5);
-our $P = DPD::Emu->start(%emu, host => '127.0.0.2', role => 'prefill',
-                         kv_agent => $PA);
-our %D = map { my $n = $_;
-               ("decode-$n" => DPD::Emu->start(%emu, host => "127.0.0.${\($n + 3)}",
-                                               role => 'decode',
-                                               kv_agent => $DA{"decode-$n"})) }
-         0, 1;
+# router-0, prefill-0 (127.0.0.2), decode-0 (127.0.0.3), decode-1
+# (127.0.0.4); pools of 256 blocks; agents dead after 3 s: long enough for
+# the frozen-agent cases below
+our $MESH = DPD::KvMesh->start(tmp => 'dpd-kva-t41', blocks => 256,
+                               dead_after_ms => 3000);
+our $PA = $MESH->agent('prefill-0');
+our %DA = map { $_ => $MESH->agent($_) } qw(decode-0 decode-1);
+our $P = $MESH->engine('prefill-0');
+our %D = map { $_ => $MESH->engine($_) } qw(decode-0 decode-1);
 our %HOST_OF = ('decode-0' => '127.0.0.3', 'decode-1' => '127.0.0.4');
 
-# registering pools makes the agents reconnect: wait for the mesh and the
-# router's table (4 nodes alive) before nginx starts
-$PA->wait_connected(['decode-0', 'decode-1', 'router-0'])
-    or die "prefill agent not connected:\n" . $PA->log_text;
-$DA{$_}->wait_connected(['prefill-0', 'router-0'])
-    or die "$_ not connected:\n" . $DA{$_}->log_text for sort keys %DA;
-
-sub table {
-    my $out = `'@{[DPD::KvAgent::bin()]}' status --state '@{[$ROUTER->state_path]}' --json 2>&1`;
-    return eval { $J->decode($out) } || {};
-}
-
-sub table_wait {
-    my ($cond, $timeout) = @_;
-    my $end = time + ($timeout // 10);
-    while (time < $end) {
-        return 1 if $cond->(table());
-        sleep 0.05;
-    }
-    return 0;
-}
-
-sub node {
-    my ($t, $id) = @_;
-    my ($n) = grep { $_->{id} eq $id } @{ $t->{nodes} || [] };
-    return $n || {};
-}
-
-table_wait(sub { 4 == grep { $_->{alive} } @{ $_[0]{nodes} || [] } }, 15)
-    or die "router table: not 4 nodes alive: " . $J->encode(table());
-
-$ENV{TEST_NGINX_LLAMA3} = $tj;
-$ENV{TEST_NGINX_LLAMA3_CONFIG} = $tc;
-$ENV{TEST_NGINX_EMU_PORT} = $eport;
-$ENV{TEST_NGINX_STATE} = $ROUTER->state_path;
-$ENV{TEST_NGINX_LONG} = join ' ',
-    ('the quick brown fox jumps over the lazy dog') x 60;
-
-our $BS = $P->block_size;
-
 # a decoder without any agent or node record
-our $LONE = DPD::Emu->start(%emu, host => '127.0.0.5', role => 'decode');
+our $LONE = DPD::Emu->start($MESH->emu_options, host => '127.0.0.5',
+                            role => 'decode');
 
-my $http_config = <<'_EOC_';
-    dpd_tokenizer $TEST_NGINX_LLAMA3 config=$TEST_NGINX_LLAMA3_CONFIG;
-    dpd_state_table $TEST_NGINX_STATE check=100ms stale=3s;
-
-    upstream prefill {
-        dpd_balance;
-        zone prefill 64k;
-        server 127.0.0.2:$TEST_NGINX_EMU_PORT;
-    }
-
-    upstream decode {
-        dpd_balance;
-        zone decode 64k;
-        server 127.0.0.3:$TEST_NGINX_EMU_PORT max_fails=3;
-        server 127.0.0.4:$TEST_NGINX_EMU_PORT max_fails=3;
-    }
+my $http_config = $MESH->http_config(server_params => 'max_fails=3')
+                  . <<'_EOC_';
 
     upstream lone {
         dpd_balance;
@@ -207,31 +110,7 @@ $common
     location = /metrics { dpd_metrics; }
 _EOC_
 
-add_block_preprocessor(sub {
-    my $block = shift;
-    $block->set_value('http_config', $http_config)
-        unless defined $block->http_config;
-    $block->set_value('config', $config) unless defined $block->config;
-    $block->set_value('timeout', 30) unless defined $block->timeout;
-});
-
-sub body {
-    my (%o) = @_;
-    return JSON::PP->new->encode({model => 'm',
-                                  prompt => $ENV{TEST_NGINX_LONG},
-                                  max_tokens => 2, %o});
-}
-
-sub wait_for {
-    my ($what, $cond, $timeout) = @_;
-    my $deadline = time + ($timeout || 10);
-    while (time < $deadline) {
-        return 1 if $cond->();
-        sleep 0.05;
-    }
-    Test::More::diag("timed out waiting for $what");
-    return 0;
-}
+block_defaults(http_config => $http_config, config => $config, timeout => 30);
 
 sub freeze { kill 'STOP', $_->pid for values %DA }
 
@@ -264,16 +143,9 @@ our %ABORT;
 # then waiting for the KV (the decode agents are frozen)
 sub abort_in_kv_wait {
     my ($rid) = @_;
-    my $s;
-    wait_for('nginx to listen', sub {
-        $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1',
-                                   PeerPort => server_port(), Timeout => 5);
-    }, 20) or die "connect: $!";
+    my $s = nginx_socket();
     freeze();
-    my $b = body();
-    print $s "POST /abort/v1/completions HTTP/1.1\r\nHost: localhost\r\n"
-           . "Content-Type: application/json\r\nX-Request-Id: $rid\r\n"
-           . "Content-Length: " . length($b) . "\r\n\r\n$b";
+    send_post($s, '/abort/v1/completions', $rid, long_body());
     $ABORT{prefilled} = wait_for("$rid prefill answered", sub {
         grep { $_->{status} } $P->requests(request_id => $rid) }, 20);
     sleep 0.3;
@@ -281,16 +153,6 @@ sub abort_in_kv_wait {
     close $s;
     sleep 0.5;
     thaw($rid);
-}
-
-sub node_alive {
-    my ($id) = @_;
-    return node(table(), $id)->{alive} ? 1 : 0;
-}
-
-sub recs {
-    my ($id, @emus) = @_;
-    return map { my $e = $_; map { {emu => $e, %$_} } $e->requests(request_id => $id) } @emus;
 }
 
 no_shuffle();
@@ -350,25 +212,19 @@ run_tests();
 }
 
 {
-    my %per = map { my $n = $_;
-                    ($n => scalar grep { $_->{request_id} =~ /^kvf-after-/ }
-                                   $D{$n}->requests) } keys %D;
+    my %per = map { $_ => count_requests(qr/^kvf-after-/, $D{$_}) } keys %D;
     is_deeply [sort values %per], [2, 2],
         'after the abort: idle decoders take turns (reservation released)';
 }
 
 {
-    my %per = map { my $n = $_;
-                    ($n => scalar grep { $_->{request_id} =~ /^kvf-free-/ }
-                                   $D{$n}->requests) } keys %D;
+    my %per = map { $_ => count_requests(qr/^kvf-free-/, $D{$_}) } keys %D;
     is $per{'decode-0'}, 0, 'free blocks: the loaded decoder got nothing';
     is $per{'decode-1'}, 4, 'free blocks: the other decoder got all 4';
 }
 
 {
-    my %per = map { my $n = $_;
-                    ($n => scalar grep { $_->{request_id} =~ /^kvf-dead-/ }
-                                   $D{$n}->requests) } keys %D;
+    my %per = map { $_ => count_requests(qr/^kvf-dead-/, $D{$_}) } keys %D;
     is $per{'decode-1'}, 0, 'dead agent: its decoder got no new request';
     is $per{'decode-0'}, 6, 'dead agent: the live decoder got all 6';
     my @rr = grep { $_->{request_id} =~ /^kvf-rr-/ } $D{'decode-1'}->requests;
@@ -381,7 +237,7 @@ __DATA__
 --- init
 $main::P->fault(status => 503, role => 'prefill', count => 1);
 --- request eval
-"POST /v1/completions\n" . main::body()
+"POST /v1/completions\n" . main::long_body()
 --- more_headers
 Content-Type: application/json
 X-Request-Id: kvf-5xx
@@ -405,7 +261,7 @@ qr/\[warn\].*prefill 5xx \(status 503\) for request "kvf-5xx", falling back to d
     upstream lone { dpd_balance; server 127.0.0.5:$TEST_NGINX_EMU_PORT; }
     upstream decode_rr { server 127.0.0.3:$TEST_NGINX_EMU_PORT; }
 --- request eval
-"POST /v1/completions\n" . main::body()
+"POST /v1/completions\n" . main::long_body()
 --- more_headers
 Content-Type: application/json
 X-Request-Id: kvf-notable
@@ -421,7 +277,7 @@ qr/\[warn\].*kv_agent: no usable dpd_state_table \(decoder 127\.0\.0\.[34]:\d+\)
 
 === TEST 3: the decoder has no node record: decode only
 --- request eval
-"POST /lone/v1/completions\n" . main::body()
+"POST /lone/v1/completions\n" . main::long_body()
 --- more_headers
 Content-Type: application/json
 X-Request-Id: kvf-norecord
@@ -442,7 +298,7 @@ $main::P->fault(role => 'prefill', count => 1,
                 kv_override => {dpd => {req_id => 'kvf-failed', blocks => 0,
                                         state => 'failed'}});
 --- request eval
-"POST /v1/completions\n" . main::body()
+"POST /v1/completions\n" . main::long_body()
 --- more_headers
 Content-Type: application/json
 X-Request-Id: kvf-failed
@@ -461,7 +317,7 @@ qr/\[warn\].*KV of request "kvf-failed" not pushed: the prefill engine's agent c
 --- init
 main::freeze();
 --- request eval
-"POST /v1/completions\n" . main::body()
+"POST /v1/completions\n" . main::long_body()
 --- more_headers
 Content-Type: application/json
 X-Request-Id: kvf-lost
@@ -493,7 +349,7 @@ client prematurely closed connection while waiting for the KV of request "kvf-ab
 
 === TEST 7: after the abort both decoders are idle again (no reservation left)
 --- init
-main::table_wait(sub { 2 == grep { (main::node($_[0], $_)->{free_blocks} // 0) == 256 }
+$main::MESH->table_wait(sub { 2 == grep { (DPD::KvMesh::node($_[0], $_)->{free_blocks} // 0) == 256 }
                               qw(decode-0 decode-1) })
     or die "decoders' blocks not all free";
 --- request eval
@@ -511,7 +367,7 @@ main::table_wait(sub { 2 == grep { (main::node($_[0], $_)->{free_blocks} // 0) =
 my $r = $main::DA{'decode-0'}->api({verb => 'reserve', req_id => 'hog',
                                     nblocks => 200});
 die "reserve: " . $main::J->encode($r) unless $r && $r->{ok};
-main::table_wait(sub { (main::node($_[0], 'decode-0')->{free_blocks} // 256) <= 56 })
+$main::MESH->table_wait(sub { (DPD::KvMesh::node($_[0], 'decode-0')->{free_blocks} // 256) <= 56 })
     or die "router never saw decode-0's reservation";
 --- request eval
 [map { "POST /v1/completions\n" . JSON::PP->new->encode({model => "m",
@@ -527,12 +383,12 @@ main::table_wait(sub { (main::node($_[0], 'decode-0')->{free_blocks} // 256) <= 
 --- init
 $main::DA{'decode-0'}->api({verb => 'release', req_id => 'hog'});
 $main::DA{'decode-1'}->stop('KILL');
-main::table_wait(sub { !main::node($_[0], 'decode-1')->{alive} }, 10)
+$main::MESH->table_wait(sub { !DPD::KvMesh::node($_[0], 'decode-1')->{alive} }, 10)
     or die "router never marked decode-1 dead";
 --- request eval
 [(map { "POST /v1/completions\n" . JSON::PP->new->encode({model => "m",
     prompt => "short $_", max_tokens => 1}) } 1 .. 4),
- (map { "POST /v1/completions\n" . main::body() } 5 .. 6),
+ (map { "POST /v1/completions\n" . main::long_body() } 5 .. 6),
  (map { "POST /rr/v1/completions\n" . JSON::PP->new->encode({model => "m",
     prompt => "short $_", max_tokens => 1}) } 1 .. 2),
  "GET /state?addr=127.0.0.4:$ENV{TEST_NGINX_EMU_PORT}"]

