@@ -574,18 +574,25 @@ ngx_int_t
 ngx_http_dpd_balancer_pin(ngx_http_request_t *r,
     ngx_http_upstream_srv_conf_t *us, ngx_http_dpd_pin_t **pinp)
 {
-    time_t                         now;
-    ngx_uint_t                     p;
-    ngx_pool_cleanup_t            *cln;
-    ngx_http_dpd_pin_t            *pin;
-    ngx_http_upstream_rr_peer_t   *best;
-    ngx_http_upstream_rr_peers_t  *list;
+    time_t                             now;
+    ngx_uint_t                         p;
+    ngx_pool_cleanup_t                *cln;
+    ngx_http_dpd_pin_t                *pin;
+    ngx_http_upstream_rr_peer_t       *best;
+    ngx_http_upstream_rr_peers_t      *list;
+    ngx_http_dpd_balancer_srv_conf_t  *bscf;
 
     *pinp = NULL;
 
-    if (us->peer.data == NULL
-        || us->peer.init != ngx_http_dpd_balancer_init_peer)
-    {
+    /*
+     * Ask the srv conf, not us->peer.init: "keepalive" (and any module
+     * that wraps the balancer) replaces peer.init with its own and calls
+     * ours from it, so the pin is still honoured behind it.
+     */
+
+    bscf = ngx_http_conf_upstream_srv_conf(us, ngx_http_dpd_balancer_module);
+
+    if (us->peer.data == NULL || bscf == NULL || !bscf->balance) {
         ngx_log_error(NGX_LOG_ALERT, r->connection->log, 0,
                       "dpd: upstream \"%V\" does not use dpd_balance",
                       &us->host);
