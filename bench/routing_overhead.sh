@@ -18,6 +18,10 @@
 # logged passes.  Target (DESIGN.md §7): dpd >= 0.9x plain at 100 tokens.
 #
 # Usage: bench/routing_overhead.sh          (after `make`)
+# Printed per size: median req/s of plain, exact and bound and the ratios
+# to plain, and the same ratios from the nginx worker's CPU time per request
+# (plain CPU / dpd CPU: what the throughput ratio is when nginx is the
+# bottleneck; steadier than req/s when other jobs share the machine).
 # Knobs (env): DURATION=8 ROUNDS=3 CONNS=16 THRESHOLD=4096
 #              BENCH_PORT_BASE=18690 (uses BASE .. BASE+5)
 set -euo pipefail
@@ -177,16 +181,30 @@ f:close()
 wrk.headers["Content-Type"] = "application/json"
 EOF
 
-run_wrk() {    # port tokens -> "rps latency_avg"
+# the worker's CPU time (user + system), in clock ticks
+WORKER=$(pgrep -P "$(cat "$WORK/nginx.pid")" | head -1)
+TICK=$(getconf CLK_TCK)
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$WORKER/stat"; }
+
+# port tokens -> "rps latency_avg cpu_us_per_request"
+# CPU per request (the worker serves the proxy and the backend location):
+# far less sensitive than req/s to other jobs on a shared machine
+run_wrk() {
+    local c0 c1
+    c0=$(cpu_ticks)
     BODY_FILE="$WORK/body-$2.json" "${PIN_WRK[@]}" wrk -t1 -c"$CONNS" \
         -d"${DURATION}s" -s "$WORK/post.lua" \
         "http://127.0.0.1:$1/v1/chat/completions" >"$WORK/wrk.out" 2>&1
+    c1=$(cpu_ticks)
     if grep -q "Non-2xx" "$WORK/wrk.out"; then
         echo "non-2xx answers on port $1:" >&2
         cat "$WORK/wrk.out" >&2
         exit 1
     fi
-    awk '/Requests\/sec/{r=$2} /^    Latency/{l=$2} END{print r, l}' "$WORK/wrk.out"
+    awk -v c=$((c1 - c0)) -v hz="$TICK" '
+        /Requests\/sec/{r=$2} /^    Latency/{l=$2} / requests in /{n=$1}
+        END{printf "%s %s %.2f\n", r, l, (n ? c * 1e6 / hz / n : 0)}' \
+        "$WORK/wrk.out"
 }
 
 median() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
@@ -209,6 +227,13 @@ for t in 100 4096; do
     printf "prompt %5s tokens: plain %9.0f req/s  exact %9.0f req/s (ratio %.3f)  bound %9.0f req/s (ratio %.3f)\n" \
         "$tok" "$p" "$e" "$(echo "$e / $p" | bc -l)" \
         "$b" "$(echo "$b / $p" | bc -l)"
+    # the same ratios from the worker's CPU time per request
+    p=$(cut -d' ' -f3 "$WORK/PLAIN-$t" | median)
+    e=$(cut -d' ' -f3 "$WORK/EXACT-$t" | median)
+    b=$(cut -d' ' -f3 "$WORK/BOUND-$t" | median)
+    printf "      worker CPU/request: plain %7.2f us  exact %7.2f us (ratio %.3f)  bound %7.2f us (ratio %.3f)\n" \
+        "$p" "$e" "$(echo "$p / $e" | bc -l)" \
+        "$b" "$(echo "$p / $b" | bc -l)"
     for s in PLAIN EXACT BOUND; do
         printf "    latency avg %-5s: %s\n" "$s" \
             "$(awk '{print $2}' "$WORK/$s-$t" | tr '\n' ' ')"

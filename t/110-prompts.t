@@ -6,7 +6,7 @@
 use strict;
 use warnings;
 
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use DPD::Emu;
 use JSON::PP ();
 
@@ -15,6 +15,7 @@ my ($qwen_tj) = DPD::Emu->tokenizer_files('qwen3');
 plan(skip_all => 'tokenizer fixtures or build/libdpdtok.so missing '
                  . '(make deps && make)')
     unless $llama_tj && $qwen_tj && DPD::Emu->have_tokenizer_lib;
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 my $base = $ENV{DPD_CORE_EMU_PORT} || 18500;
 my $JSON = JSON::PP->new->utf8->canonical;

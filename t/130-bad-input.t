@@ -4,12 +4,13 @@
 use strict;
 use warnings;
 
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use DPD::Emu;
 
 my ($llama_tj) = DPD::Emu->tokenizer_files('llama3');
 plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
     unless $llama_tj;
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 $ENV{TEST_NGINX_LLAMA3} = $llama_tj;
 

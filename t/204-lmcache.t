@@ -7,11 +7,12 @@
 use strict;
 use warnings;
 
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use DPD::Pools qw(block_defaults recs one count_requests);
 use JSON::PP ();
 
 plan(skip_all => $_) for DPD::Pools->unavailable;
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 # ports: $DPD_TEST_PORT_BASE (default 18600) + 40 .. 43
 my $pools = DPD::Pools->start(offset => 40, time_scale => 0.01);

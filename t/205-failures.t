@@ -7,11 +7,12 @@
 use strict;
 use warnings;
 
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use DPD::Pools qw(block_defaults long_body recs);
 use JSON::PP ();
 
 plan(skip_all => $_) for DPD::Pools->unavailable;
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 # ports: $DPD_TEST_PORT_BASE (default 18600) + 50 .. 53; nothing listens
 # on + 59

@@ -6,13 +6,14 @@
 use strict;
 use warnings;
 
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use DPD::Pools qw(block_defaults long_body recs count_requests wait_for
                   nginx_socket send_post);
 use JSON::PP ();
 use Time::HiRes qw(sleep time);
 
 plan(skip_all => $_) for DPD::Pools->unavailable;
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 # ports: $DPD_TEST_PORT_BASE (default 18600) + 60 .. 63
 # slow decode steps (1 ms): a long answer streams for seconds

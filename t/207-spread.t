@@ -6,7 +6,7 @@
 use strict;
 use warnings;
 
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use DPD::Pools qw(block_defaults count_requests);
 use JSON::PP ();
 use LWP::UserAgent ();
@@ -14,6 +14,7 @@ use HTTP::Request ();
 use POSIX ();
 
 plan(skip_all => $_) for DPD::Pools->unavailable;
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 # ports: $DPD_TEST_PORT_BASE (default 18600) + 70 .. 73
 my $pools = DPD::Pools->start(offset => 70, time_scale => 0.02);

@@ -8,13 +8,14 @@ use warnings;
 
 use FindBin;
 use lib "$FindBin::Bin/kv_agent";
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use Time::HiRes qw(sleep time);
 use KvAgentTest;
 
 plan(skip_all => 'build/kv_agent not built') unless -x kv_bin();
 plan(skip_all => 'libfabric tcp;ofi_rxm provider not available here')
     unless provider_ok('tcp;ofi_rxm');
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 # agents: 18700-18799 unless DPD_STATE_PORT_BASE moves them
 my $base = $ENV{DPD_STATE_PORT_BASE} // 18700;

@@ -6,11 +6,12 @@ use warnings;
 
 use FindBin;
 use lib "$FindBin::Bin/kv_agent";
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use Time::HiRes qw(sleep time);
 use KvAgentTest;
 
 plan(skip_all => 'build/kv_agent not built') unless -x kv_bin();
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 my $base = $ENV{DPD_STATE_PORT_BASE} // 18700;
 

@@ -10,13 +10,14 @@
 use strict;
 use warnings;
 
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use DPD::KvMesh;
 use DPD::Pools qw(block_defaults recs count_requests);
 use JSON::PP ();
 use Time::HiRes qw(sleep time);
 
 plan(skip_all => $_) for DPD::KvMesh->unavailable;
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 my $J = JSON::PP->new->utf8->canonical;
 
