@@ -19,7 +19,8 @@ my $pools = DPD::Pools->start(offset => 40, time_scale => 0.01);
 my @prefill = $pools->prefill;
 our @decode = $pools->decode;
 
-my $http_config = $pools->http_config(lmcache => 1);
+# keepalive on the decode pool, as in production: the pin must hold behind it
+my $http_config = $pools->http_config(lmcache => 1, decode_keepalive => 8);
 
 my $config = <<'_EOC_';
     location /v1/ {

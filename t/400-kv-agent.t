@@ -32,7 +32,8 @@ our %HOST_OF = ('decode-0' => '127.0.0.3', 'decode-1' => '127.0.0.4');
 
 our $BS = $P->block_size;
 
-my $http_config = $mesh->http_config;
+# keepalive on the decode pool, as in production: the pin must hold behind it
+my $http_config = $mesh->http_config(decode_keepalive => 8);
 
 my $config = <<'_EOC_';
     location /v1/ {

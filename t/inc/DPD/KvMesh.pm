@@ -128,7 +128,8 @@ sub node {
     return $n || {};
 }
 
-# http_config(server_params => 'max_fails=3'): tokenizer, state table,
+# http_config(server_params => 'max_fails=3', decode_keepalive => N):
+# tokenizer, state table,
 # upstream prefill (127.0.0.2) and decode (127.0.0.3-4), ports filled in
 sub http_config {
     my ($self, %o) = @_;
@@ -140,7 +141,10 @@ sub http_config {
         . "\n"
         . DPD::Pools::upstream_conf(name => 'decode', port => $self->port,
                                     hosts => ['127.0.0.3', '127.0.0.4'],
-                                    server_params => $o{server_params});
+                                    server_params => $o{server_params},
+                                    lines => [$o{decode_keepalive}
+                                              ? "keepalive $o{decode_keepalive};"
+                                              : ()]);
 }
 
 1;
@@ -154,10 +158,11 @@ emulators, connected, for the dpd_protocol kv_agent tests
 
 =head1 SYNOPSIS
 
-    use Test::Nginx::Socket 'no_plan';
+    use Test::Nginx::Socket;
     use DPD::KvMesh;
 
     plan(skip_all => $_) for DPD::KvMesh->unavailable;
+    plan('no_plan');          # after the skip: never plan twice
     my $mesh = DPD::KvMesh->start(tmp => 'dpd-kva-t4', blocks => 256,
                                   dead_after_ms => 3000);
     our $P = $mesh->engine('prefill-0');              # 127.0.0.2

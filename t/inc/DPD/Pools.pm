@@ -101,7 +101,8 @@ sub upstream_conf {
            . "    }\n";
 }
 
-# http_config(lmcache => 1, prefill_keepalive => N): the tokenizer and the
+# http_config(lmcache => 1, prefill_keepalive => N, decode_keepalive => N):
+# the tokenizer and the
 # upstreams "prefill" (127.0.0.2-3) and "decode" (127.0.0.4-5), ports
 # filled in; with lmcache the decoders' dpd_lmcache_ports.
 sub http_config {
@@ -116,11 +117,14 @@ sub http_config {
         . "\n"
         . upstream_conf(name => 'decode', port => $port,
                         hosts => ['127.0.0.4', '127.0.0.5'],
-                        lines => [$o{lmcache}
-                                  ? 'dpd_lmcache_ports init='
-                                    . $self->lmcache_init_port . ' alloc='
-                                    . $self->lmcache_alloc_port . ';'
-                                  : ()]);
+                        lines => [($o{lmcache}
+                                   ? 'dpd_lmcache_ports init='
+                                     . $self->lmcache_init_port . ' alloc='
+                                     . $self->lmcache_alloc_port . ';'
+                                   : ()),
+                                  ($o{decode_keepalive}
+                                   ? "keepalive $o{decode_keepalive};"
+                                   : ())]);
 }
 
 # block_defaults(section => value | sub { my ($block) = @_; value }, ...):
@@ -209,10 +213,11 @@ http_config and request helpers for the disaggregated-path tests
 
 =head1 SYNOPSIS
 
-    use Test::Nginx::Socket 'no_plan';
+    use Test::Nginx::Socket;
     use DPD::Pools qw(block_defaults recs one);
 
     plan(skip_all => $_) for DPD::Pools->unavailable;
+    plan('no_plan');          # after the skip: never plan twice
     my $pools = DPD::Pools->start(offset => 40, time_scale => 0.01);
     our @prefill = $pools->prefill;      # 127.0.0.2, .3
     our @decode = $pools->decode;        # 127.0.0.4, .5
