@@ -3,7 +3,8 @@
 # state table (ready, failed, timeout) are also observed in the histogram
 # dpd_kv_wait_seconds.  One prefill and one decode emulator, each in front
 # of a real kv_agent (tcp;ofi_rxm on loopback), a router agent whose state
-# table nginx reads, and a decoder without agent or node record.
+# table nginx reads, and a decoder without agent or node record.  The
+# decode agent is frozen (SIGSTOP) from TEST 5 on: the KV never lands.
 #
 # Ports: emulators $DPD_KVW_EMU_PORT (default 19720) on 127.0.0.2-4,
 # agents $DPD_KVW_AGENT_PORT (default 18950) .. +2.
@@ -135,7 +136,6 @@ my $common = <<'_EOC_';
         dpd_protocol kv_agent;
         dpd_prefill_pass /_dpd_prefill;
         dpd_prefill_timeout 20s;
-        dpd_kv_wait 400ms;
         proxy_http_version 1.1;
         proxy_buffering off;
         add_header X-Route $dpd_route always;
@@ -145,12 +145,21 @@ _EOC_
 my $config = <<_EOC_;
     location /v1/ {
 $common
+        dpd_kv_wait 400ms;
         dpd_decode_upstream decode;
         proxy_pass http://decode;
     }
 
+    location /abort/ {
+$common
+        dpd_decode_upstream decode;
+        dpd_kv_wait 20s;
+        proxy_pass http://decode/;
+    }
+
     location /lone/ {
 $common
+        dpd_kv_wait 400ms;
         dpd_decode_upstream lone;
         proxy_pass http://lone/;
     }
@@ -281,3 +290,21 @@ main::hdr('kvw-timeout')
  qr/dpd_kv_wait_seconds_bucket\{le="0.25"\} 0\n(?s:.*)dpd_kv_wait_seconds_bucket\{le="1"\} 1\n(?s:.*)dpd_kv_wait_total\{outcome="timeout"\} 1\n/]
 --- no_error_log
 [error]
+
+
+
+=== TEST 6: the client goes away during the KV wait: client_closed
+--- request eval
+[ "POST /abort/v1/completions\n" . main::body(), "GET /nothing",
+  "GET /metrics" ]
+--- more_headers eval
+[ "Content-Type: application/json\nX-Request-Id: kvw-abort", "", "" ]
+--- timeout: 3
+--- abort
+--- error_code eval
+["", 404, 200]
+--- response_body_like eval
+["^\$", "404 Not Found", main::kv_metrics('client_closed', 0)]
+--- no_error_log
+[alert]
+[crit]
