@@ -27,20 +27,9 @@
 
 /* the loaded tokenizer's normalizers, pre-tokenizers and post-processor,
  * read once at configuration time for the dpd_count bound */
-#include "tok_internal.h"
-#include <utf8proc.h>
 
 
 #define NGX_HTTP_DPD_ERR_MSG_LEN  512
-
-/*
- * Largest growth, in UTF-8 bytes, of a string under one Unicode normal
- * form (Unicode normalization FAQ: NFC/NFD 3x, NFKC/NFKD 11x; e.g.
- * U+1D160 -> 3 code points, U+FDFA -> 18).  ASCII never changes.
- */
-#define NGX_HTTP_DPD_NORM_CANON_GROWTH   3
-#define NGX_HTTP_DPD_NORM_COMPAT_GROWTH  11
-#define NGX_HTTP_DPD_BOUND_FACTOR_MAX    1000000
 
 
 static ngx_int_t ngx_http_dpd_reject(ngx_http_request_t *r,
@@ -68,64 +57,28 @@ static ngx_uint_t ngx_http_dpd_bound_skips(ngx_http_dpd_ctx_t *ctx,
 
 
 /*
- * dpd_count bound.  The tokenizers dpd_tokenizer loads are byte-level BPE
- * (byte_fallback refused): every id of the text part covers at least one
- * byte of the normalized, pre-tokenized text, added tokens included, and
- * the post-processor adds a fixed number of ids.  So
- *
- *   ids <= (ascii bytes + other bytes * G) * P + specials
- *
- * G: the product of the normalizers' worst growth (1 without one; ASCII
- * is stable under every normal form), P: 2 per ByteLevel stage with
- * add_prefix_space (one space per piece of at least one byte).  A
- * tokenizer the bound cannot describe gets factor 0: always exact.
+ * dpd_count bound: ids <= (ascii bytes + other bytes * G) * P + specials,
+ * with G, P and the specials from the tokenizer (dpd_tok_bound_params(),
+ * which says why it holds).  A tokenizer the bound cannot describe gets
+ * factor 0: always exact.
  */
 
 void
 ngx_http_dpd_count_bound_init(ngx_http_dpd_main_conf_t *dmcf)
 {
-    int                 i;
-    uint64_t            other, prefix;
-    const dpd_tok_t    *tok;
+    dpd_tok_bound_t  b;
 
-    tok = dmcf->tok;
-
-    other = 1;
-    prefix = 1;
-
-    for (i = 0; i < tok->n_norm; i++) {
-        other *= (tok->norm[i] & UTF8PROC_COMPAT)
-                 ? NGX_HTTP_DPD_NORM_COMPAT_GROWTH
-                 : NGX_HTTP_DPD_NORM_CANON_GROWTH;
-
-        if (other > NGX_HTTP_DPD_BOUND_FACTOR_MAX) {
-            goto exact;
-        }
+    if (dpd_tok_bound_params(dmcf->tok, &b) != 0) {
+        /* a pipeline the bound cannot describe: always count exactly */
+        dmcf->bound_other = 0;
+        dmcf->bound_prefix = 0;
+        dmcf->bound_specials = 0;
+        return;
     }
 
-    for (i = 0; i < tok->n_pre; i++) {
-        if (tok->pre[i].kind == TOK_PRE_BYTELEVEL
-            && tok->pre[i].add_prefix_space)
-        {
-            prefix *= 2;
-
-            if (prefix > NGX_HTTP_DPD_BOUND_FACTOR_MAX) {
-                goto exact;
-            }
-        }
-    }
-
-    dmcf->bound_other = (ngx_uint_t) other;
-    dmcf->bound_prefix = (ngx_uint_t) prefix;
-    dmcf->bound_specials = tok->n_prefix + tok->n_suffix;
-
-    return;
-
-exact:
-
-    dmcf->bound_other = 0;
-    dmcf->bound_prefix = 0;
-    dmcf->bound_specials = 0;
+    dmcf->bound_other = b.other_factor;
+    dmcf->bound_prefix = b.prefix_factor;
+    dmcf->bound_specials = b.specials;
 }
 
 

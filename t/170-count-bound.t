@@ -10,7 +10,7 @@ use strict;
 use warnings;
 use utf8;
 
-use Test::Nginx::Socket 'no_plan';
+use Test::Nginx::Socket;
 use DPD::Emu;
 use JSON::PP ();
 
@@ -20,6 +20,7 @@ plan(skip_all => 'tokenizer fixtures or build/libdpdtok.so missing '
                  . '(make deps && make)')
     unless $llama_tj && $llama_tc && $qwen_tj && DPD::Emu->have_tokenizer_lib
            && -x DPD::Emu->build_dir . '/dpd-tokenize';
+plan('no_plan');   # after the skip checks: a skip must not plan twice
 
 my $base = $ENV{DPD_COUNT_EMU_PORT} || 19700;
 my $JSON = JSON::PP->new->utf8->canonical;

@@ -52,6 +52,29 @@ long dpd_tok_encode(const dpd_tok_t *tok, const char *text, size_t len,
 long dpd_tok_count(const dpd_tok_t *tok, const char *text, size_t len,
     int add_special);
 
+/*
+ * A cheap upper bound of dpd_tok_count() from the text's bytes alone, for
+ * callers that only need to know whether a count reaches some limit:
+ *
+ *   count <= (ascii_bytes + other_bytes * other_factor) * prefix_factor
+ *            + (add_special ? specials : 0)
+ *
+ * It holds because every id of a byte-level BPE covers at least one byte
+ * of the normalized, pre-tokenized text: other_factor is the normalizers'
+ * worst growth of non-ASCII text (NFC/NFD 3x, NFKC/NFKD 11x per stage;
+ * ASCII is stable under every normal form), prefix_factor 2 per ByteLevel
+ * stage that adds a prefix space, specials the ids the post-processor
+ * adds.  Returns 0, or -1 when this tokenizer's pipeline cannot be
+ * bounded that way (count exactly).
+ */
+typedef struct {
+    uint32_t    other_factor;
+    uint32_t    prefix_factor;
+    uint32_t    specials;
+} dpd_tok_bound_t;
+
+int dpd_tok_bound_params(const dpd_tok_t *tok, dpd_tok_bound_t *out);
+
 /* Number of ids the model knows (vocab + added tokens): ids are < this. */
 uint32_t dpd_tok_vocab_size(const dpd_tok_t *tok);
 

@@ -402,6 +402,56 @@ dpd_tok_count(const dpd_tok_t *tok, const char *text, size_t len,
 }
 
 
+/*
+ * Largest growth, in UTF-8 bytes, of a string under one Unicode normal
+ * form (Unicode normalization FAQ: NFC/NFD 3x, NFKC/NFKD 11x; e.g.
+ * U+1D160 -> 3 code points, U+FDFA -> 18).  ASCII never changes.
+ */
+#define TOK_NORM_CANON_GROWTH   3
+#define TOK_NORM_COMPAT_GROWTH  11
+#define TOK_BOUND_FACTOR_MAX    1000000
+
+
+int
+dpd_tok_bound_params(const dpd_tok_t *tok, dpd_tok_bound_t *out)
+{
+    int       i;
+    uint64_t  other, prefix;
+
+    if (tok == NULL || out == NULL) {
+        return -1;
+    }
+
+    other = 1;
+    prefix = 1;
+
+    for (i = 0; i < tok->n_norm; i++) {
+        other *= (tok->norm[i] & UTF8PROC_COMPAT) ? TOK_NORM_COMPAT_GROWTH
+                                                  : TOK_NORM_CANON_GROWTH;
+        if (other > TOK_BOUND_FACTOR_MAX) {
+            return -1;
+        }
+    }
+
+    for (i = 0; i < tok->n_pre; i++) {
+        if (tok->pre[i].kind == TOK_PRE_BYTELEVEL
+            && tok->pre[i].add_prefix_space)
+        {
+            prefix *= 2;
+            if (prefix > TOK_BOUND_FACTOR_MAX) {
+                return -1;
+            }
+        }
+    }
+
+    out->other_factor = (uint32_t) other;
+    out->prefix_factor = (uint32_t) prefix;
+    out->specials = (uint32_t) (tok->n_prefix + tok->n_suffix);
+
+    return 0;
+}
+
+
 uint32_t
 dpd_tok_vocab_size(const dpd_tok_t *tok)
 {

@@ -100,6 +100,26 @@ main(int argc, char **argv)
        dpd_tok_vocab_size(l));
     OK(dpd_tok_vocab_size(q) == 151669, "qwen3 vocab size %u",
        dpd_tok_vocab_size(q));
+    {
+        /* count bound: llama3 has no normalizer, qwen3 NFC (3x non-ASCII) */
+        dpd_tok_bound_t  bl, bq;
+        const char      *t = "Grüße, 世界! don't stop 12345";
+        long             nl, nq;
+
+        OK(dpd_tok_bound_params(l, &bl) == 0 && bl.other_factor == 1
+           && bl.prefix_factor == 1, "llama3 bound params %u %u %u",
+           bl.other_factor, bl.prefix_factor, bl.specials);
+        OK(dpd_tok_bound_params(q, &bq) == 0 && bq.other_factor == 3
+           && bq.prefix_factor == 1, "qwen3 bound params %u %u %u",
+           bq.other_factor, bq.prefix_factor, bq.specials);
+        nl = dpd_tok_count(l, t, strlen(t), 1);
+        nq = dpd_tok_count(q, t, strlen(t), 1);
+        OK(nl > 0 && (size_t) nl <= strlen(t) + bl.specials,
+           "llama3 count %ld within the byte bound", nl);
+        OK(nq > 0 && (size_t) nq <= strlen(t) * 3 + bq.specials,
+           "qwen3 count %ld within the byte bound", nq);
+        OK(dpd_tok_bound_params(NULL, &bl) == -1, "bound params of NULL");
+    }
     OK(dpd_tok_chat_template(l) == DPD_CHAT_LLAMA3, "llama3 template detected");
     OK(dpd_tok_chat_template(q) == DPD_CHAT_CHATML, "chatml template detected");
     OK(dpd_tok_chat_template(nc) == DPD_CHAT_NONE, "no config: no template");
