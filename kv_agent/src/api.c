@@ -212,14 +212,7 @@ verb_info(kv_ctx_t *ctx)
     }
     if (ctx->cfg.has_pool) {
         p = cJSON_AddObjectToObject(j, "pool");
-        cJSON_AddNumberToObject(p, "layers", l->layers);
-        cJSON_AddNumberToObject(p, "regions", l->regions);
-        cJSON_AddNumberToObject(p, "blocks", l->nblocks);
-        cJSON_AddNumberToObject(p, "block_bytes", (double) l->block_bytes);
-        cJSON_AddNumberToObject(p, "block_stride", (double) l->block_stride);
-        cJSON_AddNumberToObject(p, "region_stride",
-                                (double) l->region_stride);
-        cJSON_AddNumberToObject(p, "layer_stride", (double) l->layer_stride);
+        kv_layout_json(p, l);
         cJSON_AddNumberToObject(p, "size", (double) l->size);
         cJSON_AddNumberToObject(p, "free", ctx->free_blocks);
         cJSON_AddStringToObject(p, "memory", ctx->pool.cuda_dev >= 0

@@ -157,16 +157,8 @@ hello_json(kv_ctx_t *ctx, const char *type)
         cJSON_AddItemToArray(rails, o);
     }
     if (ctx->cfg.has_pool && ctx->pool.registered) {
-        const kv_layout_t *l = &ctx->cfg.layout;
         g = cJSON_AddObjectToObject(j, "pool");
-        cJSON_AddNumberToObject(g, "layers", l->layers);
-        cJSON_AddNumberToObject(g, "regions", l->regions);
-        cJSON_AddNumberToObject(g, "blocks", l->nblocks);
-        cJSON_AddNumberToObject(g, "block_bytes", (double) l->block_bytes);
-        cJSON_AddNumberToObject(g, "block_stride", (double) l->block_stride);
-        cJSON_AddNumberToObject(g, "region_stride",
-                                (double) l->region_stride);
-        cJSON_AddNumberToObject(g, "layer_stride", (double) l->layer_stride);
+        kv_layout_json(g, &ctx->cfg.layout);
     }
     return j;
 }

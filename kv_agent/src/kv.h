@@ -72,6 +72,8 @@ typedef struct {
 
 int      kv_layout_finish(kv_layout_t *l, char *err, size_t elen);
 uint64_t kv_layout_off(const kv_layout_t *l, uint32_t lr, uint32_t block);
+struct cJSON;
+void     kv_layout_json(struct cJSON *o, const kv_layout_t *l);
 
 /* One contiguous write: source offset, destination offset, length. */
 typedef struct {
@@ -420,8 +422,7 @@ int  kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, const char *hex, int dev,
 int  kv_pool_register(kv_ctx_t *ctx);
 void kv_pool_unregister(kv_ctx_t *ctx);
 void kv_pool_free(kv_ctx_t *ctx);
-int  kv_pool_stage_out(kv_ctx_t *ctx, uint64_t off, uint64_t len);
-int  kv_pool_stage_in(kv_ctx_t *ctx, uint64_t off, uint64_t len);
+int  kv_pool_stage(kv_ctx_t *ctx, uint64_t off, uint64_t len, int to_gpu);
 int  kv_pool_read(kv_ctx_t *ctx, uint64_t off, void *dst, uint64_t len);
 int  kv_pool_write(kv_ctx_t *ctx, uint64_t off, const void *src,
     uint64_t len);

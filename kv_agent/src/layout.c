@@ -14,6 +14,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "kv.h"
 
 
@@ -155,4 +157,18 @@ kv_segiter_next(kv_segiter_t *it, kv_seg_t *out)
         break;
     }
     return 1;
+}
+
+
+/* The geometry fields shared by the info verb and the hello message. */
+void
+kv_layout_json(cJSON *o, const kv_layout_t *l)
+{
+    cJSON_AddNumberToObject(o, "layers", l->layers);
+    cJSON_AddNumberToObject(o, "regions", l->regions);
+    cJSON_AddNumberToObject(o, "blocks", l->nblocks);
+    cJSON_AddNumberToObject(o, "block_bytes", (double) l->block_bytes);
+    cJSON_AddNumberToObject(o, "block_stride", (double) l->block_stride);
+    cJSON_AddNumberToObject(o, "region_stride", (double) l->region_stride);
+    cJSON_AddNumberToObject(o, "layer_stride", (double) l->layer_stride);
 }

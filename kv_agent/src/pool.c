@@ -250,41 +250,31 @@ kv_pool_unregister(kv_ctx_t *ctx)
 }
 
 
-/* GPU -> pinned mirror before the fabric reads it (no-op without one). */
+/*
+ * Copy [off, off + len) between the GPU pool and its pinned mirror: to_gpu
+ * after the fabric wrote the mirror, else before the fabric reads it.
+ * A no-op without a mirror.
+ */
 int
-kv_pool_stage_out(kv_ctx_t *ctx, uint64_t off, uint64_t len)
+kv_pool_stage(kv_ctx_t *ctx, uint64_t off, uint64_t len, int to_gpu)
 {
 #ifdef KV_HAVE_CUDA
-    kv_pool_t *p = &ctx->pool;
+    kv_pool_t  *p = &ctx->pool;
+    char       *gpu, *host;
 
-    if (p->mirror && cudaMemcpy((char *) p->mirror + off,
-                                (char *) p->base + off, len,
-                                cudaMemcpyDeviceToHost) != cudaSuccess)
+    if (p->mirror == NULL) {
+        return 0;
+    }
+    gpu = (char *) p->base + off;
+    host = (char *) p->mirror + off;
+    if ((to_gpu ? cudaMemcpy(gpu, host, len, cudaMemcpyHostToDevice)
+                : cudaMemcpy(host, gpu, len, cudaMemcpyDeviceToHost))
+        != cudaSuccess)
     {
         return -1;
     }
 #else
-    (void) ctx; (void) off; (void) len;
-#endif
-    return 0;
-}
-
-
-/* pinned mirror -> GPU after the fabric wrote it */
-int
-kv_pool_stage_in(kv_ctx_t *ctx, uint64_t off, uint64_t len)
-{
-#ifdef KV_HAVE_CUDA
-    kv_pool_t *p = &ctx->pool;
-
-    if (p->mirror && cudaMemcpy((char *) p->base + off,
-                                (char *) p->mirror + off, len,
-                                cudaMemcpyHostToDevice) != cudaSuccess)
-    {
-        return -1;
-    }
-#else
-    (void) ctx; (void) off; (void) len;
+    (void) ctx; (void) off; (void) len; (void) to_gpu;
 #endif
     return 0;
 }

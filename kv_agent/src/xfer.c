@@ -598,8 +598,8 @@ handle_done_msg(kv_ctx_t *ctx, const char *buf, size_t len)
         nlr = l->layers * l->regions;
         for (lr = 0; lr < nlr; lr++) {
             for (i = 0; i < n; i++) {
-                if (kv_pool_stage_in(ctx, kv_layout_off(l, lr,
-                                     ctx->scratch[i]), l->block_bytes) != 0)
+                if (kv_pool_stage(ctx, kv_layout_off(l, lr,
+                                  ctx->scratch[i]), l->block_bytes, 1) != 0)
                 {
                     kv_rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy "
                                 "to GPU failed");
@@ -981,7 +981,7 @@ push_post(kv_ctx_t *ctx, kv_push_t *p)
         if ((op = op_get(ctx)) == NULL) {
             break;
         }
-        if (ctx->pool.mirror && kv_pool_stage_out(ctx, so, len) != 0) {
+        if (ctx->pool.mirror && kv_pool_stage(ctx, so, len, 0) != 0) {
             op_put(ctx, op);
             push_finish(ctx, p, 0, "staging copy from GPU failed");
             return;

@@ -453,6 +453,18 @@ tok_bos(const dpd_tok_t *tok)
 }
 
 
+/* One plain Llama 3 turn: header with the role, trimmed content, eot. */
+static void
+tok_llama3_turn(tok_buf_t *b, const tok_msg_t *m)
+{
+    tok_buf_str(b, "<|start_header_id|>");
+    tok_buf_str(b, m->role);
+    tok_buf_str(b, "<|end_header_id|>\n\n");
+    tok_buf_trimmed(b, m->content, m->len);
+    tok_buf_str(b, "<|eot_id|>");
+}
+
+
 static void
 tok_render_llama3(const dpd_tok_t *tok, const tok_msg_t *m, size_t n,
     tok_buf_t *b)
@@ -463,11 +475,7 @@ tok_render_llama3(const dpd_tok_t *tok, const tok_msg_t *m, size_t n,
         if (i == 0) {
             tok_buf_str(b, tok_bos(tok));
         }
-        tok_buf_str(b, "<|start_header_id|>");
-        tok_buf_str(b, m[i].role);
-        tok_buf_str(b, "<|end_header_id|>\n\n");
-        tok_buf_trimmed(b, m[i].content, m[i].len);
-        tok_buf_str(b, "<|eot_id|>");
+        tok_llama3_turn(b, &m[i]);
     }
     tok_buf_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
 }
@@ -509,11 +517,7 @@ tok_render_llama31(const dpd_tok_t *tok, const tok_msg_t *m, size_t n,
             tok_py_json_string(b, m[i].content);
             tok_buf_str(b, "<|eot_id|>");
         } else {
-            tok_buf_str(b, "<|start_header_id|>");
-            tok_buf_str(b, m[i].role);
-            tok_buf_str(b, "<|end_header_id|>\n\n");
-            tok_buf_trimmed(b, m[i].content, m[i].len);
-            tok_buf_str(b, "<|eot_id|>");
+            tok_llama3_turn(b, &m[i]);
         }
     }
     tok_buf_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");

@@ -523,40 +523,71 @@ tok_normalize_added(dpd_tok_t *tok, char *err, size_t errlen)
 }
 
 
+/* ---- typed components (normalizer, pre-tokenizer, post-processor) */
+
+/* 1 with *type set; 0 when the component is absent (null); -1 on error. */
+static int
+tok_json_type(const cJSON *j, const char *path, const char **type, char *err,
+    size_t errlen)
+{
+    const cJSON  *t;
+
+    if (j == NULL || cJSON_IsNull(j)) {
+        return 0;
+    }
+    t = cJSON_GetObjectItemCaseSensitive(j, "type");
+    if (!cJSON_IsObject(j) || !cJSON_IsString(t)) {
+        tok_err(err, errlen, "%s.type: missing", path);
+        return -1;
+    }
+    *type = t->valuestring;
+    return 1;
+}
+
+
+typedef int (*tok_load_fn)(dpd_tok_t *tok, const cJSON *j, const char *path,
+    char *err, size_t errlen);
+
+
+/* Load each element of the array seq[key] with load, in order. */
+static int
+tok_load_seq(dpd_tok_t *tok, const cJSON *seq, const char *key,
+    const char *path, tok_load_fn load, char *err, size_t errlen)
+{
+    const cJSON  *e;
+    char          sub[128];
+    int           i = 0;
+
+    e = cJSON_GetObjectItemCaseSensitive(seq, key);
+    if (!cJSON_IsArray(e)) {
+        tok_err(err, errlen, "%s.%s: missing or not an array", path, key);
+        return -1;
+    }
+    for (e = e->child; e; e = e->next, i++) {
+        snprintf(sub, sizeof(sub), "%s.%s[%d]", path, key, i);
+        if (load(tok, e, sub, err, errlen) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+
 /* ---- normalizer */
 
 static int
 tok_load_normalizer(dpd_tok_t *tok, const cJSON *n, const char *path,
     char *err, size_t errlen)
 {
-    const cJSON  *t, *e;
-    const char   *type;
-    char          sub[128];
-    int           i = 0, opt;
+    const char  *type;
+    int          rc, opt;
 
-    if (n == NULL || cJSON_IsNull(n)) {
-        return 0;
+    if ((rc = tok_json_type(n, path, &type, err, errlen)) <= 0) {
+        return rc;
     }
-    t = cJSON_GetObjectItemCaseSensitive(n, "type");
-    if (!cJSON_IsObject(n) || !cJSON_IsString(t)) {
-        tok_err(err, errlen, "%s.type: missing", path);
-        return -1;
-    }
-    type = t->valuestring;
     if (strcmp(type, "Sequence") == 0) {
-        e = cJSON_GetObjectItemCaseSensitive(n, "normalizers");
-        if (!cJSON_IsArray(e)) {
-            tok_err(err, errlen, "%s.normalizers: missing or not an array",
-                    path);
-            return -1;
-        }
-        for (e = e->child; e; e = e->next, i++) {
-            snprintf(sub, sizeof(sub), "%s.normalizers[%d]", path, i);
-            if (tok_load_normalizer(tok, e, sub, err, errlen) != 0) {
-                return -1;
-            }
-        }
-        return 0;
+        return tok_load_seq(tok, n, "normalizers", path,
+                            tok_load_normalizer, err, errlen);
     }
     if (strcmp(type, "NFC") == 0) {
         opt = UTF8PROC_STABLE | UTF8PROC_COMPOSE;
@@ -594,35 +625,18 @@ static int
 tok_load_pre(dpd_tok_t *tok, const cJSON *p, const char *path, char *err,
     size_t errlen)
 {
-    const cJSON  *t, *e, *pat, *v;
+    const cJSON  *pat, *v;
     const char   *type, *b;
-    char          sub[128], rerr[256];
-    int           i = 0, literal;
+    char          rerr[256];
+    int           rc, literal;
     tok_pre_t    *pre;
 
-    if (p == NULL || cJSON_IsNull(p)) {
-        return 0;
+    if ((rc = tok_json_type(p, path, &type, err, errlen)) <= 0) {
+        return rc;
     }
-    t = cJSON_GetObjectItemCaseSensitive(p, "type");
-    if (!cJSON_IsObject(p) || !cJSON_IsString(t)) {
-        tok_err(err, errlen, "%s.type: missing", path);
-        return -1;
-    }
-    type = t->valuestring;
     if (strcmp(type, "Sequence") == 0) {
-        e = cJSON_GetObjectItemCaseSensitive(p, "pretokenizers");
-        if (!cJSON_IsArray(e)) {
-            tok_err(err, errlen, "%s.pretokenizers: missing or not an array",
-                    path);
-            return -1;
-        }
-        for (e = e->child; e; e = e->next, i++) {
-            snprintf(sub, sizeof(sub), "%s.pretokenizers[%d]", path, i);
-            if (tok_load_pre(tok, e, sub, err, errlen) != 0) {
-                return -1;
-            }
-        }
-        return 0;
+        return tok_load_seq(tok, p, "pretokenizers", path, tok_load_pre,
+                            err, errlen);
     }
     if (tok->n_pre == TOK_MAX_PRE) {
         tok_err(err, errlen, "%s: too many pre-tokenizers", path);
@@ -802,20 +816,12 @@ static int
 tok_load_post(dpd_tok_t *tok, const cJSON *p, const char *path, char *err,
     size_t errlen)
 {
-    const cJSON  *t, *e;
-    const char   *type;
-    char          sub[128];
-    int           i = 0;
+    const char  *type;
+    int          rc;
 
-    if (p == NULL || cJSON_IsNull(p)) {
-        return 0;
+    if ((rc = tok_json_type(p, path, &type, err, errlen)) <= 0) {
+        return rc;
     }
-    t = cJSON_GetObjectItemCaseSensitive(p, "type");
-    if (!cJSON_IsObject(p) || !cJSON_IsString(t)) {
-        tok_err(err, errlen, "%s.type: missing", path);
-        return -1;
-    }
-    type = t->valuestring;
     if (strcmp(type, "ByteLevel") == 0) {
         return 0;   /* offsets only */
     }
@@ -831,19 +837,8 @@ tok_load_post(dpd_tok_t *tok, const cJSON *p, const char *path, char *err,
         return tok_special_pair(tok, p, "sep", path, 1, err, errlen);
     }
     if (strcmp(type, "Sequence") == 0) {
-        e = cJSON_GetObjectItemCaseSensitive(p, "processors");
-        if (!cJSON_IsArray(e)) {
-            tok_err(err, errlen, "%s.processors: missing or not an array",
-                    path);
-            return -1;
-        }
-        for (e = e->child; e; e = e->next, i++) {
-            snprintf(sub, sizeof(sub), "%s.processors[%d]", path, i);
-            if (tok_load_post(tok, e, sub, err, errlen) != 0) {
-                return -1;
-            }
-        }
-        return 0;
+        return tok_load_seq(tok, p, "processors", path, tok_load_post,
+                            err, errlen);
     }
     tok_err(err, errlen, "%s.type: unsupported \"%.32s\" (ByteLevel, "
             "TemplateProcessing, BertProcessing, RobertaProcessing, "

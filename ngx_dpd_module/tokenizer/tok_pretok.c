@@ -140,6 +140,19 @@ tok_split_emit(tok_splitter_t *sp, size_t a, size_t b)
 }
 
 
+/* Emit the pending piece, if any, and hold [a, b) as the new one. */
+static void
+tok_split_hold(tok_splitter_t *sp, size_t a, size_t b)
+{
+    if (sp->have) {
+        tok_split_emit(sp, sp->ps, sp->pe);
+    }
+    sp->have = 1;
+    sp->ps = a;
+    sp->pe = b;
+}
+
+
 static void
 tok_split_item(tok_splitter_t *sp, size_t a, size_t b, int m)
 {
@@ -158,12 +171,7 @@ tok_split_item(tok_splitter_t *sp, size_t a, size_t b, int m)
         if (m && !sp->prev_match && sp->have) {
             sp->pe = b;
         } else {
-            if (sp->have) {
-                tok_split_emit(sp, sp->ps, sp->pe);
-            }
-            sp->have = 1;
-            sp->ps = a;
-            sp->pe = b;
+            tok_split_hold(sp, a, b);
         }
         sp->prev_match = m;
         break;
@@ -175,12 +183,7 @@ tok_split_item(tok_splitter_t *sp, size_t a, size_t b, int m)
             sp->have = 0;
             break;
         }
-        if (sp->have) {
-            tok_split_emit(sp, sp->ps, sp->pe);
-        }
-        sp->have = 1;
-        sp->ps = a;
-        sp->pe = b;
+        tok_split_hold(sp, a, b);
         sp->pmatch = m;
         break;
 
@@ -188,12 +191,7 @@ tok_split_item(tok_splitter_t *sp, size_t a, size_t b, int m)
         if (sp->have && m == sp->prev_match) {
             sp->pe = b;
         } else {
-            if (sp->have) {
-                tok_split_emit(sp, sp->ps, sp->pe);
-            }
-            sp->have = 1;
-            sp->ps = a;
-            sp->pe = b;
+            tok_split_hold(sp, a, b);
         }
         sp->prev_match = m;
         break;
