@@ -277,17 +277,6 @@ ngx_http_dpd_metrics_observe(ngx_http_request_t *r, ngx_uint_t histogram,
 }
 
 
-const char *
-ngx_http_dpd_error_reason_name(ngx_uint_t reason)
-{
-    if (reason >= NGX_HTTP_DPD_E_N) {
-        return "unknown";
-    }
-
-    return ngx_http_dpd_error_labels[reason];
-}
-
-
 void
 ngx_http_dpd_metrics_log_request(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx)

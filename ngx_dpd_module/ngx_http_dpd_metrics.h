@@ -99,7 +99,5 @@ void ngx_http_dpd_metrics_error(ngx_http_request_t *r, ngx_uint_t reason);
 void ngx_http_dpd_metrics_kv_wait(ngx_http_request_t *r, ngx_uint_t outcome,
     ngx_msec_int_t msec);
 
-const char *ngx_http_dpd_error_reason_name(ngx_uint_t reason);
-
 
 #endif /* _NGX_HTTP_DPD_METRICS_H_INCLUDED_ */

@@ -59,6 +59,8 @@ static ngx_int_t ngx_http_dpd_prefill_fail(ngx_http_request_t *r,
     ngx_uint_t cause, const char *why);
 static ngx_int_t ngx_http_dpd_decode_body(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, cJSON *params, const char *host);
+static ngx_int_t ngx_http_dpd_set_body_text(ngx_http_request_t *r,
+    char *text, size_t len);
 static u_char *ngx_http_dpd_cstr(ngx_pool_t *pool, ngx_str_t *s);
 static ngx_int_t ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name,
     ngx_str_t *host);
@@ -993,9 +995,20 @@ ngx_http_dpd_decode_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 {
     char    *text;
     size_t   len;
-    u_char  *data;
 
     text = ngx_http_dpd_proto_decode_body(ctx->json, params, host, &len);
+
+    return ngx_http_dpd_set_body_text(r, text, len);
+}
+
+
+/* copies a cJSON-printed body into the pool, frees it, and sends it on */
+
+static ngx_int_t
+ngx_http_dpd_set_body_text(ngx_http_request_t *r, char *text, size_t len)
+{
+    u_char  *data;
+
     if (text == NULL) {
         return NGX_ERROR;
     }
@@ -1193,7 +1206,6 @@ ngx_http_dpd_kv_choose(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 {
     char                        *text;
     size_t                       len;
-    u_char                      *data;
     const char                  *why;
     ngx_uint_t                   outcome;
     ngx_http_dpd_pin_t          *pin;
@@ -1264,20 +1276,7 @@ ngx_http_dpd_kv_choose(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
 
     text = ngx_http_dpd_proto_kv_agent_decode_body(ctx->json, NULL, &len);
-    if (text == NULL) {
-        return NGX_ERROR;
-    }
-
-    data = ngx_pnalloc(r->pool, len);
-    if (data == NULL) {
-        cJSON_free(text);
-        return NGX_ERROR;
-    }
-
-    ngx_memcpy(data, text, len);
-    cJSON_free(text);
-
-    if (ngx_http_dpd_replace_body(r, data, len) != NGX_OK) {
+    if (ngx_http_dpd_set_body_text(r, text, len) != NGX_OK) {
         return NGX_ERROR;
     }
 
@@ -1598,7 +1597,7 @@ ngx_http_dpd_kv_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 {
     char                        *text;
     size_t                       len;
-    u_char                      *data, *id;
+    u_char                      *id;
     ngx_uint_t                   level, outcome;
     ngx_http_dpd_prefill_ctx_t  *p;
 
@@ -1644,20 +1643,7 @@ ngx_http_dpd_kv_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     text = ngx_http_dpd_proto_kv_agent_decode_body(ctx->json, (char *) id,
                                                    &len);
-    if (text == NULL) {
-        return NGX_ERROR;
-    }
-
-    data = ngx_pnalloc(r->pool, len);
-    if (data == NULL) {
-        cJSON_free(text);
-        return NGX_ERROR;
-    }
-
-    ngx_memcpy(data, text, len);
-    cJSON_free(text);
-
-    if (ngx_http_dpd_replace_body(r, data, len) != NGX_OK) {
+    if (ngx_http_dpd_set_body_text(r, text, len) != NGX_OK) {
         return NGX_ERROR;
     }
 

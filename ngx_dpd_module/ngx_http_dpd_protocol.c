@@ -21,6 +21,7 @@ static cJSON *dpd_lmcache_request_params(
     const ngx_http_dpd_lmcache_spec_t *spec);
 static char *dpd_print(cJSON *obj, size_t *len);
 static char *dpd_prefill_copy(const cJSON *req, cJSON *ktp, size_t *len);
+static char *dpd_decode_copy(const cJSON *req, cJSON *ktp, size_t *len);
 static cJSON *dpd_parse_object(const char *data, size_t len);
 
 
@@ -410,25 +411,18 @@ char *
 ngx_http_dpd_proto_decode_body(const cJSON *req, const cJSON *params,
     const char *prefill_host, size_t *len)
 {
-    char   *text;
-    cJSON  *copy, *ktp;
+    cJSON  *ktp;
 
     if (!cJSON_IsObject(req)) {
         return NULL;
     }
 
-    copy = cJSON_Duplicate(req, 1);
-    if (copy == NULL) {
-        return NULL;
-    }
-
-    ngx_http_dpd_proto_strip(copy);
+    ktp = NULL;
 
     if (params != NULL && prefill_host != NULL && prefill_host[0] != '\0') {
 
         ktp = cJSON_Duplicate(params, 1);
         if (ktp == NULL) {
-            cJSON_Delete(copy);
             return NULL;
         }
 
@@ -438,23 +432,11 @@ ngx_http_dpd_proto_decode_body(const cJSON *req, const cJSON *params,
             != 0)
         {
             cJSON_Delete(ktp);
-            cJSON_Delete(copy);
-            return NULL;
-        }
-
-        /* dpd_json_set() releases ktp when it fails */
-
-        if (dpd_json_set(copy, DPD_KTP, ktp) != 0) {
-            cJSON_Delete(copy);
             return NULL;
         }
     }
 
-    text = dpd_print(copy, len);
-
-    cJSON_Delete(copy);
-
-    return text;
+    return dpd_decode_copy(req, ktp, len);
 }
 
 
@@ -568,19 +550,13 @@ char *
 ngx_http_dpd_proto_kv_agent_decode_body(const cJSON *req, const char *req_id,
     size_t *len)
 {
-    char   *text;
-    cJSON  *copy, *ktp, *dpd;
+    cJSON  *ktp, *dpd;
 
     if (!cJSON_IsObject(req)) {
         return NULL;
     }
 
-    copy = cJSON_Duplicate(req, 1);
-    if (copy == NULL) {
-        return NULL;
-    }
-
-    ngx_http_dpd_proto_strip(copy);
+    ktp = NULL;
 
     if (req_id != NULL && req_id[0] != '\0') {
         ktp = cJSON_CreateObject();
@@ -590,15 +566,35 @@ ngx_http_dpd_proto_kv_agent_decode_body(const cJSON *req, const char *req_id,
             || cJSON_AddStringToObject(dpd, "req_id", req_id) == NULL)
         {
             cJSON_Delete(ktp);
-            cJSON_Delete(copy);
             return NULL;
         }
+    }
 
-        /* dpd_json_set() releases ktp when it fails */
-        if (dpd_json_set(copy, DPD_KTP, ktp) != 0) {
-            cJSON_Delete(copy);
-            return NULL;
-        }
+    return dpd_decode_copy(req, ktp, len);
+}
+
+
+/* the decode copy of req, with ktp (taken over) as its kv_transfer_params */
+
+static char *
+dpd_decode_copy(const cJSON *req, cJSON *ktp, size_t *len)
+{
+    char   *text;
+    cJSON  *copy;
+
+    copy = cJSON_Duplicate(req, 1);
+    if (copy == NULL) {
+        cJSON_Delete(ktp);
+        return NULL;
+    }
+
+    ngx_http_dpd_proto_strip(copy);
+
+    /* dpd_json_set() releases ktp when it fails */
+
+    if (ktp != NULL && dpd_json_set(copy, DPD_KTP, ktp) != 0) {
+        cJSON_Delete(copy);
+        return NULL;
     }
 
     text = dpd_print(copy, len);
