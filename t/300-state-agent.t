@@ -112,7 +112,7 @@ qr/^(?=.*"ok":true,)(?=.*"writer_alive":true,"stale":false,)
                            '"free_blocks":64,"total_blocks":64,')})
     (?=.*"nodes_alive":4,"requests":0,)/sx
 --- error_log eval
-qr/dpd_state: mapped table ".*router-0\.state" \(writer pid \d+/
+qr/dpd_state: using table ".*router-0\.state" \(writer pid \d+/
 --- no_error_log
 [alert]
 [crit]

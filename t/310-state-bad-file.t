@@ -361,7 +361,7 @@ GET /state
 --- response_body_like chomp
 "ok":true,.*"self":"router-9"
 --- error_log eval
-qr/mapped table "[^"]+\/live"/
+qr/using table "[^"]+\/live"/
 
 
 
