@@ -122,10 +122,39 @@ static ngx_int_t
 ngx_http_dpd_balancer_init_upstream(ngx_conf_t *cf,
     ngx_http_upstream_srv_conf_t *us)
 {
+    ngx_core_conf_t                   *ccf;
+    ngx_http_dpd_balancer_srv_conf_t  *bscf;
+
     ngx_log_debug0(NGX_LOG_DEBUG_HTTP, cf->log, 0, "dpd balancer init");
 
     if (ngx_http_upstream_init_round_robin(cf, us) != NGX_OK) {
         return NGX_ERROR;
+    }
+
+    /*
+     * Without a zone every worker has its own copy of the peers and counts
+     * only its own requests: least outstanding is then per worker, and so
+     * are max_conns and max_fails.  That is exact with one worker, so warn
+     * (not fail: existing configs keep loading) only when there may be
+     * several.  worker_processes and master_process are known here when
+     * they precede http{}, as they normally do; unset means one worker.
+     */
+
+    ccf = (ngx_core_conf_t *) ngx_get_conf(cf->cycle->conf_ctx,
+                                           ngx_core_module);
+    bscf = ngx_http_conf_upstream_srv_conf(us, ngx_http_dpd_balancer_module);
+
+    if (us->shm_zone == NULL
+        && ccf->master != 0
+        && ccf->worker_processes != NGX_CONF_UNSET
+        && ccf->worker_processes > 1)
+    {
+        ngx_log_error(NGX_LOG_WARN, cf->log, 0,
+                      "\"dpd_balance\" in upstream \"%V\" without \"zone\": "
+                      "each of the %i worker processes counts only its own "
+                      "requests to its peers in %V:%ui",
+                      &us->host, ccf->worker_processes, &bscf->file,
+                      bscf->line);
     }
 
     us->peer.init = ngx_http_dpd_balancer_init_peer;
@@ -855,6 +884,8 @@ ngx_http_dpd_balancer_create_srv_conf(ngx_conf_t *cf)
      * set by ngx_pcalloc():
      *
      *     conf->balance = 0;
+     *     conf->file = { 0, NULL };
+     *     conf->line = 0;
      *     conf->init_ports = NULL;
      *     conf->alloc_ports = NULL;
      */
@@ -884,6 +915,9 @@ ngx_http_dpd_balance(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     }
 
     uscf->peer.init_upstream = ngx_http_dpd_balancer_init_upstream;
+
+    bscf->file = cf->conf_file->file.name;
+    bscf->line = cf->conf_file->line;
 
     uscf->flags = NGX_HTTP_UPSTREAM_CREATE
                   |NGX_HTTP_UPSTREAM_WEIGHT

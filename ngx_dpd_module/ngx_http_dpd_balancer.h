@@ -39,6 +39,8 @@
 
 typedef struct {
     ngx_flag_t                      balance;     /* dpd_balance given */
+    ngx_str_t                       file;        /* where, for the warning */
+    ngx_uint_t                      line;        /* without a zone */
     ngx_array_t                    *init_ports;  /* in_port_t, one per rank */
     ngx_array_t                    *alloc_ports; /* in_port_t, one per rank */
 } ngx_http_dpd_balancer_srv_conf_t;

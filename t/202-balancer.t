@@ -48,6 +48,55 @@ SKIP: {
     is $? >> 8, 0, 'conf/nginx-dpd.conf passes nginx -t' or diag $res;
 }
 
+# dpd_balance without a zone: nginx -t warns when there are several
+# worker processes (each would count only its own requests), not with a
+# zone, with one worker or without a master; the configuration loads
+SKIP: {
+    my $so = (split ' ', $ENV{TEST_NGINX_LOAD_MODULES} // '')[0];
+    skip 'no module to load (TEST_NGINX_LOAD_MODULES)', 12
+        unless $so && -f $so;
+    my $dir = server_root();
+    mkdir "$dir/conf";
+    mkdir "$dir/logs";
+    my $bin = $ENV{TEST_NGINX_BINARY} || 'nginx';
+    my $warn = qr/\[warn\] .*"dpd_balance" in upstream "pool" without "zone": each of the 4 worker processes counts only its own requests to its peers in \S+zone-test\.conf:10/;
+    for my $case (['4 workers, no zone', "worker_processes 4;", '', 1],
+                  ['4 workers, zone', "worker_processes 4;",
+                   'zone pool 64k;', 0],
+                  ['1 worker, no zone', "worker_processes 1;", '', 0],
+                  ['no master, no zone',
+                   "worker_processes 4;\nmaster_process off;", '', 0]) {
+        my ($name, $main, $zone, $want) = @$case;
+        open my $out, '>', "$dir/conf/zone-test.conf" or die $!;
+        print $out <<"EOF";
+load_module $so;
+$main
+pid $dir/logs/zone-test.pid;
+error_log $dir/logs/zone-test.log;
+events { worker_connections 64; }
+http {
+    access_log off;
+    upstream pool {
+        $zone
+        dpd_balance;
+        server 127.0.0.1:1;
+        server 127.0.0.2:1;
+    }
+    server { listen 127.0.0.1:1; location / { proxy_pass http://pool; } }
+}
+EOF
+        close $out;
+        my $res = `$bin -t -p $dir -c conf/zone-test.conf 2>&1`;
+        is $? >> 8, 0, "$name: nginx -t passes" or diag $res;
+        if ($want) {
+            like $res, $warn, "$name: warned";
+        } else {
+            unlike $res, qr/without "zone"/, "$name: no warning";
+        }
+        like $res, qr/test is successful/, "$name: test is successful";
+    }
+}
+
 __DATA__
 
 === TEST 1: equally loaded peers share the requests in turn (zone)
