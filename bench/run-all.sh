@@ -3,6 +3,7 @@
 # against its named baseline in the same run and prints the ratio:
 #   tokenizer.sh          ours vs Hugging Face tokenizers (one core each)
 #   routing_overhead.sh   module on the direct path vs plain proxy_pass
+#   balancer_table.sh     dpd_balance with 64 and 4096-node state tables vs none
 #   kv_agent.sh           kv_agent over tcp;ofi_rxm vs iperf3 (loopback),
 #                         Llama-shaped push with and without coalescing
 #   dpd_vs_colocated.sh   DPD vs co-located serving, emulator timing model
@@ -10,7 +11,8 @@
 set -uo pipefail
 cd "$(dirname "$0")"
 rc=0
-for b in tokenizer.sh routing_overhead.sh kv_agent.sh dpd_vs_colocated.sh; do
+for b in tokenizer.sh routing_overhead.sh balancer_table.sh kv_agent.sh \
+         dpd_vs_colocated.sh; do
   printf '\n######## bench/%s\n' "$b"
   bash "$b" || { echo "bench/$b failed (rc=$?)"; rc=1; }
 done

@@ -273,7 +273,7 @@ ngx_http_dpd_state_table(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     smcf->path.data[value[1].len] = '\0';
 
     smcf->stale = 5000;
-    smcf->check = 1000;
+    smcf->check = 250;
 
     for (i = 2; i < cf->args->nelts; i++) {
 

@@ -1,8 +1,10 @@
 /*
  * Readiness of the kv_agent state table (DESIGN.md section 4) for the rest
- * of ngx_http_dpd_module: every worker maps the table read-only and these
- * calls copy records out of it (seqlock, bounded retries).  Nothing here
- * blocks; a missing, corrupt or replaced file is handled inside.
+ * of ngx_http_dpd_module: every worker keeps a snapshot of the table, read
+ * with pread() on a timer (dpd_state_table check=), and these calls copy
+ * records out of it; request records are read from the file at lookup
+ * time (seqlock, bounded retries).  Nothing here blocks or can fault; a
+ * missing, shrunk, corrupt or replaced file is handled inside.
  */
 
 #ifndef _NGX_HTTP_DPD_STATE_H_INCLUDED_
@@ -49,8 +51,8 @@ typedef struct {
 
 
 /*
- * 1 when dpd_state_table is configured and this worker holds a valid
- * mapping of it right now; 0 otherwise ("no readiness information").
+ * 1 when dpd_state_table is configured and this worker's last snapshot of
+ * it was good; 0 otherwise ("no readiness information").
  */
 ngx_flag_t ngx_http_dpd_state_enabled(ngx_http_request_t *r);
 
@@ -59,7 +61,8 @@ ngx_flag_t ngx_http_dpd_state_enabled(ngx_http_request_t *r);
  * in the agent's config and in an upstream peer's name).  NGX_OK with a
  * copy in out; NGX_DECLINED when there is no table or no such node, or its
  * record could not be read consistently.  When several records carry the
- * address, an alive one wins.
+ * address, an alive one wins.  From the snapshot: one hash probe, no system
+ * call, safe to call with an upstream's peers lock held.
  */
 ngx_int_t ngx_http_dpd_state_node_by_addr(ngx_http_request_t *r,
     ngx_str_t *http_addr, ngx_http_dpd_state_node_t *out);

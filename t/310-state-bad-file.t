@@ -12,6 +12,7 @@ use File::Copy qw(copy);
 use POSIX ();
 use Time::HiRes qw(sleep time);
 use KvAgentTest;
+use DPD::StateTable;
 
 plan(skip_all => 'build/kv_agent not built') unless -x kv_bin();
 plan('no_plan');   # after the skip checks: a skip must not plan twice
@@ -66,6 +67,13 @@ put("max_nodes", patch(24, "V", 0xFFFF_FFFF));
 put("garbage", $garbage);
 put("garbage_hdr", substr($valid, 0, 12) . substr($garbage, 12));
 mkdir "$dir/dir";
+put("many_nodes", DPD::StateTable::build(max_nodes => 65537, max_reqs => 16));
+# three records of one address: a dead one first, then two alive ones
+put("same_addr", DPD::StateTable::build(nodes => [
+    { id => 'old-0', http => '127.0.0.1:8200', alive => 0 },
+    { id => 'new-0', http => '127.0.0.1:8200', alive => 1 },
+    { id => 'new-1', http => '127.0.0.1:8200', alive => 1 },
+    { id => 'other', http => '127.0.0.1:8201', alive => 0 }]));
 
 $ENV{TEST_NGINX_STATE_DIR} = $dir;
 
@@ -492,3 +500,32 @@ invalid parameter "check=soon"
 --- error_log
 [emerg]
 "dpd_state_table" directive is duplicate
+
+
+
+=== TEST 24: more node records than any agent writes
+--- http_config
+    dpd_state_table $TEST_NGINX_STATE_DIR/many_nodes;
+--- config
+    location = /state { dpd_state_status; }
+--- request
+GET /state
+--- error_code: 503
+--- response_body_like chomp
+"ok":false,"error":"too many nodes \(65537, at most 65536\)"
+
+
+
+=== TEST 25: several records of one address: the first alive one answers
+--- http_config
+    dpd_state_table $TEST_NGINX_STATE_DIR/same_addr stale=0;
+--- config
+    location = /state { dpd_state_status; }
+--- request eval
+["GET /state?addr=127.0.0.1:8200", "GET /state?addr=127.0.0.1:8201",
+ "GET /state?addr=127.0.0.1:8202"]
+--- error_code eval
+[200, 200, 404]
+--- response_body_like eval
+[qr/^\{"id":"new-0",.*"alive":true,/, qr/^\{"id":"other",.*"alive":false,/,
+ qr/^\{"ok":false,"error":"unknown node"\}$/]
