@@ -542,7 +542,12 @@ ngx_http_dpd_balancer_least_pass(ngx_http_request_t *r,
 }
 
 
-/* the kv_agent's view of a peer, by its "host:port" name */
+/*
+ * The kv_agent's view of a peer, by its "host:port" name: one probe of the
+ * worker's own address index (ngx_http_dpd_state.c re-reads the table on a
+ * timer), so the cost does not grow with the table and nothing of the
+ * table file is touched while the peers lock is held.
+ */
 
 static ngx_uint_t
 ngx_http_dpd_balancer_ready(ngx_http_request_t *r,
