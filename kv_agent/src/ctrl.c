@@ -471,8 +471,9 @@ hs_fail(kv_ctx_t *ctx, int peer, const char *why)
 {
     kv_peer_t *pe = &ctx->peers[peer];
 
-    if (!pe->warned_down) {
+    if (!pe->warned_auth) {
         kv_warn("ctrl: handshake with %s failed: %s", pe->conf.id, why);
+        pe->warned_auth = 1;
     }
     pe->warned_down = 0;
     kv_ctrl_link_down(ctx, peer, why);
@@ -577,6 +578,7 @@ out_hello_ok(kv_ctx_t *ctx, int peer, cJSON *j)
     }
     pe->out_state = KV_LINK_UP;
     pe->warned_down = 0;
+    pe->warned_auth = 0;
     pe->link_gen++;
     peer_heard(ctx, peer);
     kv_info("ctrl: connected to %s (%s, %d rail(s)%s, key %s, handshake "
@@ -608,8 +610,9 @@ out_message(kv_ctx_t *ctx, int peer, cJSON *j)
     if (strcmp(t->valuestring, "error") == 0) {
         snprintf(err, sizeof(err), "rejected by %s: %.160s", pe->conf.id,
                  cJSON_IsString(e) ? e->valuestring : "?");
-        if (!pe->warned_down || pe->out_state == KV_LINK_UP) {
+        if (!pe->warned_auth || pe->out_state == KV_LINK_UP) {
             kv_warn("ctrl: %s", err);
+            pe->warned_auth = 1;
         }
         pe->warned_down = 0;
         kv_ctrl_link_down(ctx, peer, err);

@@ -314,6 +314,7 @@ typedef struct {
     uint64_t       free_blocks, total_blocks;
     uint32_t       inflight;
     int            warned_down;
+    int            warned_auth;        /* a refusal was logged at warn */
     /* handshake of the outbound link */
     uint8_t        nonce_c[KV_NONCE_LEN], nonce_s[KV_NONCE_LEN];
     int            got_challenge;

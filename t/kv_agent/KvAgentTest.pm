@@ -133,6 +133,7 @@ sub start_agent {
     close $fh;
     chmod 0600, $cfgfile;           # it holds the link keys
     my $log = "$dir/$name.log";
+    my $skip = -s $log // 0;        # a node started again appends to it
     unlink $cfg->{api_socket} if $cfg->{api_socket};
     my $pid = fork();
     die "fork: $!" unless defined $pid;
@@ -145,7 +146,7 @@ sub start_agent {
     }
     my $a = { pid => $pid, name => $name, cfg => $cfg, log => $log,
               sock => $cfg->{api_socket}, cfgfile => $cfgfile,
-              wrap => $o{wrap} };
+              wrap => $o{wrap}, log_skip => $skip };
     push @AGENTS, $a;
     if ($o{wait} // 1) {
         my $deadline = time + ($o{timeout} // 20);
@@ -203,13 +204,14 @@ END {
     $? = $st;
 }
 
+# What this agent (this start) logged.
 sub log_text {
     my ($a) = @_;
     open my $fh, '<', $a->{log} or return "";
     local $/;
     my $t = <$fh>;
     close $fh;
-    return $t // "";
+    return substr($t // "", $a->{log_skip} // 0);
 }
 
 sub log_wait {
