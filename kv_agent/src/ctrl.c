@@ -70,7 +70,7 @@ kv_ctrl_listen(kv_ctx_t *ctx)
     if (fd < 0
         || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0
         || bind(fd, res->ai_addr, res->ai_addrlen) != 0
-        || listen(fd, 64) != 0)
+        || listen(fd, SOMAXCONN) != 0)
     {
         kv_err("ctrl: cannot listen on %s: %s", ctx->cfg.listen,
                strerror(errno));
