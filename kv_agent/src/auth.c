@@ -194,7 +194,9 @@ kv_auth_key_file(kv_peer_conf_t *p, const char *path, char *err,
     ssize_t n;
     int fd, rc = 0;
 
-    fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    /* symlinks are followed (Kubernetes secret volumes are made of them);
+     * the checks below are on the file itself */
+    fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         snprintf(err, elen, "peer %s: key_file %s: %s", p->id, path,
                  strerror(errno));

@@ -140,8 +140,10 @@ sub start_agent {
     if ($pid == 0) {
         open STDERR, '>>', $log or die;
         open STDOUT, '>&', \*STDERR or die;
-        my @cmd = (@{ $o{wrap} // [] }, kv_bin(), "run", "--config",
-                   $cfgfile);
+        # KV_TEST_WRAP="valgrind --log-file=DIR/vg.%p ..." wraps every
+        # agent a test starts (when it does not wrap it itself)
+        my @wrap = @{ $o{wrap} // [split ' ', $ENV{KV_TEST_WRAP} // ""] };
+        my @cmd = (@wrap, kv_bin(), "run", "--config", $cfgfile);
         exec @cmd or die "exec: $!";
     }
     my $a = { pid => $pid, name => $name, cfg => $cfg, log => $log,
@@ -149,7 +151,8 @@ sub start_agent {
               wrap => $o{wrap}, log_skip => $skip };
     push @AGENTS, $a;
     if ($o{wait} // 1) {
-        my $deadline = time + ($o{timeout} // 20);
+        my $deadline = time + ($o{timeout}
+                               // ($ENV{KV_TEST_WRAP} ? 60 : 20));
         while (time < $deadline) {
             last if log_text($a) =~ /info: ready$/m;
             last unless agent_alive($a);
