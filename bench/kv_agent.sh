@@ -93,8 +93,9 @@ echo "== the same push end to end between two agents (local API + control + fabr
 agent() {  # id role port peer peerport coalesce
     cat >"$T/$1.json" <<EOF
 {"node_id":"$1","role":"$2","provider":"$PROV","rails":["lo"],
- "listen":"127.0.0.1:$3","token":"bench-token-0123",
- "peers":[{"id":"$4","ctrl":"127.0.0.1:$5","role":"$( [ "$2" = prefill ] && echo decode || echo prefill )"}],
+ "listen":"127.0.0.1:$3",
+ "peers":[{"id":"$4","ctrl":"127.0.0.1:$5","role":"$( [ "$2" = prefill ] && echo decode || echo prefill )",
+           "key_file":"$T/link.key"}],
  "api_socket":"$T/$1.sock","state_path":"$T/$1.state",
  "pool":{"layers":80,"regions":2,"block_bytes":4096,"blocks":600},
  "transfer":{"coalesce":$6},"timeouts":{"transfer_ms":120000}}
@@ -102,6 +103,8 @@ EOF
     "$B" run --config "$T/$1.json" 2>"$T/$1.log" &
     PIDS+=($!)
 }
+# the link key of each pair (mode 0600; both configs name it)
+(umask 077; od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$T/link.key")
 for co in true false; do
     agent "p-$co" prefill $((PORT + 1)) "d-$co" $((PORT + 2)) $co
     agent "d-$co" decode $((PORT + 2)) "p-$co" $((PORT + 1)) $co
@@ -120,6 +123,9 @@ for co in true false; do
         fi
     done
     echo "   coalesce=$co: median $(median <"$T/e2e") GB/s over $n push(es), bytes verified"
+    # once per link, not per push: connect + challenge + hello + hello_ok
+    hs=$(grep -ho 'handshake [0-9.]* ms' "$T/p-$co.log" "$T/d-$co.log" | awk '{ print $2 }' | tr '\n' ' ')
+    echo "   authenticated handshake (connect to hello_ok verified, per link): ${hs:-?}ms"
     for p in "${PIDS[@]:1}"; do kill "$p" 2>/dev/null; done
     sleep 0.5
     PIDS=("${PIDS[0]}")

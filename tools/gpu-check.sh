@@ -21,6 +21,8 @@ PORT=${KV_GPU_PORT:-18950}
 PROVIDERS=${KV_GPU_PROVIDERS:-"tcp;ofi_rxm shm"}
 B=$ROOT/build
 T=$(mktemp -d /tmp/kv-gpu-check.XXXXXX)
+# the p<->d link key (both configs name it; mode 0600)
+(umask 077; od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > "$T/link.key")
 PIDS=()
 FAIL=0
 
@@ -64,8 +66,9 @@ config() {  # id role port peer_id peer_port provider dev
     cat >"$T/$1.json" <<EOF
 {"node_id":"$1","role":"$2","provider":"$6","allow_fallback":false,
  "rails":$( [ "$6" = shm ] && echo '"auto"' || echo '["lo"]' ),
- "listen":"127.0.0.1:$3","token":"gpu-check-token",
- "peers":[{"id":"$4","ctrl":"127.0.0.1:$5","role":"$( [ "$2" = prefill ] && echo decode || echo prefill )"}],
+ "listen":"127.0.0.1:$3",
+ "peers":[{"id":"$4","ctrl":"127.0.0.1:$5","role":"$( [ "$2" = prefill ] && echo decode || echo prefill )",
+           "key_file":"$T/link.key"}],
  "api_socket":"$T/$1.sock","state_path":"$T/$1.state",
  "pool":{"layers":80,"regions":2,"block_bytes":4096,"blocks":600,
          "memory":"$(MEM "$7")"},

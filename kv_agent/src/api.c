@@ -217,6 +217,7 @@ verb_info(kv_ctx_t *ctx)
         cJSON_AddNumberToObject(p, "free", ctx->free_blocks);
         cJSON_AddStringToObject(p, "memory", ctx->pool.cuda_dev >= 0
                                 ? "cuda" : "host");
+        cJSON_AddStringToObject(p, "access", kv_pool_access_name(ctx));
     }
     arr = cJSON_AddArrayToObject(j, "peers");
     for (i = 0; i < ctx->npeers; i++) {
@@ -227,6 +228,10 @@ verb_info(kv_ctx_t *ctx)
         cJSON_AddBoolToObject(o, "connected",
                               ctx->peers[i].out_state == KV_LINK_UP);
         cJSON_AddBoolToObject(o, "alive", ctx->peers[i].alive);
+        cJSON_AddStringToObject(o, "key_id", ctx->peers[i].conf.kid[0]);
+        cJSON_AddBoolToObject(o, "inbound", ctx->peers[i].in_conn >= 0);
+        cJSON_AddBoolToObject(o, "remote_pool",
+                              ctx->peers[i].remote.has_pool);
         cJSON_AddItemToArray(arr, o);
     }
     o = cJSON_AddObjectToObject(j, "stats");
@@ -237,6 +242,12 @@ verb_info(kv_ctx_t *ctx)
     cJSON_AddNumberToObject(o, "bytes_in", (double) ctx->stat_bytes_in);
     cJSON_AddNumberToObject(o, "reqs_ready", (double) ctx->stat_reqs_ready);
     cJSON_AddNumberToObject(o, "reqs_failed", (double) ctx->stat_reqs_failed);
+    cJSON_AddNumberToObject(o, "ctrl_unauthenticated",
+                            kv_ctrl_unauth_count(ctx));
+    cJSON_AddNumberToObject(o, "ctrl_refused",
+                            (double) ctx->stat_ctrl_refused);
+    cJSON_AddNumberToObject(o, "ctrl_hello_timeouts",
+                            (double) ctx->stat_ctrl_timeouts);
     return j;
 }
 

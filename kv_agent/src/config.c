@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <cjson/cJSON.h>
 
@@ -202,10 +203,69 @@ parse_pool(kv_config_t *c, cJSON *p, char *err, size_t elen)
 }
 
 
+/*
+ * The link's key(s): exactly one of "key" (hex), "keys" (one or two hex
+ * strings, the first is the one we prove with) or "key_file" (a file of
+ * one or two hex lines that others cannot read).
+ */
+static int
+parse_peer_keys(kv_config_t *c, kv_peer_conf_t *p, cJSON *e, char *err,
+    size_t elen)
+{
+    cJSON *k = cJSON_GetObjectItemCaseSensitive(e, "key");
+    cJSON *ks = cJSON_GetObjectItemCaseSensitive(e, "keys");
+    cJSON *kf = cJSON_GetObjectItemCaseSensitive(e, "key_file");
+    cJSON *x;
+
+    p->nkeys = 0;
+    if ((k != NULL) + (ks != NULL) + (kf != NULL) != 1) {
+        snprintf(err, elen, "peer %s: give exactly one of \"key\", \"keys\" "
+                 "or \"key_file\" (the key this link shares with %s's own "
+                 "configuration)", p->id, p->id);
+        return -1;
+    }
+    if (kf) {
+        if (!cJSON_IsString(kf) || kf->valuestring[0] == '\0') {
+            snprintf(err, elen, "peer %s: \"key_file\" must be a path",
+                     p->id);
+            return -1;
+        }
+        return kv_auth_key_file(p, kf->valuestring, err, elen);
+    }
+    c->inline_keys = 1;
+    if (k) {
+        if (!cJSON_IsString(k)) {
+            snprintf(err, elen, "peer %s: \"key\" must be a hex string",
+                     p->id);
+            return -1;
+        }
+        return kv_auth_key_hex(p, k->valuestring, "key", err, elen);
+    }
+    if (!cJSON_IsArray(ks) || cJSON_GetArraySize(ks) < 1) {
+        snprintf(err, elen, "peer %s: \"keys\" must be an array of one or "
+                 "two hex strings", p->id);
+        return -1;
+    }
+    cJSON_ArrayForEach(x, ks) {
+        if (!cJSON_IsString(x)) {
+            snprintf(err, elen, "peer %s: \"keys\" must be an array of one "
+                     "or two hex strings", p->id);
+            return -1;
+        }
+        if (kv_auth_key_hex(p, x->valuestring, "keys", err, elen) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+
 static int
 parse_peers(kv_config_t *c, cJSON *arr, char *err, size_t elen)
 {
-    static const char *const keys[] = { "id", "ctrl", "role", "http", NULL };
+    static const char *const keys[] = {
+        "id", "ctrl", "role", "http", "key", "keys", "key_file", NULL
+    };
     kv_peer_conf_t *p;
     char role[32], host[KV_ADDR_LEN];
     cJSON *e;
@@ -246,6 +306,9 @@ parse_peers(kv_config_t *c, cJSON *arr, char *err, size_t elen)
         }
         if (strcmp(p->id, c->node_id) == 0) {
             snprintf(err, elen, "peer id %s is this node's id", p->id);
+            return -1;
+        }
+        if (parse_peer_keys(c, p, e, err, elen) != 0) {
             return -1;
         }
         for (i = 0; i < c->npeers; i++) {
@@ -294,7 +357,11 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
     static const char *const keys[] = {
         "node_id", "role", "http", "provider", "allow_fallback", "rails",
         "listen", "token", "peers", "api_socket", "state_path", "state",
-        "pool", "timeouts", "transfer", "api", "log_level", NULL
+        "pool", "timeouts", "transfer", "api", "ctrl", "log_level", NULL
+    };
+    static const char *const ctrl_keys[] = {
+        "hello_timeout_ms", "max_unauthenticated", "max_peer_connects",
+        "peer_connect_window_ms", NULL
     };
     static const char *const st_keys[] = { "max_nodes", "max_reqs", NULL };
     static const char *const to_keys[] = {
@@ -327,7 +394,6 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
         || get_bool(root, "allow_fallback", &c->allow_fallback, err, elen)
         || get_str(root, "listen", c->listen, sizeof(c->listen), 1, err,
                    elen)
-        || get_str(root, "token", c->token, sizeof(c->token), 1, err, elen)
         || get_str(root, "api_socket", c->api_socket, sizeof(c->api_socket),
                    0, err, elen)
         || get_str(root, "state_path", c->state_path, sizeof(c->state_path),
@@ -346,8 +412,12 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
                  role);
         return -1;
     }
-    if (strlen(c->token) < 8) {
-        snprintf(err, elen, "\"token\" must be at least 8 characters");
+    if (cJSON_GetObjectItemCaseSensitive(root, "token") != NULL) {
+        snprintf(err, elen, "\"token\" (one plaintext secret sent in every "
+                 "hello) is no longer supported: remove it and give each "
+                 "entry of \"peers\" the key of that link as \"key_file\" "
+                 "(or \"key\"), the same on both ends; see kv_agent/README.md, "
+                 "\"Authentication\"");
         return -1;
     }
     if (kv_parse_hostport(c->listen, host, sizeof(host), &port)) {
@@ -427,6 +497,20 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
         }
         c->max_msg = (uint32_t) v;
     }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "ctrl"))) {
+        if (only_keys(o, "ctrl", ctrl_keys, err, elen)
+            || get_int(o, "hello_timeout_ms", &c->hello_timeout_ms, 50,
+                       60000, err, elen)
+            || get_int(o, "max_unauthenticated", &c->max_unauth, 1, 4096,
+                       err, elen)
+            || get_int(o, "max_peer_connects", &c->max_peer_connects, 1, 64,
+                       err, elen)
+            || get_int(o, "peer_connect_window_ms",
+                       &c->peer_connect_window_ms, 0, 3600000, err, elen))
+        {
+            return -1;
+        }
+    }
     if (c->role != DPD_ROLE_ROUTER && !c->has_pool) {
         snprintf(err, elen, "a %s node needs a \"pool\"", role);
         return -1;
@@ -458,6 +542,10 @@ defaults(kv_config_t *c)
     c->coalesce = 1;
     c->max_msg = KV_MSG_MAX_DEF;
     c->max_clients = 256;
+    c->hello_timeout_ms = 1000;
+    c->max_unauth = 64;
+    c->max_peer_connects = 10;
+    c->peer_connect_window_ms = 10000;
     c->log_level = KV_LOG_INFO;
 }
 
@@ -465,6 +553,7 @@ defaults(kv_config_t *c)
 int
 kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
 {
+    struct stat sb;
     FILE *f;
     char *buf;
     long n;
@@ -504,7 +593,15 @@ kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
     }
     rc = parse_root(c, root, err, elen);
     cJSON_Delete(root);
+    explicit_bzero(buf, n);
     free(buf);
+    if (rc == 0 && c->inline_keys && stat(path, &sb) == 0
+        && (sb.st_mode & S_IROTH))
+    {
+        kv_warn("config: %s holds keys and is readable by every user "
+                "(mode %04o): chmod 600 it, or move the keys to key_file",
+                path, (unsigned) (sb.st_mode & 07777));
+    }
     if (rc) {
         char tmp[512];
         snprintf(tmp, sizeof(tmp), "%s: %s", path, err);

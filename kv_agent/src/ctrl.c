@@ -4,9 +4,17 @@
  * Every agent connects out to every configured peer (reconnecting while it
  * is away) and accepts their connections.  The outbound link carries our
  * hello, heartbeats, request events and push_begin; the inbound one their
- * replies come back on.  A hello carries the shared token (checked in
- * constant time, and only configured peer ids are accepted), the fabric
- * address blob, key and base address of every rail, and the pool geometry.
+ * replies come back on.
+ *
+ * Handshake (auth.c has the proofs):
+ *   listener -> connector  challenge {node, nonce_s}
+ *   connector -> listener  hello {node, peer, nonce_c, key_id, proof_c}
+ *   listener -> connector  hello_ok {node, proof_s, rails, pool}
+ * Only configured peer ids are accepted, each with its own link key; the
+ * connector believes nothing in hello_ok before proof_s verifies.  Fabric
+ * addresses go to prefill and decode peers, the pool's MR key and base
+ * address only from a decode node to an authenticated prefill peer (the
+ * only role that writes into it); routers get neither.
  */
 
 #include <errno.h>
@@ -23,7 +31,9 @@
 
 #include "kv.h"
 
-#define KV_CTRL_VERSION 1
+#define KV_CTRL_VERSION 2
+
+static void hs_fail(kv_ctx_t *ctx, int peer, const char *why);
 
 
 static int
@@ -60,7 +70,7 @@ kv_ctrl_listen(kv_ctx_t *ctx)
     if (fd < 0
         || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0
         || bind(fd, res->ai_addr, res->ai_addrlen) != 0
-        || listen(fd, 64) != 0)
+        || listen(fd, SOMAXCONN) != 0)
     {
         kv_err("ctrl: cannot listen on %s: %s", ctx->cfg.listen,
                strerror(errno));
@@ -91,19 +101,6 @@ kv_ctrl_peer_find(kv_ctx_t *ctx, const char *id)
 }
 
 
-static int
-token_ok(const char *want, const char *got)
-{
-    size_t lw = strlen(want), lg = strlen(got), i;
-    unsigned char diff = (unsigned char) (lw != lg);
-
-    for (i = 0; i < lw; i++) {
-        diff |= (unsigned char) (want[i] ^ (i < lg ? got[i] : 0));
-    }
-    return diff == 0;
-}
-
-
 static uint32_t
 inflight_count(kv_ctx_t *ctx)
 {
@@ -122,29 +119,37 @@ inflight_count(kv_ctx_t *ctx)
 }
 
 
+/* Our part of hello_ok for an authenticated peer: fabric addresses for the
+ * nodes that move KV, the pool's key and base only for a prefill peer of a
+ * decode node, geometry for everyone (routers size their records). */
 static cJSON *
-hello_json(kv_ctx_t *ctx, const char *type)
+hello_ok_json(kv_ctx_t *ctx, int peer, const uint8_t proof[KV_MAC_LEN])
 {
     cJSON *j = cJSON_CreateObject(), *rails, *o, *g;
     char hex[2 * KV_FABADDR_LEN + 1];
+    uint32_t prole = ctx->peers[peer].conf.role;
+    int i, give_addr, give_key;
     kv_rail_t *r;
-    int i;
 
-    cJSON_AddStringToObject(j, "type", type);
+    give_addr = prole == DPD_ROLE_PREFILL || prole == DPD_ROLE_DECODE;
+    give_key = give_addr && prole == DPD_ROLE_PREFILL
+               && ctx->cfg.role == DPD_ROLE_DECODE && ctx->pool.registered;
+    cJSON_AddStringToObject(j, "type", "hello_ok");
     cJSON_AddNumberToObject(j, "version", KV_CTRL_VERSION);
     cJSON_AddStringToObject(j, "node", ctx->cfg.node_id);
-    cJSON_AddStringToObject(j, "token", ctx->cfg.token);
+    kv_hex_encode(proof, KV_MAC_LEN, hex);
+    cJSON_AddStringToObject(j, "proof", hex);
     cJSON_AddStringToObject(j, "role", dpd_state_role_name(ctx->cfg.role));
     cJSON_AddStringToObject(j, "http", ctx->cfg.http);
     rails = cJSON_AddArrayToObject(j, "rails");
-    for (i = 0; ctx->fab_ok && i < ctx->fab.nrails; i++) {
+    for (i = 0; give_addr && ctx->fab_ok && i < ctx->fab.nrails; i++) {
         r = &ctx->fab.rail[i];
         o = cJSON_CreateObject();
         kv_hex_encode(r->addr, r->addrlen, hex);
         cJSON_AddStringToObject(o, "addr", hex);
         cJSON_AddStringToObject(o, "provider",
                                 r->info->fabric_attr->prov_name);
-        if (ctx->pool.registered) {
+        if (give_key) {
             /* keys and addresses are 64-bit: strings keep them exact */
             char num[32];
             snprintf(num, sizeof(num), "%llu",
@@ -161,6 +166,18 @@ hello_json(kv_ctx_t *ctx, const char *type)
         kv_layout_json(g, &ctx->cfg.layout);
     }
     return j;
+}
+
+
+static int
+get_hex(cJSON *j, const char *k, uint8_t *out, size_t len)
+{
+    cJSON *v = cJSON_GetObjectItemCaseSensitive(j, k);
+    size_t n;
+
+    return cJSON_IsString(v) && strlen(v->valuestring) == 2 * len
+           && kv_hex_decode(v->valuestring, out, len, &n) == 0 && n == len
+           ? 0 : -1;
 }
 
 
@@ -189,7 +206,7 @@ learn_remote(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j, char *err, size_t elen)
     uint8_t blob[KV_FABADDR_LEN];
     kv_layout_t l;
     size_t n;
-    int i = 0;
+    int i = 0, keys = 0;
 
     av_forget(ctx, pe);
     memset(&l, 0, sizeof(l));
@@ -241,11 +258,13 @@ learn_remote(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j, char *err, size_t elen)
         if (cJSON_IsString(k) && cJSON_IsString(b)) {
             pe->remote.key[i] = strtoull(k->valuestring, NULL, 10);
             pe->remote.base[i] = strtoull(b->valuestring, NULL, 10);
+            keys++;
         }
         i++;
     }
     pe->remote.nrails = i;
-    pe->remote.has_pool = cJSON_IsObject(g) && i > 0;
+    /* a pool we may write: geometry and a key for every rail */
+    pe->remote.has_pool = cJSON_IsObject(g) && i > 0 && keys == i;
     return 0;
 }
 
@@ -376,6 +395,7 @@ connect_peer(kv_ctx_t *ctx, int peer)
     }
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     kv_conn_init(&pe->out, fd);
+    pe->t_connect_s = kv_now_s();
     if (connect(fd, res->ai_addr, res->ai_addrlen) != 0
         && errno != EINPROGRESS)
     {
@@ -423,6 +443,10 @@ kv_ctrl_tick(kv_ctx_t *ctx, uint64_t now)
         pe = &ctx->peers[i];
         if (pe->out_state == KV_LINK_DOWN && now >= pe->next_connect_ms) {
             connect_peer(ctx, i);
+        } else if (pe->out_state == KV_LINK_HELLO
+                   && now > pe->hs_deadline_ms)
+        {
+            hs_fail(ctx, i, "no handshake within hello_timeout_ms");
         }
         if (pe->alive && now > pe->last_heard_ms
                                + (uint64_t) ctx->cfg.dead_after_ms)
@@ -441,6 +465,137 @@ kv_ctrl_tick(kv_ctx_t *ctx, uint64_t now)
 }
 
 
+/* A failed outbound handshake: warned once until the link comes up. */
+static void
+hs_fail(kv_ctx_t *ctx, int peer, const char *why)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+
+    if (!pe->warned_auth) {
+        kv_warn("ctrl: handshake with %s failed: %s", pe->conf.id, why);
+        pe->warned_auth = 1;
+    }
+    pe->warned_down = 0;
+    kv_ctrl_link_down(ctx, peer, why);
+    pe->warned_down = 1;
+}
+
+
+static int
+version_ok(cJSON *j)
+{
+    cJSON *v = cJSON_GetObjectItemCaseSensitive(j, "version");
+
+    return cJSON_IsNumber(v) && v->valuedouble == KV_CTRL_VERSION;
+}
+
+
+/* The listener's challenge: answer with our nonce and proof. */
+static void
+out_challenge(kv_ctx_t *ctx, int peer, cJSON *j)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+    cJSON *jn = cJSON_GetObjectItemCaseSensitive(j, "node"), *h;
+    uint8_t proof[KV_MAC_LEN];
+    char hex[2 * KV_MAC_LEN + 1], why[200];
+
+    if (pe->got_challenge) {
+        hs_fail(ctx, peer, "a second challenge");
+        return;
+    }
+    if (!version_ok(j)) {
+        hs_fail(ctx, peer, "the peer speaks another control protocol "
+                "version (this agent speaks 2)");
+        return;
+    }
+    if (!cJSON_IsString(jn) || strcmp(jn->valuestring, pe->conf.id) != 0) {
+        snprintf(why, sizeof(why), "the listener at %s says it is %.64s",
+                 pe->conf.ctrl, cJSON_IsString(jn) ? jn->valuestring : "?");
+        hs_fail(ctx, peer, why);
+        return;
+    }
+    if (get_hex(j, "nonce", pe->nonce_s, KV_NONCE_LEN) != 0) {
+        hs_fail(ctx, peer, "malformed challenge");
+        return;
+    }
+    if (kv_auth_nonce(pe->nonce_c, KV_NONCE_LEN) != 0
+        || kv_auth_proof(pe->conf.key[0], pe->conf.keylen[0], KV_AUTH_CLIENT,
+                         ctx->cfg.node_id, ctx->cfg.role, pe->conf.id,
+                         pe->conf.role, pe->nonce_c, pe->nonce_s,
+                         pe->conf.kid[0], proof) != 0)
+    {
+        hs_fail(ctx, peer, "no random bytes or HMAC failed (libcrypto)");
+        return;
+    }
+    pe->got_challenge = 1;
+    h = cJSON_CreateObject();
+    cJSON_AddStringToObject(h, "type", "hello");
+    cJSON_AddNumberToObject(h, "version", KV_CTRL_VERSION);
+    cJSON_AddStringToObject(h, "node", ctx->cfg.node_id);
+    cJSON_AddStringToObject(h, "peer", pe->conf.id);
+    kv_hex_encode(pe->nonce_c, KV_NONCE_LEN, hex);
+    cJSON_AddStringToObject(h, "nonce", hex);
+    cJSON_AddStringToObject(h, "key_id", pe->conf.kid[0]);
+    kv_hex_encode(proof, KV_MAC_LEN, hex);
+    cJSON_AddStringToObject(h, "proof", hex);
+    kv_ctrl_send(ctx, peer, h);
+}
+
+
+/* hello_ok: nothing in it is believed before the listener's proof. */
+static void
+out_hello_ok(kv_ctx_t *ctx, int peer, cJSON *j)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+    cJSON *jn = cJSON_GetObjectItemCaseSensitive(j, "node");
+    uint8_t want[KV_MAC_LEN], got[KV_MAC_LEN];
+    char err[200];
+    uint32_t i;
+
+    if (!pe->got_challenge) {
+        hs_fail(ctx, peer, "hello_ok without a challenge");
+        return;
+    }
+    if (!version_ok(j) || !cJSON_IsString(jn)
+        || strcmp(jn->valuestring, pe->conf.id) != 0
+        || get_hex(j, "proof", got, KV_MAC_LEN) != 0
+        || kv_auth_proof(pe->conf.key[0], pe->conf.keylen[0], KV_AUTH_SERVER,
+                         ctx->cfg.node_id, ctx->cfg.role, pe->conf.id,
+                         pe->conf.role, pe->nonce_c, pe->nonce_s,
+                         pe->conf.kid[0], want) != 0
+        || !kv_auth_equal(want, got, KV_MAC_LEN))
+    {
+        snprintf(err, sizeof(err), "the listener at %s did not prove key %s "
+                 "(wrong key, or not %s)", pe->conf.ctrl, pe->conf.kid[0],
+                 pe->conf.id);
+        hs_fail(ctx, peer, err);
+        return;
+    }
+    err[0] = '\0';
+    if (learn_remote(ctx, pe, j, err, sizeof(err)) != 0) {
+        hs_fail(ctx, peer, err);
+        return;
+    }
+    pe->out_state = KV_LINK_UP;
+    pe->warned_down = 0;
+    pe->warned_auth = 0;
+    pe->link_gen++;
+    peer_heard(ctx, peer);
+    kv_info("ctrl: connected to %s (%s, %d rail(s)%s, key %s, handshake "
+            "%.3f ms)", pe->conf.id, dpd_state_role_name(pe->conf.role),
+            pe->remote.nrails, pe->remote.has_pool ? ", pool" : "",
+            pe->conf.kid[0], (kv_now_s() - pe->t_connect_s) * 1e3);
+    if (pe->conf.role == DPD_ROLE_ROUTER) {
+        /* a (re)connected router learns every request we hold */
+        for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+            if (ctx->rreq[i].used) {
+                kv_ctrl_req_event(ctx, &ctx->rreq[i]);
+            }
+        }
+    }
+}
+
+
 static void
 out_message(kv_ctx_t *ctx, int peer, cJSON *j)
 {
@@ -452,44 +607,36 @@ out_message(kv_ctx_t *ctx, int peer, cJSON *j)
     if (!cJSON_IsString(t)) {
         return;
     }
-    peer_heard(ctx, peer);
-    if (strcmp(t->valuestring, "hello_ok") == 0
-        && pe->out_state == KV_LINK_HELLO)
-    {
-        err[0] = '\0';
-        if (learn_remote(ctx, pe, j, err, sizeof(err)) != 0) {
-            kv_warn("ctrl: peer %s: %s", pe->conf.id, err);
-            kv_ctrl_link_down(ctx, peer, err);
-            return;
-        }
-        pe->out_state = KV_LINK_UP;
-        pe->warned_down = 0;
-        pe->link_gen++;
-        kv_info("ctrl: connected to %s (%s, %d rail(s)%s)", pe->conf.id,
-                dpd_state_role_name(pe->conf.role), pe->remote.nrails,
-                pe->remote.has_pool ? ", pool" : "");
-        if (pe->conf.role == DPD_ROLE_ROUTER) {
-            /* a (re)connected router learns every request we hold */
-            uint32_t i;
-            for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
-                if (ctx->rreq[i].used) {
-                    kv_ctrl_req_event(ctx, &ctx->rreq[i]);
-                }
-            }
-        }
-    } else if (strcmp(t->valuestring, "error") == 0) {
-        snprintf(err, sizeof(err), "rejected by %s: %s", pe->conf.id,
+    if (strcmp(t->valuestring, "error") == 0) {
+        snprintf(err, sizeof(err), "rejected by %s: %.160s", pe->conf.id,
                  cJSON_IsString(e) ? e->valuestring : "?");
-        if (!pe->warned_down || pe->out_state == KV_LINK_UP) {
+        if (!pe->warned_auth || pe->out_state == KV_LINK_UP) {
             kv_warn("ctrl: %s", err);
+            pe->warned_auth = 1;
         }
         pe->warned_down = 0;
         kv_ctrl_link_down(ctx, peer, err);
         pe->warned_down = 1;
-    } else if (strcmp(t->valuestring, "push_ok") == 0
-               || strcmp(t->valuestring, "push_err") == 0)
+        return;
+    }
+    if (pe->out_state == KV_LINK_HELLO) {
+        if (strcmp(t->valuestring, "challenge") == 0) {
+            out_challenge(ctx, peer, j);
+        } else if (strcmp(t->valuestring, "hello_ok") == 0) {
+            out_hello_ok(ctx, peer, j);
+        } else {
+            hs_fail(ctx, peer, "unexpected message during the handshake");
+        }
+        return;
+    }
+    peer_heard(ctx, peer);
+    if (strcmp(t->valuestring, "push_ok") == 0
+        || strcmp(t->valuestring, "push_err") == 0)
     {
         kv_push_begin_reply(ctx, peer, j);
+    } else {
+        kv_debug("ctrl: ignoring \"%s\" from %s", t->valuestring,
+                 pe->conf.id);
     }
 }
 
@@ -515,8 +662,10 @@ kv_ctrl_out_event(kv_ctx_t *ctx, int peer, short revents)
             kv_ctrl_link_down(ctx, peer, strerror(soerr ? soerr : errno));
             return;
         }
+        /* the listener speaks first (its challenge) */
         pe->out_state = KV_LINK_HELLO;
-        kv_ctrl_send(ctx, peer, hello_json(ctx, "hello"));
+        pe->got_challenge = 0;
+        pe->hs_deadline_ms = kv_now_ms() + ctx->cfg.hello_timeout_ms;
         return;
     }
     if (revents & POLLOUT) {
@@ -636,19 +785,88 @@ router_req_event(kv_ctx_t *ctx, int peer, cJSON *j)
 }
 
 
+/* Send our challenge on a freshly accepted control connection. */
+int
+kv_ctrl_accepted(kv_ctx_t *ctx, int client)
+{
+    kv_client_t *c = &ctx->clients[client];
+    char hex[2 * KV_NONCE_LEN + 1];
+    cJSON *j;
+
+    if (kv_auth_nonce(c->nonce_s, KV_NONCE_LEN) != 0) {
+        kv_err("ctrl: no random bytes for a challenge (libcrypto)");
+        return -1;
+    }
+    kv_hex_encode(c->nonce_s, KV_NONCE_LEN, hex);
+    j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "type", "challenge");
+    cJSON_AddNumberToObject(j, "version", KV_CTRL_VERSION);
+    cJSON_AddStringToObject(j, "node", ctx->cfg.node_id);
+    cJSON_AddStringToObject(j, "nonce", hex);
+    return kv_client_send(ctx, client, j);
+}
+
+
+int
+kv_ctrl_unauth_count(kv_ctx_t *ctx)
+{
+    int i, n = 0;
+
+    for (i = 0; i < ctx->nclients; i++) {
+        n += ctx->clients[i].used && ctx->clients[i].is_peer
+             && ctx->clients[i].peer < 0;
+    }
+    return n;
+}
+
+
+/* max_peer_connects accepted handshakes per peer_connect_window_ms. */
+static int
+connect_budget_ok(kv_ctx_t *ctx, kv_peer_t *pe, uint64_t now)
+{
+    uint32_t n = (uint32_t) ctx->cfg.max_peer_connects;
+    uint32_t slot = pe->in_accepts_n % n;
+
+    if (ctx->cfg.peer_connect_window_ms > 0 && pe->in_accepts_n >= n
+        && now < pe->in_accepts[slot] + ctx->cfg.peer_connect_window_ms)
+    {
+        return 0;
+    }
+    pe->in_accepts[slot] = now;
+    pe->in_accepts_n++;
+    return 1;
+}
+
+
 static int
 in_hello(kv_ctx_t *ctx, int client, cJSON *j)
 {
+    kv_client_t *c = &ctx->clients[client];
     cJSON *jn = cJSON_GetObjectItemCaseSensitive(j, "node");
-    cJSON *jt = cJSON_GetObjectItemCaseSensitive(j, "token");
+    cJSON *jp = cJSON_GetObjectItemCaseSensitive(j, "peer");
+    cJSON *jk = cJSON_GetObjectItemCaseSensitive(j, "key_id");
+    uint8_t nc[KV_NONCE_LEN], got[KV_MAC_LEN], want[KV_MAC_LEN];
+    const char *wire = "authentication failed";
     cJSON *reply;
     kv_peer_t *pe;
-    char err[200];
-    int peer, old;
+    char err[256], wbuf[200];
+    int peer, old, k;
 
     err[0] = '\0';
-    if (!cJSON_IsString(jn) || !cJSON_IsString(jt)) {
-        snprintf(err, sizeof(err), "hello needs node and token");
+    if (!version_ok(j)) {
+        snprintf(err, sizeof(err), "hello without control protocol version "
+                 "%d (an older agent sending a plaintext token?)",
+                 KV_CTRL_VERSION);
+        wire = "control protocol version 2 required (mutual key "
+               "authentication): upgrade this agent and give it the link key";
+        goto reject;
+    }
+    if (!cJSON_IsString(jn) || !cJSON_IsString(jp) || !cJSON_IsString(jk)
+        || get_hex(j, "nonce", nc, KV_NONCE_LEN) != 0
+        || get_hex(j, "proof", got, KV_MAC_LEN) != 0)
+    {
+        snprintf(err, sizeof(err), "malformed hello");
+        wire = "malformed hello";
         goto reject;
     }
     peer = kv_ctrl_peer_find(ctx, jn->valuestring);
@@ -657,12 +875,55 @@ in_hello(kv_ctx_t *ctx, int client, cJSON *j)
                  jn->valuestring);
         goto reject;
     }
-    if (!token_ok(ctx->cfg.token, jt->valuestring)) {
-        snprintf(err, sizeof(err), "bad token from node %.64s",
-                 jn->valuestring);
+    pe = &ctx->peers[peer];
+    if (strcmp(jp->valuestring, ctx->cfg.node_id) != 0) {
+        snprintf(err, sizeof(err), "node %.64s meant its hello for %.64s",
+                 pe->conf.id, jp->valuestring);
         goto reject;
     }
-    pe = &ctx->peers[peer];
+    for (k = 0; k < pe->conf.nkeys; k++) {
+        if (strcmp(pe->conf.kid[k], jk->valuestring) == 0) {
+            break;
+        }
+    }
+    if (k == pe->conf.nkeys) {
+        snprintf(err, sizeof(err), "node %.64s uses key %.20s, which is not "
+                 "one of its keys here (%s%s%s)", pe->conf.id,
+                 jk->valuestring, pe->conf.kid[0],
+                 pe->conf.nkeys > 1 ? ", " : "",
+                 pe->conf.nkeys > 1 ? pe->conf.kid[1] : "");
+        snprintf(wbuf, sizeof(wbuf), "authentication failed: key %.20s is "
+                 "not a key of this link here", jk->valuestring);
+        wire = wbuf;
+        goto reject;
+    }
+    if (kv_auth_proof(pe->conf.key[k], pe->conf.keylen[k], KV_AUTH_CLIENT,
+                      pe->conf.id, pe->conf.role, ctx->cfg.node_id,
+                      ctx->cfg.role, nc, c->nonce_s, pe->conf.kid[k], want)
+        != 0
+        || !kv_auth_equal(want, got, KV_MAC_LEN))
+    {
+        snprintf(err, sizeof(err), "node %.64s did not prove key %s (another "
+                 "key, a replayed or reflected hello, or roles that differ "
+                 "between the two configurations)", pe->conf.id,
+                 pe->conf.kid[k]);
+        goto reject;
+    }
+    if (!connect_budget_ok(ctx, pe, kv_now_ms())) {
+        snprintf(err, sizeof(err), "node %.64s connected %d times within "
+                 "%d ms (max_peer_connects)", pe->conf.id,
+                 ctx->cfg.max_peer_connects, ctx->cfg.peer_connect_window_ms);
+        wire = "too many connections; retry later";
+        goto reject;
+    }
+    if (kv_auth_proof(pe->conf.key[k], pe->conf.keylen[k], KV_AUTH_SERVER,
+                      pe->conf.id, pe->conf.role, ctx->cfg.node_id,
+                      ctx->cfg.role, nc, c->nonce_s, pe->conf.kid[k], want)
+        != 0)
+    {
+        snprintf(err, sizeof(err), "HMAC failed (libcrypto)");
+        goto reject;
+    }
     old = pe->in_conn;
     if (old >= 0 && old != client) {
         /* the peer came back (restart): its old incarnation's transfers
@@ -672,19 +933,19 @@ in_hello(kv_ctx_t *ctx, int client, cJSON *j)
         kv_rreq_peer_down(ctx, peer, "peer reconnected");
     }
     pe->in_conn = client;
-    ctx->clients[client].peer = peer;
+    c->peer = peer;
     peer_heard(ctx, peer);
-    kv_info("ctrl: accepted %s", pe->conf.id);
-    reply = hello_json(ctx, "hello_ok");
+    kv_info("ctrl: accepted %s (key %s)", pe->conf.id, pe->conf.kid[k]);
+    reply = hello_ok_json(ctx, peer, want);
     return kv_client_send(ctx, client, reply);
 
 reject:
     kv_warn("ctrl: rejected a peer: %s", err);
     reply = cJSON_CreateObject();
     cJSON_AddStringToObject(reply, "type", "error");
-    cJSON_AddStringToObject(reply, "error", err);
+    cJSON_AddStringToObject(reply, "error", wire);
     kv_client_send(ctx, client, reply);
-    ctx->clients[client].conn.closing = 1;
+    c->conn.closing = 1;
     return 0;
 }
 
@@ -724,7 +985,13 @@ kv_ctrl_in_msg(kv_ctx_t *ctx, int client, char *msg, uint32_t len)
         pe->inflight = (uint32_t) num(j, "inflight");
         kv_ctrl_update_node(ctx, peer);
     } else if (strcmp(t->valuestring, "req") == 0) {
-        router_req_event(ctx, peer, j);
+        /* only decode nodes hold requests: nobody else reports them */
+        if (pe->conf.role == DPD_ROLE_DECODE) {
+            router_req_event(ctx, peer, j);
+        } else {
+            kv_debug("ctrl: ignoring a request event from %s node %s",
+                     dpd_state_role_name(pe->conf.role), pe->conf.id);
+        }
     } else if (strcmp(t->valuestring, "push_begin") == 0) {
         reply = cJSON_CreateObject();
         id = cJSON_GetObjectItemCaseSensitive(j, "id");

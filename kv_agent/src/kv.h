@@ -34,6 +34,13 @@
 #define KV_DONE_MAGIC     0x4b56444fu    /* "KVDO" */
 #define KV_NRECV          32             /* posted receives per rail */
 #define KV_NSEND          64             /* trailing-message buffers */
+#define KV_MAX_KEYS       2              /* per link: current + next */
+#define KV_KEY_MIN        16             /* key bytes */
+#define KV_KEY_MAX        64
+#define KV_KID_LEN        17             /* 8 bytes hex + NUL */
+#define KV_NONCE_LEN      32
+#define KV_MAC_LEN        32             /* HMAC-SHA-256 */
+#define KV_HELLO_MAX      4096           /* frame cap before authentication */
 
 /* ---- logging ---------------------------------------------------------- */
 
@@ -107,6 +114,12 @@ typedef struct {
     char     ctrl[KV_ADDR_LEN];    /* host:port of its control listener */
     char     http[KV_ADDR_LEN];    /* its vLLM */
     uint32_t role;
+    /* the link's keys (the same on both ends); key[0] is the one we prove
+     * with when we connect, any of them is accepted */
+    uint8_t  key[KV_MAX_KEYS][KV_KEY_MAX];
+    size_t   keylen[KV_MAX_KEYS];
+    char     kid[KV_MAX_KEYS][KV_KID_LEN];
+    int      nkeys;
 } kv_peer_conf_t;
 
 typedef struct {
@@ -118,7 +131,6 @@ typedef struct {
     char           rails[KV_MAX_RAILS][64];
     int            nrails;             /* 0 = auto (one) */
     char           listen[KV_ADDR_LEN];
-    char           token[128];
     kv_peer_conf_t peers[KV_MAX_PEERS];
     int            npeers;
     char           api_socket[108];
@@ -134,12 +146,34 @@ typedef struct {
     int            coalesce;
     uint32_t       max_msg;            /* API/control message cap */
     int            max_clients;
+    int            hello_timeout_ms;   /* handshake deadline, both sides */
+    int            max_unauth;         /* control conns before the hello */
+    int            max_peer_connects;  /* per peer id per window */
+    int            peer_connect_window_ms;
     int            debug_verbs;
     int            log_level;
+    int            inline_keys;        /* keys written in the config file */
 } kv_config_t;
 
 int kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen);
 uint32_t kv_role_parse(const char *s);
+
+/* ---- authentication (auth.c) ------------------------------------------ */
+
+enum { KV_AUTH_CLIENT = 1, KV_AUTH_SERVER = 2 };
+
+int  kv_auth_nonce(uint8_t *out, size_t n);
+int  kv_auth_key_id(const uint8_t *key, size_t klen, char out[KV_KID_LEN]);
+int  kv_auth_proof(const uint8_t *key, size_t klen, int dir,
+    const char *client_id, uint32_t client_role, const char *server_id,
+    uint32_t server_role, const uint8_t nc[KV_NONCE_LEN],
+    const uint8_t ns[KV_NONCE_LEN], const char *kid, uint8_t out[KV_MAC_LEN]);
+int  kv_auth_equal(const uint8_t *a, const uint8_t *b, size_t n);
+int  kv_auth_key_hex(kv_peer_conf_t *p, const char *hex, const char *where,
+    char *err, size_t elen);
+int  kv_auth_key_file(kv_peer_conf_t *p, const char *path, char *err,
+    size_t elen);
+void kv_auth_forget(kv_config_t *c);
 
 /* ---- state table writer ---------------------------------------------- */
 
@@ -280,6 +314,15 @@ typedef struct {
     uint64_t       free_blocks, total_blocks;
     uint32_t       inflight;
     int            warned_down;
+    int            warned_auth;        /* a refusal was logged at warn */
+    /* handshake of the outbound link */
+    uint8_t        nonce_c[KV_NONCE_LEN], nonce_s[KV_NONCE_LEN];
+    int            got_challenge;
+    uint64_t       hs_deadline_ms;
+    double         t_connect_s;
+    /* accepted inbound handshakes, for max_peer_connects (ring) */
+    uint64_t       in_accepts[64];
+    uint32_t       in_accepts_n;
 } kv_peer_t;
 
 enum {
@@ -344,6 +387,7 @@ typedef struct {
     int          is_peer;              /* control channel: inbound peer */
     int          peer;                 /* after hello, -1 before */
     uint64_t     t_open_ms;
+    uint8_t      nonce_s[KV_NONCE_LEN];  /* our challenge (control) */
 } kv_client_t;
 
 typedef struct {
@@ -398,6 +442,7 @@ typedef struct kv_ctx {
     volatile int stop;
     uint64_t     stat_pushes_ok, stat_pushes_failed, stat_bytes_out;
     uint64_t     stat_bytes_in, stat_reqs_ready, stat_reqs_failed;
+    uint64_t     stat_ctrl_refused, stat_ctrl_timeouts;
 } kv_ctx_t;
 
 /* trailing "done" message over the fabric (sent after all writes of a
@@ -421,6 +466,7 @@ int  kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, const char *hex, int dev,
     size_t size, char *err, size_t elen);
 int  kv_pool_register(kv_ctx_t *ctx);
 void kv_pool_unregister(kv_ctx_t *ctx);
+const char *kv_pool_access_name(kv_ctx_t *ctx);
 void kv_pool_free(kv_ctx_t *ctx);
 int  kv_pool_stage(kv_ctx_t *ctx, uint64_t off, uint64_t len, int to_gpu);
 int  kv_pool_read(kv_ctx_t *ctx, uint64_t off, void *dst, uint64_t len);
@@ -439,6 +485,8 @@ void kv_ctrl_req_event(kv_ctx_t *ctx, const kv_rreq_t *r);
 void kv_ctrl_update_node(kv_ctx_t *ctx, int peer);
 void kv_ctrl_update_self(kv_ctx_t *ctx);
 void kv_ctrl_inbound_closed(kv_ctx_t *ctx, int client);
+int  kv_ctrl_accepted(kv_ctx_t *ctx, int client);
+int  kv_ctrl_unauth_count(kv_ctx_t *ctx);
 
 /* xfer.c */
 int  kv_xfer_init(kv_ctx_t *ctx);

@@ -16,7 +16,6 @@
 
 #include "kv.h"
 
-#define KV_HELLO_TIMEOUT_MS 5000
 #define KV_IDLE_POLL_MS     5      /* CQ without a wait fd, idle */
 #define KV_WAIT_POLL_MS     20     /* timer granularity otherwise */
 
@@ -30,21 +29,44 @@ on_signal(int sig)
 }
 
 
+/*
+ * The slot table has separate budgets: max_clients local API connections,
+ * max_unauthenticated control connections that have not completed their
+ * handshake, and one per configured peer (a peer's new authenticated
+ * connection replaces its old one).  The table is as large as the sum, so
+ * no kind can take another's slots: a flood of idle TCP connections to the
+ * control port never locks the engine out of the local API.
+ */
 int
 kv_client_add(kv_ctx_t *ctx, int fd, int is_peer)
 {
-    int i, napi = 0, slot = -1;
+    int i, napi = 0, nunauth = 0, slot = -1;
 
     for (i = 0; i < ctx->nclients; i++) {
-        if (ctx->clients[i].used) {
-            napi += !ctx->clients[i].is_peer;
+        kv_client_t *c = &ctx->clients[i];
+        if (c->used) {
+            napi += !c->is_peer;
+            nunauth += c->is_peer && c->peer < 0;
         } else if (slot < 0) {
             slot = i;
         }
     }
-    if (slot < 0 || (!is_peer && napi >= ctx->cfg.max_clients)) {
-        kv_warn("%s: too many connections, refusing one",
-                is_peer ? "ctrl" : "api");
+    if (slot < 0 || (!is_peer && napi >= ctx->cfg.max_clients)
+        || (is_peer && nunauth >= ctx->cfg.max_unauth))
+    {
+        if (is_peer) {
+            ctx->stat_ctrl_refused++;
+            if (ctx->stat_ctrl_refused == 1
+                || ctx->stat_ctrl_refused % 1000 == 0)
+            {
+                kv_warn("ctrl: %d connections without a completed "
+                        "handshake: refusing more (%llu so far)",
+                        nunauth,
+                        (unsigned long long) ctx->stat_ctrl_refused);
+            }
+        } else {
+            kv_warn("api: too many connections, refusing one");
+        }
         close(fd);
         return -1;
     }
@@ -101,7 +123,7 @@ kv_client_send(kv_ctx_t *ctx, int i, cJSON *j)
 static void
 accept_all(kv_ctx_t *ctx, int lfd, int is_peer)
 {
-    int fd;
+    int fd, i;
 
     for ( ;; ) {
         fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -111,7 +133,10 @@ accept_all(kv_ctx_t *ctx, int lfd, int is_peer)
             }
             return;
         }
-        kv_client_add(ctx, fd, is_peer);
+        i = kv_client_add(ctx, fd, is_peer);
+        if (i >= 0 && is_peer && kv_ctrl_accepted(ctx, i) != 0) {
+            kv_client_close(ctx, i);
+        }
     }
 }
 
@@ -136,8 +161,10 @@ client_event(kv_ctx_t *ctx, int i, short revents)
         return;
     }
     while (c->used && !c->conn.closing) {
-        rc = kv_conn_read(&c->conn, ctx->cfg.max_msg, !c->is_peer, &msg,
-                          &len, &why);
+        /* before its handshake a control peer gets a small frame only */
+        rc = kv_conn_read(&c->conn, c->is_peer && c->peer < 0
+                                    ? KV_HELLO_MAX : ctx->cfg.max_msg,
+                          !c->is_peer, &msg, &len, &why);
         if (rc == 0) {
             break;
         }
@@ -191,10 +218,11 @@ housekeeping(kv_ctx_t *ctx, uint64_t now)
         {
             kv_client_close(ctx, i);
         } else if (c->is_peer && c->peer < 0
-                   && now > c->t_open_ms + KV_HELLO_TIMEOUT_MS)
+                   && now >= c->t_open_ms + ctx->cfg.hello_timeout_ms)
         {
-            kv_warn("ctrl: no hello within %d ms; closing",
-                    KV_HELLO_TIMEOUT_MS);
+            kv_debug("ctrl: no hello within %d ms; closing",
+                     ctx->cfg.hello_timeout_ms);
+            ctx->stat_ctrl_timeouts++;
             kv_client_close(ctx, i);
         }
     }
@@ -418,7 +446,8 @@ kv_run_main(int argc, char **argv)
         ctx->peers[i].out.fd = -1;
         ctx->peers[i].in_conn = -1;
     }
-    ctx->nclients = ctx->cfg.max_clients + 2 * KV_MAX_PEERS;
+    ctx->nclients = ctx->cfg.max_clients + ctx->cfg.max_unauth
+                    + KV_MAX_PEERS;
     ctx->clients = calloc(ctx->nclients, sizeof(kv_client_t));
     if (ctx->clients == NULL) {
         goto out;
@@ -456,6 +485,7 @@ kv_run_main(int argc, char **argv)
     for (i = 0; i < ctx->npeers; i++) {
         kv_ctrl_update_node(ctx, i);
     }
+    kv_auth_forget(&ctx->cfg);     /* the copies in ctx->peers remain */
     kv_info("ready");
     run_loop(ctx);
     if (kv_got_signal) {

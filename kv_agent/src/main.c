@@ -39,8 +39,13 @@ check_main(int argc, char **argv)
            c->has_pool && c->allow_fallback ? " (fall-back allowed)" : "",
            c->listen, c->npeers);
     for (i = 0; i < c->npeers; i++) {
-        printf("  peer %s (%s) at %s\n", c->peers[i].id,
-               dpd_state_role_name(c->peers[i].role), c->peers[i].ctrl);
+        printf("  peer %s (%s) at %s, key %s", c->peers[i].id,
+               dpd_state_role_name(c->peers[i].role), c->peers[i].ctrl,
+               c->peers[i].kid[0]);
+        if (c->peers[i].nkeys > 1) {
+            printf(" (also accepts %s)", c->peers[i].kid[1]);
+        }
+        printf("\n");
     }
     if (c->has_pool) {
         printf("pool: %u layers x %u regions x %u blocks x %llu bytes = "
@@ -50,6 +55,7 @@ check_main(int argc, char **argv)
                c->cuda_dev >= 0 ? "cuda" : "host");
     }
     printf("state table: %s\n", c->state_path);
+    kv_auth_forget(c);
     free(c);
     return 0;
 }

@@ -19,7 +19,27 @@
 
 #include "kv.h"
 
-#define KV_POOL_ACCESS (FI_WRITE | FI_REMOTE_WRITE | FI_READ | FI_REMOTE_READ)
+/*
+ * Least privilege: a decode pool is only ever the target of prefill peers'
+ * RMA writes (FI_REMOTE_WRITE; nothing reads it remotely, and the agent
+ * never posts an operation from it); a prefill pool is only ever the local
+ * source of our own writes (FI_WRITE, the access FI_MR_LOCAL needs for the
+ * descriptor) and is not remotely accessible.
+ */
+static uint64_t
+pool_access(kv_ctx_t *ctx)
+{
+    return ctx->cfg.role == DPD_ROLE_DECODE ? FI_REMOTE_WRITE : FI_WRITE;
+}
+
+
+const char *
+kv_pool_access_name(kv_ctx_t *ctx)
+{
+    return ctx->cfg.role == DPD_ROLE_DECODE
+           ? "FI_REMOTE_WRITE (remote write only)"
+           : "FI_WRITE (local source only, no remote access)";
+}
 
 
 static int
@@ -223,7 +243,7 @@ kv_pool_register(kv_ctx_t *ctx)
     }
     for (i = 0; i < ctx->fab.nrails; i++) {
         r = &ctx->fab.rail[i];
-        if (kv_rail_reg(r, p->fab_base, p->size, dev, KV_POOL_ACCESS,
+        if (kv_rail_reg(r, p->fab_base, p->size, dev, pool_access(ctx),
                         &r->pool_mr, &r->pool_desc, &r->pool_key) != 0)
         {
             kv_pool_unregister(ctx);
@@ -231,6 +251,10 @@ kv_pool_register(kv_ctx_t *ctx)
         }
     }
     p->registered = 1;
+    kv_info("pool: registered %zu bytes on %d rail(s), access %s%s",
+            p->size, ctx->fab.nrails, kv_pool_access_name(ctx),
+            ctx->cfg.role == DPD_ROLE_DECODE
+            ? "; its key goes to authenticated prefill peers only" : "");
     return 0;
 }
 

@@ -27,23 +27,51 @@ sub write_file {
 # --- configuration errors: exit 2 with a message that names the problem --
 my @bad = (
     [ '{"node_id": "a",', qr/invalid JSON near byte/, "truncated JSON" ],
-    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1","token":'
-      . '"12345678","colour":"blue"}', qr/unknown key "colour"/,
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
+      . '"colour":"blue"}', qr/unknown key "colour"/,
       "unknown key" ],
-    [ '{"node_id":"a","role":"chef","listen":"127.0.0.1:1",'
-      . '"token":"12345678"}', qr/role "chef" is not prefill, decode or/,
-      "bad role" ],
+    [ '{"node_id":"a","role":"chef","listen":"127.0.0.1:1"}',
+      qr/role "chef" is not prefill, decode or/, "bad role" ],
     [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
-      . '"token":"short"}', qr/token.*at least 8/, "short token" ],
+      . '"token":"12345678"}',
+      qr/"token" \(one plaintext secret sent in every hello\) is no longer (?#
+         )supported: remove it and give each entry of "peers" the key of (?#
+         )that link as "key_file"/,
+      "the old shared token: an error that says what to change" ],
+    [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+      . '"peers":[{"id":"b","ctrl":"127.0.0.1:2"}]}',
+      qr/peer b: give exactly one of "key", "keys" or "key_file"/,
+      "a peer without a key" ],
+    [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+      . '"peers":[{"id":"b","ctrl":"127.0.0.1:2","key":"00112233"}]}',
+      qr/peer b: key: a key is 16 to 64 bytes written as hex/,
+      "a short key" ],
+    [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+      . '"peers":[{"id":"b","ctrl":"127.0.0.1:2","key":"'
+      . ("zz" x 32) . '"}]}',
+      qr/peer b: key: a key is 16 to 64 bytes written as hex/,
+      "a key that is not hex" ],
+    [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+      . '"peers":[{"id":"b","ctrl":"127.0.0.1:2","keys":["'
+      . ("ab" x 32) . '","' . ("cd" x 32) . '","' . ("ef" x 32) . '"]}]}',
+      qr/peer b: at most 2 keys/, "three keys for one link" ],
+    [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+      . '"peers":[{"id":"b","ctrl":"127.0.0.1:2","key_file":"'
+      . "$dir/no-such.key" . '"}]}',
+      qr/peer b: key_file .*no-such\.key: No such file/,
+      "a missing key file" ],
+    [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+      . '"ctrl":{"hello_timeout_ms":0}}',
+      qr/"hello_timeout_ms" must be an integer in \[50, 60000\]/,
+      "hello timeout out of range" ],
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1"}',
+      qr/a decode node needs a "pool"/, "decode without pool" ],
     [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
-      . '"token":"12345678"}', qr/a decode node needs a "pool"/,
-      "decode without pool" ],
-    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
-      . '"token":"12345678","pool":{"layers":0,"block_bytes":4096,'
+      . '"pool":{"layers":0,"block_bytes":4096,'
       . '"blocks":4}}', qr/"layers" must be an integer in \[1, 4096\]/,
       "zero layers" ],
     [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
-      . '"token":"12345678","pool":{"layers":2,"block_bytes":4096,'
+      . '"pool":{"layers":2,"block_bytes":4096,'
       . '"blocks":4,"memory":"tpu:0"}}', qr/not host or cuda:<dev>/,
       "bad memory kind" ],
 );
@@ -56,8 +84,50 @@ for my $b (@bad) {
 my $out = `$bin run --config $dir/missing.json 2>&1`;
 like($out, qr/missing\.json: No such file/, "missing config file named");
 
-# the example configurations shipped in conf/kv_agent are valid
-for my $f (glob(kv_root() . "/conf/kv_agent/*.json")) {
+# --- key files: readable by others -> refused; 0600 -> accepted ---------
+{
+    my $kf = "$dir/a+b.key";
+    write_file($kf, "# the a-b link\n" . ("5a" x 32) . "\n");
+    my $cfg = '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+        . '"peers":[{"id":"b","ctrl":"127.0.0.1:2","key_file":"' . $kf
+        . '"}]}';
+    write_file("$dir/kf.json", $cfg);
+    chmod 0644, $kf;
+    my $o = `$bin check --config $dir/kf.json 2>&1`;
+    ok($? >> 8 == 2 && $o =~ /key_file \S+a\+b\.key is mode 0644: others (?#
+       )may read or change it \(chmod 600 or 640\)/,
+       "a world-readable key file is refused") or diag($o);
+    chmod 0600, $kf;
+    $o = `$bin check --config $dir/kf.json 2>&1`;
+    is($? >> 8, 0, "a 0600 key file is accepted") or diag($o);
+    write_file($kf, "# nothing here\n");
+    $o = `$bin check --config $dir/kf.json 2>&1`;
+    like($o, qr/holds no key/, "an empty key file is refused");
+    # an inline key in a world-readable config: a warning
+    write_file("$dir/inl.json", '{"node_id":"a","role":"router",'
+        . '"listen":"127.0.0.1:1","peers":[{"id":"b","ctrl":"127.0.0.1:2",'
+        . '"key":"' . ("5a" x 32) . '"}]}');
+    chmod 0644, "$dir/inl.json";
+    $o = `$bin check --config $dir/inl.json 2>&1`;
+    ok($? == 0 && $o =~ /holds keys and is readable by every user/,
+       "inline keys in a world-readable config: warned") or diag($o);
+}
+
+# the example configurations shipped in conf/kv_agent are valid (their
+# key files, under /etc/kv_agent/keys, are made here)
+for my $src (glob(kv_root() . "/conf/kv_agent/*.json")) {
+    my $cj = do { local (@ARGV, $/) = $src; <> };
+    my $c = json_dec($cj);
+    for my $p (@{ $c->{peers} // [] }) {
+        ok($p->{key_file} && $p->{key_file} =~ m{^/etc/kv_agent/keys/},
+           "example $src: peer $p->{id} has a key_file");
+        my $kf = "$dir/" . (split m{/}, $p->{key_file})[-1];
+        write_file($kf, link_key($c->{node_id}, $p->{id}) . "\n");
+        chmod 0600, $kf;
+        $p->{key_file} = $kf;
+    }
+    my $f = "$dir/example-" . (split m{/}, $src)[-1];
+    write_file($f, json_enc($c));
     my $o = `$bin check --config $f 2>&1`;
     ok($? == 0 && $o =~ /^node \S+ \((prefill|decode|router)\)/,
        "example config " . (split m{/}, $f)[-1] . " passes check")

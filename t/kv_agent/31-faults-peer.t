@@ -1,5 +1,5 @@
 #!/usr/bin/perl
-# Peer faults: wrong token, a peer that is not allowed, a peer killed in
+# Peer faults: wrong link key, a peer that is not allowed, a peer killed in
 # the middle of a transfer (both directions), the peer coming back, and
 # SIGTERM during a transfer (requests failed, state file consistent).
 use strict;
@@ -32,15 +32,16 @@ my $D = { id => "decode-0", ctrl => "127.0.0.1:" . kv_port($po + 1),
 my $D1 = { id => "decode-1", ctrl => "127.0.0.1:" . kv_port($po + 2),
            role => "decode" };
 
-# --- wrong token, and a node that is not on the allowlist ---------------
+# --- wrong link key, and a node that is not on the allowlist ------------
 {
     my $d = start_agent(cfg("decode-0", "decode", 1, [$P]));
     my $p = start_agent(cfg("prefill-0", "prefill", 0, [$D],
-                            token => "another-token-999"));
-    ok(log_wait($d, qr/rejected a peer: bad token from node prefill-0/, 10),
-       "receiver logs the bad token");
-    ok(log_wait($p, qr/rejected by decode-0: bad token from node prefill-0/,
-                10), "sender logs that it was rejected");
+        keys => { "decode-0" => link_key("prefill-0", "decode-0", "x") }));
+    ok(log_wait($d, qr/rejected a peer: node prefill-0 uses key \w+, which (?#
+                )is not one of its keys here/, 10),
+       "receiver logs the unknown key");
+    ok(log_wait($p, qr/rejected by decode-0: authentication failed/, 10),
+       "sender logs that it was rejected");
     my $r = api($p, { verb => "push", req_id => "t1", peer => "decode-0",
                       src => [0] });
     ok(!$r->{ok} && $r->{error} =~ /not connected/,

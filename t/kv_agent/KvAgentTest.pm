@@ -12,13 +12,14 @@ use IO::Socket::UNIX;
 use JSON::PP;
 use POSIX qw(:sys_wait_h);
 use Time::HiRes qw(sleep time);
+use Digest::SHA qw(sha256_hex);
 use Cwd qw(abs_path);
 use File::Basename qw(dirname);
 
 our @EXPORT = qw(kv_bin kv_ctl kv_root kv_tmpdir kv_port agent_config
     start_agent stop_agent agent_alive api api_raw log_wait log_text
     wait_connected status_json run_kvpush json_enc json_dec provider_ok
-    llama_pool small_pool);
+    llama_pool small_pool link_key);
 
 my $ROOT = $ENV{DPD_ROOT} // abs_path(dirname(__FILE__) . "/../..");
 my $BUILD = $ENV{DPD_BUILD} // "$ROOT/build";
@@ -67,6 +68,33 @@ sub small_pool {
              blocks => $o{blocks} // 64, memory => "host" };
 }
 
+# The key of the link between two nodes (the same on both ends): derived
+# from the pair of ids so every test's configs agree; $salt makes another.
+sub link_key {
+    my ($x, $y, $salt) = @_;
+    return sha256_hex("kvtest-link|" . join("|", sort($x, $y))
+                      . "|" . ($salt // ""));
+}
+
+# peers: [{id, ctrl, role}, ...]; each gets its link key unless it has a
+# key, keys or key_file already.  keys => {peer_id => "hex" | [hex, hex]}
+# overrides the key of one link.
+sub _keyed_peers {
+    my ($id, $peers, $keys) = @_;
+    my @out;
+    for my $p (@$peers) {
+        my %c = %$p;
+        if (my $k = $keys->{$c{id}}) {
+            delete @c{qw(key keys key_file)};
+            if (ref $k) { $c{keys} = $k } else { $c{key} = $k }
+        } elsif (!grep { exists $c{$_} } qw(key keys key_file)) {
+            $c{key} = link_key($id, $c{id});
+        }
+        push @out, \%c;
+    }
+    return \@out;
+}
+
 sub agent_config {
     my (%o) = @_;
     my $dir = kv_tmpdir();
@@ -76,8 +104,7 @@ sub agent_config {
         role       => $o{role} // "decode",
         provider   => $o{provider} // "tcp;ofi_rxm",
         listen     => "127.0.0.1:" . $o{port},
-        token      => $o{token} // "test-token-0123",
-        peers      => $o{peers} // [],
+        peers      => _keyed_peers($id, $o{peers} // [], $o{keys} // {}),
         api_socket => "$dir/$id.sock",
         state_path => $o{state_path} // "$dir/$id.state",
         timeouts   => { heartbeat_ms => 100, dead_after_ms => 600,
@@ -90,6 +117,7 @@ sub agent_config {
     $c{rails} = $o{rails} // ($c{provider} eq 'shm' ? "auto" : ["lo"]);
     $c{pool} = $o{pool} if $o{pool};
     $c{transfer} = $o{transfer} if $o{transfer};
+    $c{ctrl} = $o{ctrl} if $o{ctrl};
     $c{allow_fallback} = JSON::PP::false;
     return \%c;
 }
@@ -103,23 +131,28 @@ sub start_agent {
     open my $fh, '>', $cfgfile or die "$cfgfile: $!";
     print $fh json_enc($cfg);
     close $fh;
+    chmod 0600, $cfgfile;           # it holds the link keys
     my $log = "$dir/$name.log";
+    my $skip = -s $log // 0;        # a node started again appends to it
     unlink $cfg->{api_socket} if $cfg->{api_socket};
     my $pid = fork();
     die "fork: $!" unless defined $pid;
     if ($pid == 0) {
         open STDERR, '>>', $log or die;
         open STDOUT, '>&', \*STDERR or die;
-        my @cmd = (@{ $o{wrap} // [] }, kv_bin(), "run", "--config",
-                   $cfgfile);
+        # KV_TEST_WRAP="valgrind --log-file=DIR/vg.%p ..." wraps every
+        # agent a test starts (when it does not wrap it itself)
+        my @wrap = @{ $o{wrap} // [split ' ', $ENV{KV_TEST_WRAP} // ""] };
+        my @cmd = (@wrap, kv_bin(), "run", "--config", $cfgfile);
         exec @cmd or die "exec: $!";
     }
     my $a = { pid => $pid, name => $name, cfg => $cfg, log => $log,
               sock => $cfg->{api_socket}, cfgfile => $cfgfile,
-              wrap => $o{wrap} };
+              wrap => $o{wrap}, log_skip => $skip };
     push @AGENTS, $a;
     if ($o{wait} // 1) {
-        my $deadline = time + ($o{timeout} // 20);
+        my $deadline = time + ($o{timeout}
+                               // ($ENV{KV_TEST_WRAP} ? 60 : 20));
         while (time < $deadline) {
             last if log_text($a) =~ /info: ready$/m;
             last unless agent_alive($a);
@@ -174,13 +207,14 @@ END {
     $? = $st;
 }
 
+# What this agent (this start) logged.
 sub log_text {
     my ($a) = @_;
     open my $fh, '<', $a->{log} or return "";
     local $/;
     my $t = <$fh>;
     close $fh;
-    return $t // "";
+    return substr($t // "", $a->{log_skip} // 0);
 }
 
 sub log_wait {

@@ -56,12 +56,25 @@ kva_unavailable() {
     fi
 }
 
-kva_peer_json() {   # id
+kva_peer_json() {   # own-id peer-id
     local http
-    http=$(kva_http "$1")
-    printf '{"id": "%s", "ctrl": "%s", "role": "%s"%s}' "$1" \
-        "$(kva_ctrl "$1")" "$(kva_role "$1")" \
-        "${http:+, \"http\": \"$http\"}"
+    http=$(kva_http "$2")
+    printf '{"id": "%s", "ctrl": "%s", "role": "%s"%s, "key_file": "%s"}' \
+        "$2" "$(kva_ctrl "$2")" "$(kva_role "$2")" \
+        "${http:+, \"http\": \"$http\"}" "$(kva_key_file "$1" "$2")"
+}
+
+# the key file of the link between two nodes (the same for both ends):
+# 32 random bytes as hex, mode 0600, made on first use
+kva_key_file() {   # id peer-id
+    local a=$1 b=$2 f
+    [[ "$a" < "$b" ]] || { a=$2; b=$1; }
+    f="$KVA_DIR/keys/$a+$b.key"
+    if [ ! -s "$f" ]; then
+        mkdir -p -m 700 "$KVA_DIR/keys"
+        (umask 077; od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > "$f")
+    fi
+    printf '%s' "$f"
 }
 
 kva_write_config() {   # id peer-id...
@@ -70,7 +83,7 @@ kva_write_config() {   # id peer-id...
     http=$(kva_http "$id")
     for p in "$@"; do
         peers+="${peers:+,
-    }$(kva_peer_json "$p")"
+    }$(kva_peer_json "$id" "$p")"
     done
     {
         printf '{\n  "node_id": "%s",\n  "role": "%s",\n' "$id" \
@@ -85,7 +98,6 @@ kva_write_config() {   # id peer-id...
             printf '  "state_path": "%s",\n' "$KVA_STATE"
         fi
         printf '  "listen": "%s",\n' "$(kva_ctrl "$id")"
-        printf '  "token": "dpd-demo-token-%s",\n' "$KVA_TOKEN"
         printf '  "timeouts": {"heartbeat_ms": 200, "dead_after_ms": 2000, '
         printf '"reconnect_ms": 200, "transfer_ms": 10000},\n'
         printf '  "peers": [\n    %s\n  ]\n}\n' "$peers"
@@ -94,7 +106,6 @@ kva_write_config() {   # id peer-id...
 
 kva_write_configs() {
     mkdir -p "$KVA_DIR"
-    KVA_TOKEN=$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')
     kva_write_config router-0 decode-0 decode-1 prefill-0 prefill-1
     kva_write_config decode-0 prefill-0 prefill-1 router-0
     kva_write_config decode-1 prefill-0 prefill-1 router-0

@@ -7,6 +7,7 @@ use strict;
 use warnings;
 
 use Carp qw(croak);
+use Digest::SHA qw(sha256_hex);
 use File::Spec;
 use File::Temp qw(tempdir);
 use IO::Socket::UNIX;
@@ -49,8 +50,17 @@ sub _dir {
                                  CLEANUP => !$ENV{DPD_KEEP_TMP});
 }
 
+# The key of the link between two nodes, the same in both configurations
+# (derived from the pair of ids; $salt gives another one).
+sub link_key {
+    my ($class, $x, $y, $salt) = @_;
+    return sha256_hex('dpd-test-link|' . join('|', sort($x, $y)) . '|'
+                      . ($salt // ''));
+}
+
 # start(id => 'decode-0', role => 'decode', port => N, peers => [{id, ctrl,
-#       role}], pool => {...}, provider => 'tcp;ofi_rxm', dir => ...,
+#       role}] (each gets its link key unless it has key/keys/key_file),
+#       pool => {...}, provider => 'tcp;ofi_rxm', dir => ...,
 #       timeouts => {...}, config => {extra keys}, timeout => 20)
 sub start {
     my ($class, %o) = @_;
@@ -64,8 +74,11 @@ sub start {
         allow_fallback => JSON::PP::false(),
         rails => $o{rails} // ($provider eq 'shm' ? 'auto' : ['lo']),
         listen => '127.0.0.1:' . ($o{port} or croak 'DPD::KvAgent: port'),
-        token => $o{token} // 'dpd-emu-test-token',
-        peers => $o{peers} // [],
+        peers => [map { my %p = %$_;
+                        $p{key} = $class->link_key($id, $p{id})
+                            unless grep { exists $p{$_} }
+                                   qw(key keys key_file);
+                        \%p } @{ $o{peers} // [] }],
         api_socket => "$dir/$id.sock",
         state_path => "$dir/$id.state",
         timeouts => {heartbeat_ms => 100, dead_after_ms => 600,
@@ -79,6 +92,7 @@ sub start {
     open my $fh, '>', $cfg or croak "DPD::KvAgent: $cfg: $!";
     print $fh $JSON->encode(\%c);
     close $fh;
+    chmod 0600, $cfg;                  # it holds the link keys
     my $self = bless {id => $id, cfg => \%c, cfgfile => $cfg,
                       log => "$dir/$id.log", sock => $c{api_socket},
                       state => $c{state_path}, owner => $$}, $class;
@@ -296,9 +310,12 @@ DPD::KvAgent - run real kv_agent daemons next to vLLM emulator instances
                            blocks 64, memory host} (layers, block_bytes,
                            blocks overridable)
   start(%o)                one agent: id, role, port (control channel),
-                           peers [{id, ctrl, role}], pool, provider
-                           (tcp;ofi_rxm), timeouts, config (extra keys),
-                           dir (temp dir for config, socket, state, log)
+                           peers [{id, ctrl, role}] (each given its
+                           link key unless key/keys/key_file is set),
+                           pool, provider (tcp;ofi_rxm), timeouts, config
+                           (extra keys), dir (temp dir for config, socket,
+                           state, log)
+  link_key($a, $b, $salt)  the test key of the link between nodes a and b
   pair(base => P, pool => {..})  prefill-0 on P and decode-0 on P+1
   socket_path state_path log_file log_text pid id alive
   api({verb ..}, $timeout) info poll($req) free_blocks
