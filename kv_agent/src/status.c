@@ -7,7 +7,6 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,6 +20,39 @@ status_usage(void)
 {
     fprintf(stderr, "usage: kv_agent status [--state FILE] [--json] "
             "[--req ID]\n");
+}
+
+
+/* Read the whole table into memory; sb->st_size becomes the bytes read (a
+ * file that shrank meanwhile reads short and then fails the size check). */
+static void *
+status_snapshot(int fd, struct stat *sb)
+{
+    size_t   want, got = 0;
+    ssize_t  n;
+    char    *buf;
+
+    if (sb->st_size <= 0 || sb->st_size > (off_t) 1 << 30) {
+        errno = EFBIG;
+        return NULL;
+    }
+    want = (size_t) sb->st_size;
+    buf = malloc(want);
+    if (buf == NULL) {
+        return NULL;
+    }
+    while (got < want) {
+        n = pread(fd, buf + got, want - got, (off_t) got);
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0) {
+            break;
+        }
+        got += (size_t) n;
+    }
+    sb->st_size = (off_t) got;
+    return buf;
 }
 
 
@@ -62,16 +94,18 @@ kv_status_main(int argc, char **argv)
         close(fd);
         return 1;
     }
-    m = mmap(NULL, sb.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    /* A private snapshot read with pread(), never a mapping: a writer that
+     * truncates or replaces the file while we look cannot SIGBUS us. */
+    m = status_snapshot(fd, &sb);
     close(fd);
-    if (m == MAP_FAILED) {
+    if (m == NULL) {
         fprintf(stderr, "kv_agent status: %s: %s\n", path, strerror(errno));
         return 1;
     }
     if (dpd_state_check(m, sb.st_size) != 0) {
         fprintf(stderr, "kv_agent status: %s is not a version %u state "
                 "table\n", path, DPD_STATE_VERSION);
-        munmap(m, sb.st_size);
+        free(m);
         return 1;
     }
     h = m;
@@ -99,7 +133,7 @@ kv_status_main(int argc, char **argv)
             printf("%s %s\n", only_req, rc == 1 ? dpd_state_req_name(r.state)
                    : rc == 0 ? "absent" : "unknown");
         }
-        munmap(m, sb.st_size);
+        free(m);
         return rc == 1 ? 0 : 3;
     }
 
@@ -199,6 +233,6 @@ kv_status_main(int argc, char **argv)
         printf("(%d records changing too fast to read)\n", unknown);
     }
     cJSON_Delete(root);
-    munmap(m, sb.st_size);
+    free(m);
     return 0;
 }
