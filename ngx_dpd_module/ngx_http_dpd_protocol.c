@@ -32,6 +32,7 @@ static int dpd_bad(ngx_http_dpd_req_t *req, int bad, const char *fmt, ...)
 #endif
     ;
 static void *dpd_alloc(const ngx_http_dpd_req_t *req, size_t size);
+static int dpd_is_hex(unsigned char c);
 static size_t dpd_scan(ngx_http_dpd_req_t *req,
     const ngx_http_dpd_limits_t *limits, ngx_http_dpd_member_t *out,
     size_t nout);
@@ -93,13 +94,20 @@ dpd_alloc(const ngx_http_dpd_req_t *req, size_t size)
 }
 
 
+static int
+dpd_is_hex(unsigned char c)
+{
+    return (c >= '0' && c <= '9') || ((c | 0x20) >= 'a' && (c | 0x20) <= 'f');
+}
+
+
 /*
  * One pass over the raw body.  Without "out", the checks cJSON does not
  * make, before it allocates anything: UTF-8 (RFC 8259), no raw control
  * characters in strings and none but white space outside them (cJSON
- * skips any byte <= 0x20 as white space, Python's json refuses them), no
- * "\u0000" (cJSON ends the string there, the engines do not: a prompt
- * would be counted short), nesting up to max_depth (bounds the parser's
+ * skips any byte <= 0x20 as white space, Python's json refuses them),
+ * only RFC 8259's escapes, no "\u0000" (cJSON ends the string there, the
+ * engines do not: a prompt would be counted short), nesting up to max_depth (bounds the parser's
  * recursion), at most max_elements values (bounds the tree: one cJSON
  * node per value).  Returns 0, or 1 with req->bad set.
  *
@@ -184,10 +192,27 @@ dpd_scan(ngx_http_dpd_req_t *req, const ngx_http_dpd_limits_t *limits,
                     state = DPD_TOP_COLON;
                 }
 
-            } else if (c == '\\' && p + 1 < end) {
+            } else if (c == '\\') {
 
-                if (p[1] == 'u' && end - p >= 6 && p[2] == '0'
-                    && p[3] == '0' && p[4] == '0' && p[5] == '0')
+                /*
+                 * only RFC 8259's escapes: cJSON reads a bad "\u" escape
+                 * ("\u00]9") as U+0000 and ends the string there
+                 */
+
+                if (p + 1 >= end || strchr("\"\\/bfnrtu", p[1]) == NULL
+                    || p[1] == '\0'
+                    || (p[1] == 'u'
+                        && (end - p < 6 || !dpd_is_hex(p[2])
+                            || !dpd_is_hex(p[3]) || !dpd_is_hex(p[4])
+                            || !dpd_is_hex(p[5]))))
+                {
+                    return dpd_bad(req, NGX_HTTP_DPD_BAD_MALFORMED,
+                               "malformed JSON: invalid escape in a string "
+                               "at byte %zu", (size_t) (p - data));
+                }
+
+                if (p[1] == 'u' && p[2] == '0' && p[3] == '0'
+                    && p[4] == '0' && p[5] == '0')
                 {
                     return dpd_bad(req, NGX_HTTP_DPD_BAD_NUL,
                                "the request holds a NUL character "
@@ -195,10 +220,8 @@ dpd_scan(ngx_http_dpd_req_t *req, const ngx_http_dpd_limits_t *limits,
                                (size_t) (p - data));
                 }
 
-                /* skip the escaped character if it is ASCII */
-                if (p[1] < 0x80) {
-                    p++;
-                }
+                /* the escaped character (its hex digits are plain ASCII) */
+                p++;
 
             } else if (c < 0x20) {
                 return dpd_bad(req, NGX_HTTP_DPD_BAD_MALFORMED,

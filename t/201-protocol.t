@@ -194,6 +194,13 @@ for my $body ('{"prompt":"\\u0000' . ('word ' x 50) . '"}',
     like run_driver($body, 'prefill', 'nixl'), qr/^REFUSED 7\t.*NUL character/,
         'a NUL character is refused: ' . substr($body, 0, 30);
 }
+# escapes outside RFC 8259: cJSON reads "\u00]9" as U+0000 and ends the
+# string there (found by the request-path fuzzer)
+for my $body ('{"prompt":"caf\\u00]9 long text"}', '{"prompt":"\\uZZZZ"}',
+              '{"prompt":"\\x41"}', '{"prompt":"\\u12"}', qq({"prompt":"\\\0"})) {
+    like run_driver($body, 'prefill', 'nixl'), qr/^REFUSED 1\tmalformed JSON: invalid escape/,
+        'an invalid escape is refused: ' . substr($body, 10, 12);
+}
 unlike run_driver('{"prompt":"a\\\\u0000b"}', 'prefill', 'nixl'), qr/REFUSED/,
     'an escaped backslash before "u0000" is not a NUL';
 like run_driver(qq({"prompt":"x",\x01"stream":true}), 'prefill', 'nixl'),

@@ -207,6 +207,14 @@ qq(POST /v1/chat/completions\n{"model":"m","messages":[{"role":"user",)
 
 
 
+=== TEST 9b: an invalid "\u" escape (cJSON reads it as U+0000) is refused
+--- request eval
+qq(POST /v1/completions\n{"model":"m","prompt":"caf\\u00]9 $ENV{TEST_NGINX_LONG}","max_tokens":2})
+--- error_code: 400
+--- response_body_like: "message":"malformed JSON: invalid escape in a string at byte 26"
+
+
+
 === TEST 10: dpd_max_prompt_ids
 --- request eval
 "POST /caps/v1/completions\n" . JSON::PP->new->encode({model => "m",
