@@ -253,7 +253,7 @@ qq(POST /v1/completions\n{"model":"m","prompt":"caf\\u00]9 $ENV{TEST_NGINX_LONG}
 === TEST 14: 40k repeated "stream" keys between others, disaggregated: one pass
 --- request eval
 qq(POST /v1/completions\n{"model":"m","prompt":"$ENV{TEST_NGINX_LONG}","max_tokens":2)
-. join('', map { qq(,"stream":false,"k$_":$_) } 1 .. 40000) . '}'
+. CORE::join('', map { qq(,"stream":false,"k$_":$_) } 1 .. 40000) . '}'
 --- error_code: 400
 --- response_body_like: the key \\"stream\\" appears more than once
 --- timeout: 3
@@ -263,7 +263,7 @@ qq(POST /v1/completions\n{"model":"m","prompt":"$ENV{TEST_NGINX_LONG}","max_toke
 === TEST 15: 40k kv_transfer_params between others, disaggregated: removed in one pass
 --- request eval
 qq(POST /v1/completions\n{"model":"m","prompt":"$ENV{TEST_NGINX_LONG}","max_tokens":2)
-. join('', map { qq(,"kv_transfer_params":{"remote_host":"169.254.169.254"},"k$_":$_) }
+. CORE::join('', map { qq(,"kv_transfer_params":{"remote_host":"169.254.169.254"},"k$_":$_) }
            1 .. 40000) . '}'
 --- response_body_like: "cached_tokens":[1-9]\d\d
 --- response_headers
