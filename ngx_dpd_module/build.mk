@@ -34,3 +34,18 @@ $(BUILD):
 
 .PHONY: FORCE
 FORCE:
+
+# ---- libFuzzer (clang): parse -> count -> upstream bodies, no nginx
+# (FUZZ_CC, FUZZ_FLAGS and the fuzz target come from tokenizer/build.mk)
+MODULE_FUZZ      := $(BUILD)/fuzz/dpd_fuzz_request
+MODULE_FUZZ_SRCS := ngx_dpd_module/ngx_http_dpd_protocol.c \
+                    ngx_dpd_module/ngx_http_dpd_count.c
+
+$(MODULE_FUZZ): ngx_dpd_module/fuzz/dpd_fuzz_request.c $(MODULE_FUZZ_SRCS) \
+                ngx_dpd_module/ngx_http_dpd_protocol.h \
+                ngx_dpd_module/ngx_http_dpd_count.h $(TOK_SRCS) $(TOK_HDRS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -Ingx_dpd_module $< $(MODULE_FUZZ_SRCS) \
+	    $(TOK_SRCS) -o $@ $(TOK_LIBS) -lm
+
+fuzz: $(MODULE_FUZZ)

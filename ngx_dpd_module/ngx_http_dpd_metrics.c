@@ -113,7 +113,7 @@ static const char  *ngx_http_dpd_status_labels[NGX_HTTP_DPD_STATUS_N] = {
 static const char  *ngx_http_dpd_error_labels[NGX_HTTP_DPD_E_N] = {
     "none", "empty_body", "malformed_json", "invalid_utf8", "too_deep",
     "invalid_field", "token_out_of_range", "body_too_large", "body_read",
-    "internal"
+    "internal", "duplicate_key", "nul_character", "over_limit"
 };
 
 static const char  *ngx_http_dpd_failure_labels[] = {

@@ -28,6 +28,9 @@ typedef enum {
     NGX_HTTP_DPD_E_BODY_TOO_LARGE,      /* body_too_large (413) */
     NGX_HTTP_DPD_E_BODY_READ,           /* body_read: client, timeout */
     NGX_HTTP_DPD_E_INTERNAL,            /* internal */
+    NGX_HTTP_DPD_E_DUPLICATE_KEY,       /* duplicate_key: repeated key */
+    NGX_HTTP_DPD_E_NUL_CHAR,            /* nul_character: "\u0000" */
+    NGX_HTTP_DPD_E_OVER_LIMIT,          /* over_limit: dpd_max_* caps */
     NGX_HTTP_DPD_E_N
 } ngx_http_dpd_error_reason_e;
 

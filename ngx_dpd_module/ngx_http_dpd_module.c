@@ -46,7 +46,7 @@ static ngx_int_t ngx_http_dpd_handler(ngx_http_request_t *r);
 static void ngx_http_dpd_body_handler(ngx_http_request_t *r);
 static void ngx_http_dpd_decide(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_loc_conf_t *dlcf);
-static ngx_int_t ngx_http_dpd_reserialize_body(ngx_http_request_t *r,
+static ngx_int_t ngx_http_dpd_strip_body(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx);
 static ngx_int_t ngx_http_dpd_decided(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_loc_conf_t *dlcf);
@@ -80,6 +80,11 @@ static char *ngx_http_dpd_metrics(ngx_conf_t *cf, ngx_command_t *cmd,
 
 static ngx_conf_num_bounds_t  ngx_http_dpd_json_depth_bounds = {
     ngx_conf_check_num_bounds, 1, NGX_HTTP_DPD_MAX_JSON_DEPTH
+};
+
+
+static ngx_conf_num_bounds_t  ngx_http_dpd_cap_bounds = {
+    ngx_conf_check_num_bounds, 1, NGX_MAX_INT32_VALUE
 };
 
 
@@ -133,6 +138,27 @@ static ngx_command_t  ngx_http_dpd_commands[] = {
       NGX_HTTP_LOC_CONF_OFFSET,
       offsetof(ngx_http_dpd_loc_conf_t, max_json_depth),
       &ngx_http_dpd_json_depth_bounds },
+
+    { ngx_string("dpd_max_json_members"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_dpd_loc_conf_t, max_json_members),
+      &ngx_http_dpd_cap_bounds },
+
+    { ngx_string("dpd_max_prompt_ids"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_dpd_loc_conf_t, max_prompt_ids),
+      &ngx_http_dpd_cap_bounds },
+
+    { ngx_string("dpd_max_messages"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
+      ngx_conf_set_num_slot,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_dpd_loc_conf_t, max_messages),
+      &ngx_http_dpd_cap_bounds },
 
     { ngx_string("dpd_metrics"),
       NGX_HTTP_LOC_CONF|NGX_CONF_NOARGS,
@@ -318,8 +344,8 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
             && (ctx->route != NGX_HTTP_DPD_ROUTE_DISAGGREGATED
                 || ctx->observe))
         {
-            /* the direct path sends the body as is: without them */
-            if (ngx_http_dpd_reserialize_body(r, ctx) != NGX_OK) {
+            /* the direct path sends the client's bytes: without them */
+            if (ngx_http_dpd_strip_body(r, ctx) != NGX_OK) {
                 ctx->state = NGX_HTTP_DPD_STATE_DONE;
                 return NGX_HTTP_INTERNAL_SERVER_ERROR;
             }
@@ -380,33 +406,23 @@ ngx_http_dpd_decide(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 }
 
 
+/*
+ * The direct path forwards the client's bytes untouched, unless they hold
+ * kv_transfer_params: then the same bytes without those members.
+ */
+
 static ngx_int_t
-ngx_http_dpd_reserialize_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
+ngx_http_dpd_strip_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
 {
-    char    *out;
+    char    *text;
     size_t   len;
-    u_char  *data;
 
-    out = cJSON_PrintUnformatted(ctx->json);
-    if (out == NULL) {
+    text = ngx_http_dpd_proto_decode_body(&ctx->req, NULL, NULL, &len);
+    if (text == NULL) {
         return NGX_ERROR;
     }
 
-    len = ngx_strlen(out);
-
-    data = ngx_pnalloc(r->pool, len);
-    if (data == NULL) {
-        cJSON_free(out);
-        return NGX_ERROR;
-    }
-
-    ngx_memcpy(data, out, len);
-    cJSON_free(out);
-
-    ctx->body.data = data;
-    ctx->body.len = len;
-
-    return ngx_http_dpd_replace_body(r, data, len);
+    return ngx_http_dpd_replace_body(r, (u_char *) text, len);
 }
 
 
@@ -508,10 +524,7 @@ ngx_http_dpd_cleanup(void *data)
 {
     ngx_http_dpd_ctx_t  *ctx = data;
 
-    if (ctx->json) {
-        cJSON_Delete(ctx->json);
-        ctx->json = NULL;
-    }
+    ngx_http_dpd_proto_drop_tree(&ctx->req);
 }
 
 
@@ -998,6 +1011,9 @@ ngx_http_dpd_create_loc_conf(ngx_conf_t *cf)
     dlcf->threshold = NGX_CONF_UNSET;
     dlcf->chat_template = NGX_CONF_UNSET;
     dlcf->max_json_depth = NGX_CONF_UNSET;
+    dlcf->max_json_members = NGX_CONF_UNSET;
+    dlcf->max_prompt_ids = NGX_CONF_UNSET;
+    dlcf->max_messages = NGX_CONF_UNSET;
     dlcf->count = NGX_CONF_UNSET_UINT;
     dlcf->metrics = NGX_CONF_UNSET;
 
@@ -1022,6 +1038,12 @@ ngx_http_dpd_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
                          DPD_CHAT_AUTO);
     ngx_conf_merge_value(conf->max_json_depth, prev->max_json_depth,
                          NGX_HTTP_DPD_DEFAULT_JSON_DEPTH);
+    ngx_conf_merge_value(conf->max_json_members, prev->max_json_members,
+                         NGX_HTTP_DPD_DEFAULT_JSON_MEMBERS);
+    ngx_conf_merge_value(conf->max_prompt_ids, prev->max_prompt_ids,
+                         NGX_HTTP_DPD_DEFAULT_PROMPT_IDS);
+    ngx_conf_merge_value(conf->max_messages, prev->max_messages,
+                         NGX_HTTP_DPD_DEFAULT_MESSAGES);
     ngx_conf_merge_value(conf->metrics, prev->metrics, 0);
     ngx_conf_merge_uint_value(conf->count, prev->count,
                               NGX_HTTP_DPD_COUNT_EXACT);

@@ -19,6 +19,7 @@
 #include <cjson/cJSON.h>
 
 #include "dpd_tokenizer.h"
+#include "ngx_http_dpd_protocol.h"
 #include "ngx_http_dpd_prefill.h"
 #include "ngx_http_dpd_metrics.h"
 
@@ -46,6 +47,11 @@
 #define NGX_HTTP_DPD_DEFAULT_JSON_DEPTH   64
 #define NGX_HTTP_DPD_MAX_JSON_DEPTH       512
 #define NGX_HTTP_DPD_REQUEST_ID_MAX       256
+
+/* per-request caps (dpd_max_json_members, _prompt_ids, _messages) */
+#define NGX_HTTP_DPD_DEFAULT_JSON_MEMBERS 524288
+#define NGX_HTTP_DPD_DEFAULT_PROMPT_IDS   262144
+#define NGX_HTTP_DPD_DEFAULT_MESSAGES     16384
 
 /* dpd_count: how a text prompt is measured against dpd_threshold */
 #define NGX_HTTP_DPD_COUNT_EXACT          0   /* always the exact BPE count */
@@ -77,6 +83,9 @@ typedef struct {
     ngx_int_t                    threshold;     /* dpd_threshold */
     ngx_int_t                    chat_template; /* dpd_chat_template */
     ngx_int_t                    max_json_depth; /* dpd_max_json_depth */
+    ngx_int_t                    max_json_members; /* dpd_max_json_members */
+    ngx_int_t                    max_prompt_ids; /* dpd_max_prompt_ids */
+    ngx_int_t                    max_messages;  /* dpd_max_messages */
     ngx_uint_t                   count;         /* dpd_count */
     ngx_flag_t                   metrics;       /* dpd_metrics handler */
     ngx_http_dpd_prefill_conf_t  prefill;       /* owned by prefill code */
@@ -85,10 +94,15 @@ typedef struct {
 
 /* per-request state (typedef ngx_http_dpd_ctx_t is in prefill.h) */
 struct ngx_http_dpd_ctx_s {
-    cJSON                       *json;          /* parsed body; freed by a
-                                                   pool cleanup */
+    ngx_http_dpd_req_t           req;           /* the body parsed and
+                                                   indexed: the tree is
+                                                   dropped once counted
+                                                   (and by a pool cleanup),
+                                                   the index is kept for
+                                                   the upstream bodies */
     ngx_str_t                    body;          /* body as parsed (pool or
-                                                   request buffer memory) */
+                                                   request buffer memory,
+                                                   live as long as r) */
     ngx_str_t                    request_id;    /* X-Request-Id sent upstream */
 
     ngx_int_t                    prompt_tokens; /* -1: not counted */

@@ -344,7 +344,7 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     p = &ctx->prefill;
 
-    if (ctx->json == NULL) {
+    if (ctx->req.members == NULL) {
         return NGX_HTTP_INTERNAL_SERVER_ERROR;
     }
 
@@ -498,7 +498,7 @@ ngx_http_dpd_prefill_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
             return NGX_ERROR;
         }
 
-        text = ngx_http_dpd_proto_kv_agent_prefill_body(ctx->json,
+        text = ngx_http_dpd_proto_kv_agent_prefill_body(&ctx->req,
                                     spec.req_id,
                                     (char *) ctx->prefill.decode_node, &len);
         goto copy;
@@ -533,25 +533,19 @@ ngx_http_dpd_prefill_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         sp = &spec;
     }
 
-    text = ngx_http_dpd_proto_prefill_body(ctx->json, pcf->protocol, sp,
+    text = ngx_http_dpd_proto_prefill_body(&ctx->req, pcf->protocol, sp,
                                            &len);
 
 copy:
+
+    /* built in the request pool (ctx->req.alloc): used in place */
 
     if (text == NULL) {
         return NGX_ERROR;
     }
 
-    body->data = ngx_pnalloc(r->pool, len);
-    if (body->data == NULL) {
-        cJSON_free(text);
-        return NGX_ERROR;
-    }
-
-    ngx_memcpy(body->data, text, len);
+    body->data = (u_char *) text;
     body->len = len;
-
-    cJSON_free(text);
 
     return NGX_OK;
 }
@@ -996,33 +990,22 @@ ngx_http_dpd_decode_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     char    *text;
     size_t   len;
 
-    text = ngx_http_dpd_proto_decode_body(ctx->json, params, host, &len);
+    text = ngx_http_dpd_proto_decode_body(&ctx->req, params, host, &len);
 
     return ngx_http_dpd_set_body_text(r, text, len);
 }
 
 
-/* copies a cJSON-printed body into the pool, frees it, and sends it on */
+/* sends on a body built in the request pool (ctx->req.alloc) */
 
 static ngx_int_t
 ngx_http_dpd_set_body_text(ngx_http_request_t *r, char *text, size_t len)
 {
-    u_char  *data;
-
     if (text == NULL) {
         return NGX_ERROR;
     }
 
-    data = ngx_pnalloc(r->pool, len);
-    if (data == NULL) {
-        cJSON_free(text);
-        return NGX_ERROR;
-    }
-
-    ngx_memcpy(data, text, len);
-    cJSON_free(text);
-
-    return ngx_http_dpd_replace_body(r, data, len);
+    return ngx_http_dpd_replace_body(r, (u_char *) text, len);
 }
 
 
@@ -1275,7 +1258,7 @@ ngx_http_dpd_kv_choose(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
     ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
 
-    text = ngx_http_dpd_proto_kv_agent_decode_body(ctx->json, NULL, &len);
+    text = ngx_http_dpd_proto_kv_agent_decode_body(&ctx->req, NULL, &len);
     if (ngx_http_dpd_set_body_text(r, text, len) != NGX_OK) {
         return NGX_ERROR;
     }
@@ -1641,7 +1624,7 @@ ngx_http_dpd_kv_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     /* always: the decoder asks its agent, and recomputes if nothing landed */
 
-    text = ngx_http_dpd_proto_kv_agent_decode_body(ctx->json, (char *) id,
+    text = ngx_http_dpd_proto_kv_agent_decode_body(&ctx->req, (char *) id,
                                                    &len);
     if (ngx_http_dpd_set_body_text(r, text, len) != NGX_OK) {
         return NGX_ERROR;

@@ -1,9 +1,13 @@
 /*
- * Wire transforms of the disaggregated path (DESIGN.md §2).  No nginx
- * headers here: the nginx side hands in the parsed request and copies the
- * texts out; t/201-protocol.t links this file alone with cJSON.
+ * The client's request and the wire transforms of the disaggregated path
+ * (DESIGN.md §2).  No nginx headers here: the nginx side hands in the
+ * body's bytes and an allocator; t/201-protocol.t and the libFuzzer target
+ * (ngx_dpd_module/fuzz/) link this file alone with cJSON.
  */
 
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
@@ -12,28 +16,630 @@
 
 #define DPD_KTP  "kv_transfer_params"
 
+/* the state of the scanner inside the top-level object */
+#define DPD_TOP_KEY      0     /* a key (or the end) comes next */
+#define DPD_TOP_IN_KEY   1     /* inside the key's string */
+#define DPD_TOP_COLON    2     /* after the key */
+#define DPD_TOP_VALUE    3     /* in the value */
 
+/* objects up to this many members are checked for repeats pairwise */
+#define DPD_PAIRWISE_MAX  8
+
+
+static int dpd_bad(ngx_http_dpd_req_t *req, int bad, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void *dpd_alloc(const ngx_http_dpd_req_t *req, size_t size);
+static int dpd_is_hex(unsigned char c);
+static size_t dpd_scan(ngx_http_dpd_req_t *req,
+    const ngx_http_dpd_limits_t *limits, ngx_http_dpd_member_t *out,
+    size_t nout);
+static unsigned dpd_key_kind(const char *name);
+static int dpd_key_cmp(const void *a, const void *b);
+static int dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj,
+    int top);
 static void dpd_json_delete_all(cJSON *obj, const char *key);
 static int dpd_json_set(cJSON *obj, const char *key, cJSON *item);
 static int dpd_json_is_uint(const cJSON *item, double max);
 static cJSON *dpd_nixl_request_params(void);
 static cJSON *dpd_lmcache_request_params(
     const ngx_http_dpd_lmcache_spec_t *spec);
-static char *dpd_print(cJSON *obj, size_t *len);
-static char *dpd_prefill_copy(const cJSON *req, cJSON *ktp, size_t *len);
-static char *dpd_decode_copy(const cJSON *req, cJSON *ktp, size_t *len);
+static char *dpd_splice(const ngx_http_dpd_req_t *req, unsigned drop,
+    const char *extra, cJSON *ktp, size_t *len);
+static char *dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp,
+    size_t *len);
 static cJSON *dpd_parse_object(const char *data, size_t len);
 
 
-/* removes every occurrence of key: JSON objects may repeat a key */
+static const struct {
+    const char  *name;
+    unsigned     key;
+} dpd_keys[] = {
+    { DPD_KTP,                 NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS },
+    { "max_tokens",            NGX_HTTP_DPD_KEY_MAX_TOKENS },
+    { "max_completion_tokens", NGX_HTTP_DPD_KEY_MAX_COMPLETION_TOKENS },
+    { "stream",                NGX_HTTP_DPD_KEY_STREAM },
+    { "stream_options",        NGX_HTTP_DPD_KEY_STREAM_OPTIONS },
+    { "min_tokens",            NGX_HTTP_DPD_KEY_MIN_TOKENS },
+    { "min_completion_tokens", NGX_HTTP_DPD_KEY_MIN_COMPLETION_TOKENS },
+    { NULL, 0 }
+};
+
+
+static int
+dpd_bad(ngx_http_dpd_req_t *req, int bad, const char *fmt, ...)
+{
+    va_list  args;
+
+    req->bad = bad;
+
+    va_start(args, fmt);
+    vsnprintf(req->why, sizeof(req->why), fmt, args);
+    va_end(args);
+
+    return 1;
+}
+
+
+static void *
+dpd_alloc(const ngx_http_dpd_req_t *req, size_t size)
+{
+    if (req->alloc) {
+        return req->alloc(req->alloc_data, size);
+    }
+
+    return malloc(size);
+}
+
+
+static int
+dpd_is_hex(unsigned char c)
+{
+    return (c >= '0' && c <= '9') || ((c | 0x20) >= 'a' && (c | 0x20) <= 'f');
+}
+
+
+/*
+ * One pass over the raw body.  Without "out", the checks cJSON does not
+ * make, before it allocates anything: UTF-8 (RFC 8259), no raw control
+ * characters in strings and none but white space outside them (cJSON
+ * skips any byte <= 0x20 as white space, Python's json refuses them),
+ * only RFC 8259's escapes, no "\u0000" (cJSON ends the string there, the
+ * engines do not: a prompt would be counted short), nesting up to max_depth (bounds the parser's
+ * recursion), at most max_elements values (bounds the tree: one cJSON
+ * node per value).  Returns 0, or 1 with req->bad set.
+ *
+ * With "out" (the body passed the checks and cJSON): records up to nout
+ * top-level members, each from its key's opening quote to the end of its
+ * value, and returns how many there are.
+ */
+
+static size_t
+dpd_scan(ngx_http_dpd_req_t *req, const ngx_http_dpd_limits_t *limits,
+    ngx_http_dpd_member_t *out, size_t nout)
+{
+    int                   in_str, top, state;
+    size_t                depth, elements, n, k, start;
+    unsigned char         c, lo, hi;
+    const unsigned char  *data, *p, *end, *sig;
+
+    data = (const unsigned char *) req->data;
+    p = data;
+    end = data + req->len;
+    sig = p;             /* just past the last byte that is not white space */
+
+    depth = 0;
+    elements = 0;
+    in_str = 0;
+    top = 0;             /* 0: before the value, 1: in it (an object), 2 */
+    state = DPD_TOP_KEY;
+    start = 0;
+    k = 0;
+
+    while (p < end) {
+        c = *p;
+
+        if (c >= 0x80) {
+
+            /* a multi-byte sequence: lead byte, range of the second byte */
+
+            lo = 0x80;
+            hi = 0xbf;
+
+            if (c >= 0xc2 && c <= 0xdf) {
+                n = 1;
+
+            } else if (c >= 0xe0 && c <= 0xef) {
+                n = 2;
+                if (c == 0xe0) {
+                    lo = 0xa0;              /* no overlong forms */
+                } else if (c == 0xed) {
+                    hi = 0x9f;              /* no UTF-16 surrogates */
+                }
+
+            } else if (c >= 0xf0 && c <= 0xf4) {
+                n = 3;
+                if (c == 0xf0) {
+                    lo = 0x90;
+                } else if (c == 0xf4) {
+                    hi = 0x8f;              /* nothing above U+10FFFF */
+                }
+
+            } else {
+                goto invalid;
+            }
+
+            if ((size_t) (end - p) <= n || p[1] < lo || p[1] > hi
+                || (n >= 2 && (p[2] & 0xc0) != 0x80)
+                || (n == 3 && (p[3] & 0xc0) != 0x80))
+            {
+                goto invalid;
+            }
+
+            p += n + 1;
+            sig = p;
+            continue;
+        }
+
+        if (in_str) {
+
+            if (c == '"') {
+                in_str = 0;
+
+                if (state == DPD_TOP_IN_KEY && depth == 1 && top == 1) {
+                    state = DPD_TOP_COLON;
+                }
+
+            } else if (c == '\\') {
+
+                /*
+                 * only RFC 8259's escapes: cJSON reads a bad "\u" escape
+                 * ("\u00]9") as U+0000 and ends the string there
+                 */
+
+                if (p + 1 >= end || strchr("\"\\/bfnrtu", p[1]) == NULL
+                    || p[1] == '\0'
+                    || (p[1] == 'u'
+                        && (end - p < 6 || !dpd_is_hex(p[2])
+                            || !dpd_is_hex(p[3]) || !dpd_is_hex(p[4])
+                            || !dpd_is_hex(p[5]))))
+                {
+                    return dpd_bad(req, NGX_HTTP_DPD_BAD_MALFORMED,
+                               "malformed JSON: invalid escape in a string "
+                               "at byte %zu", (size_t) (p - data));
+                }
+
+                if (p[1] == 'u' && p[2] == '0' && p[3] == '0'
+                    && p[4] == '0' && p[5] == '0')
+                {
+                    return dpd_bad(req, NGX_HTTP_DPD_BAD_NUL,
+                               "the request holds a NUL character "
+                               "(\\u0000) at byte %zu, which is refused",
+                               (size_t) (p - data));
+                }
+
+                /* the escaped character (its hex digits are plain ASCII) */
+                p++;
+
+            } else if (c < 0x20) {
+                return dpd_bad(req, NGX_HTTP_DPD_BAD_MALFORMED,
+                               "malformed JSON: unescaped control character "
+                               "in a string at byte %zu",
+                               (size_t) (p - data));
+            }
+
+            p++;
+            sig = p;
+            continue;
+        }
+
+        switch (c) {
+
+        case ' ':
+        case '\t':
+        case '\r':
+        case '\n':
+            p++;
+            continue;
+
+        case '"':
+            in_str = 1;
+
+            if (state == DPD_TOP_KEY && depth == 1 && top == 1) {
+                start = (size_t) (p - data);
+                state = DPD_TOP_IN_KEY;
+            }
+
+            break;
+
+        case '[':
+        case '{':
+            /* with the commas: a bound on the values in the containers */
+
+            if (++elements > limits->max_elements) {
+                goto too_many;
+            }
+
+            if (++depth > limits->max_depth) {
+                return dpd_bad(req, NGX_HTTP_DPD_BAD_DEPTH,
+                               "JSON nesting deeper than %zu levels",
+                               limits->max_depth);
+            }
+
+            if (depth == 1 && top == 0) {
+                top = (c == '{') ? 1 : 2;
+                state = DPD_TOP_KEY;
+            }
+
+            break;
+
+        case ']':
+        case '}':
+            if (depth == 1 && top == 1) {
+                if (state == DPD_TOP_VALUE) {
+                    if (k < nout) {
+                        out[k].start = start;
+                        out[k].end = (size_t) (sig - data);
+                    }
+
+                    k++;
+                }
+
+                top = 2;
+            }
+
+            if (depth > 0) {
+                depth--;
+            }
+
+            break;
+
+        case ',':
+            if (++elements > limits->max_elements) {
+                goto too_many;
+            }
+
+            if (depth == 1 && top == 1 && state == DPD_TOP_VALUE) {
+                if (k < nout) {
+                    out[k].start = start;
+                    out[k].end = (size_t) (sig - data);
+                }
+
+                k++;
+                state = DPD_TOP_KEY;
+            }
+
+            break;
+
+        case ':':
+            if (depth == 1 && top == 1 && state == DPD_TOP_COLON) {
+                state = DPD_TOP_VALUE;
+            }
+
+            break;
+
+        default:
+            if (c < 0x20) {
+                return dpd_bad(req, NGX_HTTP_DPD_BAD_MALFORMED,
+                               "malformed JSON: control character outside "
+                               "a string at byte %zu", (size_t) (p - data));
+            }
+        }
+
+        p++;
+        sig = p;
+    }
+
+    if (out == NULL) {
+        req->elements = elements;
+        return 0;
+    }
+
+    return k;
+
+invalid:
+
+    return dpd_bad(req, NGX_HTTP_DPD_BAD_UTF8,
+                   "the request body is not valid UTF-8 (byte %zu)",
+                   (size_t) (p - data));
+
+too_many:
+
+    return dpd_bad(req, NGX_HTTP_DPD_BAD_LIMIT,
+                   "the request JSON has more than %zu elements "
+                   "(dpd_max_json_members)", limits->max_elements);
+}
+
+
+static unsigned
+dpd_key_kind(const char *name)
+{
+    size_t  i;
+
+    for (i = 0; dpd_keys[i].name; i++) {
+        if (strcmp(name, dpd_keys[i].name) == 0) {
+            return dpd_keys[i].key;
+        }
+    }
+
+    return NGX_HTTP_DPD_KEY_OTHER;
+}
+
+
+static int
+dpd_key_cmp(const void *a, const void *b)
+{
+    const cJSON  *x = *(const cJSON * const *) a;
+    const cJSON  *y = *(const cJSON * const *) b;
+
+    return strcmp(x->string, y->string);
+}
+
+
+/*
+ * Refuses a key repeated in any object: cJSON's lookups find the first,
+ * the engines' json module keeps the last, so the gateway would count,
+ * route and rewrite something else than what the engine runs.  The
+ * top-level kv_transfer_params are exempt: they all go.  Objects of up
+ * to DPD_PAIRWISE_MAX members are compared pairwise, larger ones sorted:
+ * O(n log n) in the members, whatever the keys.
+ */
+
+static int
+dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj, int top)
+{
+    int            rc;
+    char           name[64];
+    size_t         n, i, j;
+    const cJSON   *c, *dup, *small[DPD_PAIRWISE_MAX], **keys;
+
+    for (c = obj->child; c; c = c->next) {
+        if ((cJSON_IsObject(c) || cJSON_IsArray(c)) && c->child) {
+            rc = dpd_check_keys(req, c, 0);
+            if (rc != 0) {
+                return rc;
+            }
+        }
+    }
+
+    if (!cJSON_IsObject(obj)) {
+        return 0;
+    }
+
+    n = 0;
+
+    for (c = obj->child; c; c = c->next) {
+        if (c->string == NULL) {
+            return -1;
+        }
+
+        if (!(top && strcmp(c->string, DPD_KTP) == 0)) {
+            n++;
+        }
+    }
+
+    if (n < 2) {
+        return 0;
+    }
+
+    keys = (n <= DPD_PAIRWISE_MAX) ? small : malloc(n * sizeof(cJSON *));
+    if (keys == NULL) {
+        return -1;
+    }
+
+    i = 0;
+
+    for (c = obj->child; c; c = c->next) {
+        if (!(top && strcmp(c->string, DPD_KTP) == 0)) {
+            keys[i++] = c;
+        }
+    }
+
+    dup = NULL;
+
+    if (n <= DPD_PAIRWISE_MAX) {
+        for (i = 0; dup == NULL && i < n; i++) {
+            for (j = i + 1; j < n; j++) {
+                if (strcmp(keys[i]->string, keys[j]->string) == 0) {
+                    dup = keys[i];
+                    break;
+                }
+            }
+        }
+
+    } else {
+        qsort(keys, n, sizeof(cJSON *), dpd_key_cmp);
+
+        for (i = 1; i < n; i++) {
+            if (strcmp(keys[i - 1]->string, keys[i]->string) == 0) {
+                dup = keys[i];
+                break;
+            }
+        }
+    }
+
+    if (dup) {
+        /* the name goes into logs and the error body: printable only */
+
+        for (i = 0; dup->string[i] && i < sizeof(name) - 4; i++) {
+            name[i] = ((unsigned char) dup->string[i] < 0x20
+                       || dup->string[i] == 0x7f || dup->string[i] == '"'
+                       || dup->string[i] == '\\')
+                      ? '?' : dup->string[i];
+        }
+
+        if (dup->string[i]) {
+            memcpy(name + i, "...", 3);
+            i += 3;
+        }
+
+        name[i] = '\0';
+
+        rc = dpd_bad(req, NGX_HTTP_DPD_BAD_DUPLICATE,
+                     "the key \"%s\" appears more than once in %s object; "
+                     "repeated keys are refused (engines keep the last, "
+                     "the gateway cannot tell which one counts)",
+                     name, top ? "the request" : "a nested");
+
+    } else {
+        rc = 0;
+    }
+
+    if (keys != small) {
+        free(keys);
+    }
+
+    return rc;
+}
+
+
+int
+ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req, const char *data,
+    size_t len, const ngx_http_dpd_limits_t *limits)
+{
+    int           rc;
+    size_t        n, i;
+    const char   *end;
+    const cJSON  *c, *xargs;
+
+    req->data = data;
+    req->len = len;
+    req->json = NULL;
+    req->members = NULL;
+    req->nmembers = 0;
+    req->elements = 0;
+    req->kv_params = 0;
+    req->bad = NGX_HTTP_DPD_BAD_NONE;
+    req->why[0] = '\0';
+
+    if (data == NULL || len == 0) {
+        return dpd_bad(req, NGX_HTTP_DPD_BAD_MALFORMED,
+                       "the request body is empty: expected a JSON object");
+    }
+
+    if (dpd_scan(req, limits, NULL, 0) != 0) {
+        return 1;
+    }
+
+    end = NULL;
+
+    req->json = cJSON_ParseWithLengthOpts(data, len, &end, 0);
+
+    if (req->json == NULL) {
+        if (end == NULL || end < data || end > data + len) {
+            end = data;
+        }
+
+        return dpd_bad(req, NGX_HTTP_DPD_BAD_MALFORMED,
+                       "malformed JSON in the request body near byte %zu",
+                       (size_t) (end - data));
+    }
+
+    /* nothing but white space may follow the value */
+
+    while (end < data + len
+           && (*end == ' ' || *end == '\t' || *end == '\r' || *end == '\n'))
+    {
+        end++;
+    }
+
+    if (end < data + len) {
+        return dpd_bad(req, NGX_HTTP_DPD_BAD_MALFORMED,
+                       "malformed JSON: unexpected data after the value at "
+                       "byte %zu", (size_t) (end - data));
+    }
+
+    if (!cJSON_IsObject(req->json)) {
+        return dpd_bad(req, NGX_HTTP_DPD_BAD_FIELD,
+                       "the request body must be a JSON object");
+    }
+
+    n = 0;
+
+    for (c = req->json->child; c; c = c->next) {
+        n++;
+    }
+
+    req->members = dpd_alloc(req, (n ? n : 1) * sizeof(ngx_http_dpd_member_t));
+    if (req->members == NULL) {
+        return -1;
+    }
+
+    /* the scanner and cJSON agree on what a valid body holds */
+
+    if (dpd_scan(req, limits, req->members, n) != n) {
+        return -1;
+    }
+
+    req->nmembers = n;
+
+    for (i = 0, c = req->json->child; c; c = c->next, i++) {
+        req->members[i].key = dpd_key_kind(c->string);
+
+        if (req->members[i].key == NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS) {
+            req->kv_params++;
+        }
+    }
+
+    rc = dpd_check_keys(req, req->json, 1);
+    if (rc != 0) {
+        return rc;
+    }
+
+    /*
+     * vLLM hands vllm_xargs to the engine as extra_args, where its KV
+     * connectors look for kv_transfer_params when the request has none
+     */
+
+    xargs = cJSON_GetObjectItemCaseSensitive(req->json, "vllm_xargs");
+
+    if (cJSON_GetObjectItemCaseSensitive(xargs, DPD_KTP) != NULL) {
+        return dpd_bad(req, NGX_HTTP_DPD_BAD_FIELD,
+                       "vllm_xargs.kv_transfer_params is reserved for the "
+                       "gateway");
+    }
+
+    return 0;
+}
+
+
+void
+ngx_http_dpd_proto_drop_tree(ngx_http_dpd_req_t *req)
+{
+    cJSON_Delete(req->json);
+    req->json = NULL;
+}
+
+
+void
+ngx_http_dpd_proto_release(ngx_http_dpd_req_t *req)
+{
+    ngx_http_dpd_proto_drop_tree(req);
+
+    if (req->alloc == NULL) {
+        free(req->members);
+    }
+
+    req->members = NULL;
+    req->nmembers = 0;
+}
+
+
+/* removes every occurrence of key, in one pass */
 
 static void
 dpd_json_delete_all(cJSON *obj, const char *key)
 {
-    cJSON  *item;
+    cJSON  *item, *next;
 
-    while ((item = cJSON_GetObjectItemCaseSensitive(obj, key)) != NULL) {
-        cJSON_Delete(cJSON_DetachItemViaPointer(obj, item));
+    for (item = obj->child; item; item = next) {
+        next = item->next;
+
+        if (item->string && strcmp(item->string, key) == 0) {
+            cJSON_Delete(cJSON_DetachItemViaPointer(obj, item));
+        }
     }
 }
 
@@ -70,23 +676,6 @@ dpd_json_is_uint(const cJSON *item, double max)
     v = item->valuedouble;
 
     return v >= 0 && v <= max && floor(v) == v;
-}
-
-
-int
-ngx_http_dpd_proto_strip(cJSON *req)
-{
-    int     n;
-    cJSON  *item;
-
-    n = 0;
-
-    while ((item = cJSON_GetObjectItemCaseSensitive(req, DPD_KTP)) != NULL) {
-        cJSON_Delete(cJSON_DetachItemViaPointer(req, item));
-        n++;
-    }
-
-    return n;
 }
 
 
@@ -176,29 +765,117 @@ failed:
 }
 
 
-static char *
-dpd_print(cJSON *obj, size_t *len)
-{
-    char  *text;
+/*
+ * The client's body without the members whose kind is in "drop" (a mask
+ * of 1 << NGX_HTTP_DPD_KEY_*), then the members in "extra" (a text of
+ * members, may be NULL) and, if given, ktp (taken over) as
+ * kv_transfer_params: the client's bytes are copied by range, never
+ * re-encoded.  Linear in the body: one pass to size, one to write.
+ */
 
-    text = cJSON_PrintUnformatted(obj);
-    if (text == NULL) {
+static char *
+dpd_splice(const ngx_http_dpd_req_t *req, unsigned drop, const char *extra,
+    cJSON *ktp, size_t *len)
+{
+    char                         *out, *p, *ktext;
+    size_t                        size, i, kept, elen, klen;
+    const ngx_http_dpd_member_t  *m;
+
+    ktext = NULL;
+    klen = 0;
+
+    if (ktp) {
+        ktext = cJSON_PrintUnformatted(ktp);
+        cJSON_Delete(ktp);
+
+        if (ktext == NULL) {
+            return NULL;
+        }
+
+        klen = strlen(ktext);
+    }
+
+    elen = extra ? strlen(extra) : 0;
+
+    size = sizeof("{}") - 1;
+    kept = 0;
+
+    for (i = 0; i < req->nmembers; i++) {
+        m = &req->members[i];
+
+        if (!(drop & (1u << m->key))) {
+            size += (m->end - m->start) + 1;
+            kept++;
+        }
+    }
+
+    size += elen + 1;
+
+    if (ktext) {
+        size += sizeof(",\"" DPD_KTP "\":") - 1 + klen;
+    }
+
+    out = dpd_alloc(req, size + 1);
+    if (out == NULL) {
+        cJSON_free(ktext);
         return NULL;
     }
 
-    *len = strlen(text);
+    p = out;
+    *p++ = '{';
 
-    return text;
+    for (i = 0; i < req->nmembers; i++) {
+        m = &req->members[i];
+
+        if (drop & (1u << m->key)) {
+            continue;
+        }
+
+        if (p != out + 1) {
+            *p++ = ',';
+        }
+
+        memcpy(p, req->data + m->start, m->end - m->start);
+        p += m->end - m->start;
+    }
+
+    if (elen) {
+        if (p != out + 1) {
+            *p++ = ',';
+        }
+
+        memcpy(p, extra, elen);
+        p += elen;
+    }
+
+    if (ktext) {
+        if (p != out + 1) {
+            *p++ = ',';
+        }
+
+        memcpy(p, "\"" DPD_KTP "\":", sizeof("\"" DPD_KTP "\":") - 1);
+        p += sizeof("\"" DPD_KTP "\":") - 1;
+        memcpy(p, ktext, klen);
+        p += klen;
+        cJSON_free(ktext);
+    }
+
+    *p++ = '}';
+    *p = '\0';
+
+    *len = (size_t) (p - out);
+
+    return out;
 }
 
 
 char *
-ngx_http_dpd_proto_prefill_body(const cJSON *req, int protocol,
+ngx_http_dpd_proto_prefill_body(const ngx_http_dpd_req_t *req, int protocol,
     const ngx_http_dpd_lmcache_spec_t *spec, size_t *len)
 {
     cJSON  *ktp;
 
-    if (!cJSON_IsObject(req)) {
+    if (req == NULL || req->members == NULL) {
         return NULL;
     }
 
@@ -221,12 +898,13 @@ ngx_http_dpd_proto_prefill_body(const cJSON *req, int protocol,
 
 
 char *
-ngx_http_dpd_proto_kv_agent_prefill_body(const cJSON *req,
+ngx_http_dpd_proto_kv_agent_prefill_body(const ngx_http_dpd_req_t *req,
     const char *req_id, const char *decode_node, size_t *len)
 {
     cJSON  *ktp, *dpd;
 
-    if (!cJSON_IsObject(req) || req_id == NULL || req_id[0] == '\0'
+    if (req == NULL || req->members == NULL
+        || req_id == NULL || req_id[0] == '\0'
         || decode_node == NULL || decode_node[0] == '\0')
     {
         return NULL;
@@ -254,54 +932,39 @@ ngx_http_dpd_proto_kv_agent_prefill_body(const cJSON *req,
 /* the prefill copy of req with ktp as its kv_transfer_params (taken over) */
 
 static char *
-dpd_prefill_copy(const cJSON *req, cJSON *ktp, size_t *len)
+dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp, size_t *len)
 {
-    int     has_mct;
-    char   *text;
-    cJSON  *copy;
+    size_t      i;
+    unsigned    drop, has_mct;
+    const char  *extra;
 
     if (ktp == NULL) {
         return NULL;
     }
 
-    copy = cJSON_Duplicate(req, 1);
-    if (copy == NULL) {
-        cJSON_Delete(ktp);
-        return NULL;
+    drop = (1u << NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS)
+           | (1u << NGX_HTTP_DPD_KEY_MAX_TOKENS)
+           | (1u << NGX_HTTP_DPD_KEY_MAX_COMPLETION_TOKENS)
+           | (1u << NGX_HTTP_DPD_KEY_STREAM)
+           | (1u << NGX_HTTP_DPD_KEY_STREAM_OPTIONS)
+           | (1u << NGX_HTTP_DPD_KEY_MIN_TOKENS)
+           | (1u << NGX_HTTP_DPD_KEY_MIN_COMPLETION_TOKENS);
+
+    has_mct = 0;
+
+    for (i = 0; i < req->nmembers; i++) {
+        if (req->members[i].key == NGX_HTTP_DPD_KEY_MAX_COMPLETION_TOKENS) {
+            has_mct = 1;
+        }
     }
-
-    ngx_http_dpd_proto_strip(copy);
-
-    has_mct = cJSON_GetObjectItemCaseSensitive(copy, "max_completion_tokens")
-              != NULL;
 
     /* one token: the prefill's product is the KV, not text */
 
-    if (dpd_json_set(copy, "max_tokens", cJSON_CreateNumber(1)) != 0
-        || (has_mct
-            && dpd_json_set(copy, "max_completion_tokens",
-                            cJSON_CreateNumber(1)) != 0)
-        || dpd_json_set(copy, "stream", cJSON_CreateFalse()) != 0)
-    {
-        cJSON_Delete(ktp);
-        cJSON_Delete(copy);
-        return NULL;
-    }
+    extra = has_mct ? "\"max_tokens\":1,\"max_completion_tokens\":1,"
+                      "\"stream\":false"
+                    : "\"max_tokens\":1,\"stream\":false";
 
-    dpd_json_delete_all(copy, "stream_options");
-    dpd_json_delete_all(copy, "min_tokens");
-    dpd_json_delete_all(copy, "min_completion_tokens");
-
-    if (dpd_json_set(copy, DPD_KTP, ktp) != 0) {
-        cJSON_Delete(copy);
-        return NULL;
-    }
-
-    text = dpd_print(copy, len);
-
-    cJSON_Delete(copy);
-
-    return text;
+    return dpd_splice(req, drop, extra, ktp, len);
 }
 
 
@@ -408,12 +1071,12 @@ ngx_http_dpd_proto_parse_reply(const char *data, size_t len, int protocol,
 
 
 char *
-ngx_http_dpd_proto_decode_body(const cJSON *req, const cJSON *params,
-    const char *prefill_host, size_t *len)
+ngx_http_dpd_proto_decode_body(const ngx_http_dpd_req_t *req,
+    const cJSON *params, const char *prefill_host, size_t *len)
 {
     cJSON  *ktp;
 
-    if (!cJSON_IsObject(req)) {
+    if (req == NULL || req->members == NULL) {
         return NULL;
     }
 
@@ -436,7 +1099,8 @@ ngx_http_dpd_proto_decode_body(const cJSON *req, const cJSON *params,
         }
     }
 
-    return dpd_decode_copy(req, ktp, len);
+    return dpd_splice(req, 1u << NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS, NULL,
+                      ktp, len);
 }
 
 
@@ -547,12 +1211,12 @@ done:
 
 
 char *
-ngx_http_dpd_proto_kv_agent_decode_body(const cJSON *req, const char *req_id,
-    size_t *len)
+ngx_http_dpd_proto_kv_agent_decode_body(const ngx_http_dpd_req_t *req,
+    const char *req_id, size_t *len)
 {
     cJSON  *ktp, *dpd;
 
-    if (!cJSON_IsObject(req)) {
+    if (req == NULL || req->members == NULL) {
         return NULL;
     }
 
@@ -570,36 +1234,6 @@ ngx_http_dpd_proto_kv_agent_decode_body(const cJSON *req, const char *req_id,
         }
     }
 
-    return dpd_decode_copy(req, ktp, len);
-}
-
-
-/* the decode copy of req, with ktp (taken over) as its kv_transfer_params */
-
-static char *
-dpd_decode_copy(const cJSON *req, cJSON *ktp, size_t *len)
-{
-    char   *text;
-    cJSON  *copy;
-
-    copy = cJSON_Duplicate(req, 1);
-    if (copy == NULL) {
-        cJSON_Delete(ktp);
-        return NULL;
-    }
-
-    ngx_http_dpd_proto_strip(copy);
-
-    /* dpd_json_set() releases ktp when it fails */
-
-    if (ktp != NULL && dpd_json_set(copy, DPD_KTP, ktp) != 0) {
-        cJSON_Delete(copy);
-        return NULL;
-    }
-
-    text = dpd_print(copy, len);
-
-    cJSON_Delete(copy);
-
-    return text;
+    return dpd_splice(req, 1u << NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS, NULL,
+                      ktp, len);
 }

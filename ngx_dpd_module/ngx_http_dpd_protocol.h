@@ -1,19 +1,32 @@
 /*
- * Wire transforms of the disaggregated path (DESIGN.md §2), with cJSON and
- * no nginx types, so a test program links this file alone.
+ * The client's request as the gateway sees it, and the wire transforms of
+ * the disaggregated path (DESIGN.md §2), with cJSON and no nginx types, so
+ * a test program or a fuzzer links this file alone.
  *
- *   prefill copy   the client's request with max_tokens 1 (and
- *                  max_completion_tokens 1 when present), stream false, no
- *                  stream_options/min_tokens/min_completion_tokens, and the
- *                  protocol's kv_transfer_params
+ *   request        the client's bytes, checked in one pass before cJSON
+ *                  parses them (UTF-8, nesting, element count, NUL, raw
+ *                  control characters), then parsed once; a key repeated
+ *                  in any object is refused (the engines' JSON keeps the
+ *                  last one, cJSON finds the first), except a top-level
+ *                  kv_transfer_params, which is removed however often it
+ *                  appears.  The top-level members are indexed by byte
+ *                  range, so that the bodies below splice the client's
+ *                  bytes instead of copying and printing a tree.
+ *   prefill copy   the client's members without max_tokens,
+ *                  max_completion_tokens, stream, stream_options,
+ *                  min_tokens, min_completion_tokens, kv_transfer_params,
+ *                  then max_tokens 1 (and max_completion_tokens 1 when
+ *                  present), stream false and the protocol's
+ *                  kv_transfer_params
  *   prefill reply  must be a JSON object; for nixl its kv_transfer_params
  *                  are validated and kept, or dropped with a reason
- *   decode body    the client's request without any client-supplied
- *                  kv_transfer_params; for nixl plus the reply's params with
- *                  remote_host forced to the prefill peer that answered
+ *   decode body    the client's members without kv_transfer_params; for
+ *                  nixl plus the reply's params with remote_host forced to
+ *                  the prefill peer that answered
  *
- * Texts returned by the builders come from cJSON's allocator: release them
- * with cJSON_free().  Objects returned are released with cJSON_Delete().
+ * Every body is linear in the client's body: one pass to size it, one to
+ * write it, one allocation through req->alloc (malloc() when NULL: release
+ * with free()).  Objects returned are released with cJSON_Delete().
  */
 
 #ifndef _NGX_HTTP_DPD_PROTOCOL_H_INCLUDED_
@@ -35,6 +48,64 @@
 #define NGX_HTTP_DPD_REPLY_INVALID    2   /* not a JSON object: as a 5xx */
 
 
+/* why a request is refused (400): req->bad, and the counting code's */
+#define NGX_HTTP_DPD_BAD_NONE         0
+#define NGX_HTTP_DPD_BAD_MALFORMED    1   /* not JSON, raw control chars */
+#define NGX_HTTP_DPD_BAD_UTF8         2
+#define NGX_HTTP_DPD_BAD_DEPTH        3   /* deeper than max_depth */
+#define NGX_HTTP_DPD_BAD_FIELD        4   /* not an object, wrong field */
+#define NGX_HTTP_DPD_BAD_TOKEN_RANGE  5   /* token id outside the vocab */
+#define NGX_HTTP_DPD_BAD_DUPLICATE    6   /* a key repeated in an object */
+#define NGX_HTTP_DPD_BAD_NUL          7   /* "\u0000" in a string */
+#define NGX_HTTP_DPD_BAD_LIMIT        8   /* over a dpd_max_* cap */
+
+#define NGX_HTTP_DPD_WHY_LEN        512
+
+
+/* the top-level members the transforms remove or replace */
+#define NGX_HTTP_DPD_KEY_OTHER                  0
+#define NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS     1
+#define NGX_HTTP_DPD_KEY_MAX_TOKENS             2
+#define NGX_HTTP_DPD_KEY_MAX_COMPLETION_TOKENS  3
+#define NGX_HTTP_DPD_KEY_STREAM                 4
+#define NGX_HTTP_DPD_KEY_STREAM_OPTIONS         5
+#define NGX_HTTP_DPD_KEY_MIN_TOKENS             6
+#define NGX_HTTP_DPD_KEY_MIN_COMPLETION_TOKENS  7
+
+
+typedef struct {
+    size_t                   start;     /* the key's opening quote */
+    size_t                   end;       /* just past the value */
+    unsigned                 key;       /* NGX_HTTP_DPD_KEY_* */
+} ngx_http_dpd_member_t;
+
+
+typedef struct {
+    size_t                   max_depth;     /* dpd_max_json_depth */
+    size_t                   max_elements;  /* dpd_max_json_members */
+} ngx_http_dpd_limits_t;
+
+
+typedef struct {
+    /* set by the caller before parsing; alloc NULL: malloc() */
+    void                  *(*alloc)(void *data, size_t size);
+    void                    *alloc_data;
+
+    /* the client's bytes (not copied: they must outlive the bodies) */
+    const char              *data;
+    size_t                   len;
+
+    cJSON                   *json;      /* parsed; see _drop_tree() */
+    ngx_http_dpd_member_t   *members;   /* top level, in body order */
+    size_t                   nmembers;
+    size_t                   elements;  /* values below the top, bound */
+    size_t                   kv_params; /* client kv_transfer_params */
+
+    int                      bad;       /* NGX_HTTP_DPD_BAD_* */
+    char                     why[NGX_HTTP_DPD_WHY_LEN];
+} ngx_http_dpd_req_t;
+
+
 typedef struct {
     const char            *req_id;
     const char            *receiver_host;
@@ -44,16 +115,26 @@ typedef struct {
 } ngx_http_dpd_lmcache_spec_t;
 
 
-/* removes every client-supplied kv_transfer_params; returns how many */
-int ngx_http_dpd_proto_strip(cJSON *req);
+/*
+ * Checks, parses and indexes len bytes at data (kept by reference).
+ * Returns 0 when usable, 1 when refused (req->bad, req->why: a message for
+ * the client), -1 when out of memory.  Release with _release().
+ */
+int ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req,
+    const char *data, size_t len, const ngx_http_dpd_limits_t *limits);
+
+/* frees the tree only: the bodies below need the index, not the tree */
+void ngx_http_dpd_proto_drop_tree(ngx_http_dpd_req_t *req);
+
+/* frees the tree and (alloc NULL) the index */
+void ngx_http_dpd_proto_release(ngx_http_dpd_req_t *req);
 
 /*
- * The prefill copy of "req" (left untouched).  spec is used by lmcache only.
- * Returns the serialized body and its length, or NULL (out of memory, bad
- * arguments).
+ * The prefill copy of the request.  spec is used by lmcache only.
+ * Returns the body and its length, or NULL (out of memory, bad arguments).
  */
-char *ngx_http_dpd_proto_prefill_body(const cJSON *req, int protocol,
-    const ngx_http_dpd_lmcache_spec_t *spec, size_t *len);
+char *ngx_http_dpd_proto_prefill_body(const ngx_http_dpd_req_t *req,
+    int protocol, const ngx_http_dpd_lmcache_spec_t *spec, size_t *len);
 
 /*
  * Parses and classifies a prefill reply.  On NGX_HTTP_DPD_REPLY_PARAMS,
@@ -64,21 +145,22 @@ int ngx_http_dpd_proto_parse_reply(const char *data, size_t len,
     int protocol, cJSON **params, const char **why);
 
 /*
- * The decode body: "req" without client kv_transfer_params, plus "params"
- * (may be NULL) with remote_host set to prefill_host.  params without a
- * prefill_host are dropped (the peer that answered is unknown).
+ * The decode body: the request without client kv_transfer_params, plus
+ * "params" (may be NULL) with remote_host set to prefill_host.  params
+ * without a prefill_host are dropped (the peer that answered is unknown).
+ * With neither, this is the body of the direct path and of a fallback.
  */
-char *ngx_http_dpd_proto_decode_body(const cJSON *req, const cJSON *params,
-    const char *prefill_host, size_t *len);
+char *ngx_http_dpd_proto_decode_body(const ngx_http_dpd_req_t *req,
+    const cJSON *params, const char *prefill_host, size_t *len);
 
 
 /*
- * kv_agent (DESIGN.md §2): the prefill copy of "req" with
+ * kv_agent (DESIGN.md §2): the prefill copy with
  *   "kv_transfer_params": {"dpd": {"req_id": req_id,
  *                                  "decode_node": decode_node}}
- * Returns the serialized body, or NULL.
+ * Returns the body, or NULL.
  */
-char *ngx_http_dpd_proto_kv_agent_prefill_body(const cJSON *req,
+char *ngx_http_dpd_proto_kv_agent_prefill_body(const ngx_http_dpd_req_t *req,
     const char *req_id, const char *decode_node, size_t *len);
 
 /*
@@ -93,11 +175,11 @@ int ngx_http_dpd_proto_kv_agent_reply(const char *data, size_t len,
     const char *req_id, unsigned long *blocks, const char **why);
 
 /*
- * kv_agent decode body: "req" without client kv_transfer_params, plus
- *   "kv_transfer_params": {"dpd": {"req_id": req_id}}
+ * kv_agent decode body: the request without client kv_transfer_params,
+ * plus "kv_transfer_params": {"dpd": {"req_id": req_id}}
  * (req_id NULL: without any, as for a fallback).
  */
-char *ngx_http_dpd_proto_kv_agent_decode_body(const cJSON *req,
+char *ngx_http_dpd_proto_kv_agent_decode_body(const ngx_http_dpd_req_t *req,
     const char *req_id, size_t *len);
 
 

@@ -26,7 +26,7 @@ static size_t ports(const char *s, unsigned short *out)
 int main(int argc, char **argv)
 {
     size_t n, len;
-    char *in = slurp(&n), *out;
+    char *in = slurp(&n), *out, *nl;
     int proto = (argc > 2 && strcmp(argv[2], "lmcache") == 0)
                 ? NGX_HTTP_DPD_PROTO_LMCACHE : NGX_HTTP_DPD_PROTO_NIXL;
     cJSON *j, *params;
@@ -43,13 +43,12 @@ int main(int argc, char **argv)
             spec.init_ports = ip;
             spec.alloc_ports = ap;
         }
-        j = cJSON_ParseWithLength(in, n);
-        out = ngx_http_dpd_proto_prefill_body(j, proto,
+        out = ngx_http_dpd_proto_prefill_body(parse_req(in, n), proto,
                                               argc > 6 ? &spec : NULL, &len);
         if (out == NULL) { puts("NULL"); return 0; }
         fwrite(out, 1, len, stdout);
-        cJSON_free(out);
-        cJSON_Delete(j);
+        free(out);
+        ngx_http_dpd_proto_release(&dpd_req);
         free(in);
         return 0;
     }
@@ -65,28 +64,35 @@ int main(int argc, char **argv)
     }
 
     if (strcmp(argv[1], "decode") == 0) {
-        /* stdin: {"req": {...}, "params": {...}|null} */
-        j = cJSON_ParseWithLength(in, n);
+        /* stdin: the params (JSON or null) on the first line, then the
+         * request body */
+        nl = memchr(in, '\n', n);
+        if (nl == NULL) { puts("NULL"); return 0; }
+        j = cJSON_ParseWithLength(in, (size_t) (nl - in));
         out = ngx_http_dpd_proto_decode_body(
-                  cJSON_GetObjectItem(j, "req"),
-                  cJSON_IsObject(cJSON_GetObjectItem(j, "params"))
-                      ? cJSON_GetObjectItem(j, "params") : NULL,
+                  parse_req(nl + 1, n - (size_t) (nl + 1 - in)),
+                  cJSON_IsObject(j) ? j : NULL,
                   argc > 2 ? argv[2] : NULL, &len);
         if (out == NULL) { puts("NULL"); return 0; }
         fwrite(out, 1, len, stdout);
-        cJSON_free(out);
+        free(out);
         cJSON_Delete(j);
+        ngx_http_dpd_proto_release(&dpd_req);
         free(in);
         return 0;
     }
 
-    if (strcmp(argv[1], "strip") == 0) {
-        j = cJSON_ParseWithLength(in, n);
-        printf("%d\t", ngx_http_dpd_proto_strip(j));
-        out = cJSON_PrintUnformatted(j);
-        fputs(out, stdout);
-        cJSON_free(out);
-        cJSON_Delete(j);
+    if (strcmp(argv[1], "direct") == 0) {
+        /* what the direct path sends: the client's bytes, minus their
+         * kv_transfer_params */
+        ngx_http_dpd_req_t *req = parse_req(in, n);
+        if (req == NULL) { return 0; }
+        printf("%zu\t", req->kv_params);
+        out = ngx_http_dpd_proto_decode_body(req, NULL, NULL, &len);
+        if (out == NULL) { puts("NULL"); return 0; }
+        fwrite(out, 1, len, stdout);
+        free(out);
+        ngx_http_dpd_proto_release(&dpd_req);
         free(in);
         return 0;
     }
@@ -110,6 +116,11 @@ sub run_driver {
 }
 
 sub prefill { $json->decode(run_driver($json->encode($_[0]), 'prefill', @_[1 .. $#_])) }
+
+# the decode driver reads the params (or null) on the first line, then
+# the client's body
+sub dec_input { my ($req, $params) = @_;
+                $json->encode($params) . "\n" . (ref $req ? $json->encode($req) : $req) }
 
 # --- the prefill copy -------------------------------------------------------
 
@@ -146,15 +157,55 @@ is_deeply $p->{prompt}, [1, 2, 3], 'token-id prompt kept';
 $p = prefill({model => 'm', prompt => 'x'}, 'nixl');
 is $p->{max_tokens}, 1, 'max_tokens 1 added when the client gave none';
 
-# duplicated keys: every occurrence goes
-my $dup = run_driver('{"prompt":"x","stream":true,"stream":true,'
-                     . '"kv_transfer_params":{"a":1},"kv_transfer_params":{"b":2}}',
+# repeated kv_transfer_params: every occurrence goes, whatever its place
+my $dup = run_driver('{"kv_transfer_params":{"a":1},"prompt":"x",'
+                     . '"kv_transfer_params":{"remote_host":"169.254.169.254"},'
+                     . '"stream":true,"kv_transfer_params":{"b":2}}',
                      'prefill', 'nixl');
 my $n_stream = () = $dup =~ /"stream"/g;
 my $n_ktp = () = $dup =~ /"kv_transfer_params"/g;
-is $n_stream, 1, 'a repeated "stream" key leaves exactly one (false)';
+is $n_stream, 1, 'prefill copy: one "stream" (false)';
 is $n_ktp, 1, 'repeated client kv_transfer_params leave only ours';
-unlike $dup, qr/"[ab]":/, 'no client transfer params survive';
+unlike $dup, qr/"[ab]":|169\.254/, 'no client transfer params survive';
+
+# any other repeated key is refused: the engine (Python's json) keeps the
+# last one, cJSON finds the first, the gateway cannot count what it sees
+for my $case (
+    ['{"prompt":"x","stream":false,"stream":true}', 'top-level "stream"'],
+    ['{"prompt":"short","prompt":"long long long"}', 'top-level "prompt"'],
+    ['{"messages":[{"role":"user","content":"a","content":"bbbb"}]}',
+     'nested "content"'],
+    ['{"prompt":"x","m\\u006fdel":"a","model":"b"}', 'escaped spelling'],
+    ['{"prompt":"x","o":{' . join(',', map { "\"k$_\":1" } 1 .. 40)
+     . ',"k7":2}}', 'large nested object (sorted check)'],
+) {
+    my $o = run_driver($case->[0], 'prefill', 'nixl');
+    like $o, qr/^REFUSED 6\t.*appears more than once/, "repeated key refused: $case->[1]";
+}
+like run_driver('{"prompt":"x","vllm_xargs":{"kv_transfer_params":"y"}}',
+                'prefill', 'nixl'),
+     qr/^REFUSED 4\tvllm_xargs\.kv_transfer_params is reserved/,
+     'vllm_xargs.kv_transfer_params refused (vLLM passes it to the connector)';
+
+# "\u0000": cJSON ends the string there, the engine does not
+for my $body ('{"prompt":"\\u0000' . ('word ' x 50) . '"}',
+              '{"messages":[{"role":"user","content":"a\\u0000b"}]}',
+              '{"prompt":"x","k\\u0000y":1}') {
+    like run_driver($body, 'prefill', 'nixl'), qr/^REFUSED 7\t.*NUL character/,
+        'a NUL character is refused: ' . substr($body, 0, 30);
+}
+# escapes outside RFC 8259: cJSON reads "\u00]9" as U+0000 and ends the
+# string there (found by the request-path fuzzer)
+for my $body ('{"prompt":"caf\\u00]9 long text"}', '{"prompt":"\\uZZZZ"}',
+              '{"prompt":"\\x41"}', '{"prompt":"\\u12"}', qq({"prompt":"\\\0"})) {
+    like run_driver($body, 'prefill', 'nixl'), qr/^REFUSED 1\tmalformed JSON: invalid escape/,
+        'an invalid escape is refused: ' . substr($body, 10, 12);
+}
+unlike run_driver('{"prompt":"a\\\\u0000b"}', 'prefill', 'nixl'), qr/REFUSED/,
+    'an escaped backslash before "u0000" is not a NUL';
+like run_driver(qq({"prompt":"x",\x01"stream":true}), 'prefill', 'nixl'),
+     qr/^REFUSED 1\t.*control character outside a string/,
+     'raw control bytes between tokens refused (cJSON skips them, Python does not)';
 
 $p = prefill($chat, 'lmcache', 'req-42', '127.0.0.5', '7300,7301', '7400,7401');
 is_deeply $p->{kv_transfer_params},
@@ -167,8 +218,9 @@ is $p->{max_tokens}, 1, 'lmcache prefill copy: max_tokens 1';
 
 is run_driver($json->encode($chat), 'prefill', 'lmcache'), "NULL\n",
     'lmcache without a decoder spec builds nothing';
-is run_driver('[1,2]', 'prefill', 'nixl'), "NULL\n",
-    'a non-object request builds nothing';
+is run_driver('[1,2]', 'prefill', 'nixl'),
+    "REFUSED 4\tthe request body must be a JSON object\nNULL\n",
+    'a non-object request is refused and builds nothing';
 
 # --- the prefill reply ------------------------------------------------------
 
@@ -220,8 +272,7 @@ is $out, '', 'lmcache reply: no params';
 
 # --- the decode body --------------------------------------------------------
 
-my $dec = $json->decode(run_driver($json->encode({req => $chat, params => $ktp}),
-                                   'decode', '127.0.0.2'));
+my $dec = $json->decode(run_driver(dec_input($chat, $ktp), 'decode', '127.0.0.2'));
 is $dec->{kv_transfer_params}{remote_host}, '127.0.0.2',
     'decode params: remote_host is the prefill peer, not the reply\'s';
 is $dec->{kv_transfer_params}{remote_engine_id}, 'eng-1', 'decode params: engine id copied';
@@ -231,24 +282,52 @@ is $dec->{max_tokens}, 200, 'decode body keeps the client\'s max_tokens';
 is_deeply $dec->{stream_options}, {include_usage => JSON::PP::true},
     'decode body keeps stream_options';
 
-$dec = $json->decode(run_driver($json->encode({req => $chat, params => undef}), 'decode'));
+$dec = $json->decode(run_driver(dec_input($chat, undef), 'decode'));
 ok !exists $dec->{kv_transfer_params}, 'decode body without params: client params stripped';
 
-$dec = $json->decode(run_driver($json->encode({req => $chat, params => $ktp}), 'decode'));
+$dec = $json->decode(run_driver(dec_input($chat, $ktp), 'decode'));
 ok !exists $dec->{kv_transfer_params},
     'params without a known prefill host are dropped, never passed through';
 
 my $noh = {%$ktp};
 delete $noh->{remote_host};
-$dec = $json->decode(run_driver($json->encode({req => $cmpl, params => $noh}),
-                                'decode', '::1'));
+$dec = $json->decode(run_driver(dec_input($cmpl, $noh), 'decode', '::1'));
 is $dec->{kv_transfer_params}{remote_host}, '::1', 'remote_host added when the reply had none';
 
-# --- strip ------------------------------------------------------------------
+# --- the direct path: the client's bytes ------------------------------------
 
-my ($cnt, $rest) = split /\t/, run_driver('{"a":1,"kv_transfer_params":{},"kv_transfer_params":2,"KV_TRANSFER_PARAMS":3}', 'strip');
-is $cnt, 2, 'strip removes every kv_transfer_params';
-is $rest, '{"a":1,"KV_TRANSFER_PARAMS":3}', 'other keys (and other spellings) untouched';
+my $raw = qq({ "model" : "m",\n "prompt":"caf\xc3\xa9 \\u00e9 \\"q\\"",\t"n":1.50e0 ,"x":[ 1, {"a" :null} ] }\n);
+my ($cnt, $rest) = split /\t/, run_driver($raw, 'direct'), 2;
+is $cnt, 0, 'no kv_transfer_params';
+is $rest, qq({"model" : "m","prompt":"caf\xc3\xa9 \\u00e9 \\"q\\"","n":1.50e0,"x":[ 1, {"a" :null} ]}),
+    'members copied byte for byte (escapes, number spelling, inner spacing kept)';
+
+($cnt, $rest) = split /\t/, run_driver('{"a":1,"kv_transfer_params":{},"kv_transfer_params":2,"KV_TRANSFER_PARAMS":3}', 'direct');
+is $cnt, 2, 'every kv_transfer_params counted';
+is $rest, '{"a":1,"KV_TRANSFER_PARAMS":3}', 'all removed; other keys (and other spellings) untouched';
+($cnt, $rest) = split /\t/, run_driver('{"kv_transfer_\\u0070arams":{"remote_host":"h"},"prompt":"x"}', 'direct');
+is $rest, '{"prompt":"x"}', 'an escaped spelling of kv_transfer_params is removed too';
+($cnt, $rest) = split /\t/, run_driver('{"kv_transfer_params":1}', 'direct');
+is $rest, '{}', 'nothing left: an empty object';
+
+# --- linear in the body (issue 8, item 4) ------------------------------------
+# N repeated keys used to cost O(N^2) (5.7 s for N = 40k in a disaggregated
+# request); now a repeated key is refused in one pass, and 200k distinct keys
+# are indexed, checked and spliced in well under a second.
+
+use Time::HiRes ();
+sub timed { my $t0 = Time::HiRes::time(); my $o = run_driver(@_);
+            return (Time::HiRes::time() - $t0, $o) }
+my ($t, $o) = timed('{"prompt":"x"' . (',"stream":true' x 40000) . '}', 'prefill', 'nixl');
+like $o, qr/^REFUSED 6/, '40k repeated "stream" keys: refused';
+cmp_ok $t, '<', 2, "  ... in ${\ sprintf '%.2f', $t} s (was 5.7 s)";
+($t, $o) = timed('{"prompt":"x","kv_transfer_params":0' . (',"kv_transfer_params":{}' x 40000) . '}', 'prefill', 'nixl');
+is(() = $o =~ /"kv_transfer_params"/g, 1, '40k repeated kv_transfer_params: all removed');
+cmp_ok $t, '<', 2, "  ... in ${\ sprintf '%.2f', $t} s";
+my $wide = '{"prompt":"x"' . join('', map { ",\"k$_\":$_" } 1 .. 200000) . '}';
+($t, $o) = timed($wide, 'prefill', 'nixl');
+like $o, qr/"k199999":199999.*"max_tokens":1/, '200k distinct keys: spliced';
+cmp_ok $t, '<', 3, "  ... in ${\ sprintf '%.2f', $t} s";
 
 # --- memory: every path under valgrind --------------------------------------
 
@@ -260,7 +339,10 @@ SKIP: {
         [$json->encode($reply), 'reply', 'nixl'],
         [$json->encode({kv_transfer_params => {%$ktp, remote_port => -1}}), 'reply', 'nixl'],
         ['{"a":', 'reply', 'nixl'],
-        [$json->encode({req => $chat, params => $ktp}), 'decode', '127.0.0.2'],
+        [dec_input($chat, $ktp), 'decode', '127.0.0.2'],
+        ['{"prompt":"x","kv_transfer_params":1,"kv_transfer_params":2}', 'direct'],
+        ['{"prompt":"x","stream":1,"stream":2}', 'prefill', 'nixl'],
+        ['{"prompt":"\\u0000"}', 'prefill', 'nixl'],
     );
     my @memcheck = ('valgrind', '-q', '--error-exitcode=99',
                     '--leak-check=full',

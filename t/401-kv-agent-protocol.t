@@ -18,12 +18,10 @@ int main(int argc, char **argv)
 {
     size_t n, len;
     char *in = slurp(&n), *out = NULL;
-    cJSON *j = NULL;
     int rc = 0;
 
     if (argc > 3 && strcmp(argv[1], "prefill") == 0) {
-        j = cJSON_ParseWithLength(in, n);
-        out = ngx_http_dpd_proto_kv_agent_prefill_body(j,
+        out = ngx_http_dpd_proto_kv_agent_prefill_body(parse_req(in, n),
                   strcmp(argv[2], "-") ? argv[2] : NULL,
                   strcmp(argv[3], "-") ? argv[3] : NULL, &len);
 
@@ -37,8 +35,7 @@ int main(int argc, char **argv)
         return 0;
 
     } else if (argc > 2 && strcmp(argv[1], "decode") == 0) {
-        j = cJSON_ParseWithLength(in, n);
-        out = ngx_http_dpd_proto_kv_agent_decode_body(j,
+        out = ngx_http_dpd_proto_kv_agent_decode_body(parse_req(in, n),
                   strcmp(argv[2], "-") ? argv[2] : NULL, &len);
 
     } else {
@@ -53,8 +50,8 @@ int main(int argc, char **argv)
         }
     }
 
-    cJSON_free(out);
-    cJSON_Delete(j);
+    free(out);
+    ngx_http_dpd_proto_release(&dpd_req);
     free(in);
     return rc;
 }
@@ -101,7 +98,8 @@ is run_driver($req, 'prefill', '-', 'decode-0'), 'NULL',
     'prefill: no request id, no body';
 is run_driver($req, 'prefill', 'rid-1', '-'), 'NULL',
     'prefill: no decode node, no body';
-is run_driver('[1,2]', 'prefill', 'rid-1', 'decode-0'), 'NULL',
+is run_driver('[1,2]', 'prefill', 'rid-1', 'decode-0'),
+    "REFUSED 4\tthe request body must be a JSON object\nNULL",
     'prefill: not an object, no body';
 
 # --- replies -----------------------------------------------------------------

@@ -4,6 +4,7 @@
 #   $(TOK_SO)       build/libdpdtok.so     for ctypes (vLLM emulator)
 #   build/dpd-tokenize                     the CLI
 #   make fuzz                              libFuzzer runs (clang), FUZZ_SECONDS each
+#                                          (tokenizer + the module's request path)
 TOK_DIR     := ngx_dpd_module/tokenizer
 TOK_LIB     := $(BUILD)/libdpdtok.a
 TOK_PIC_LIB := $(BUILD)/libdpdtok_pic.a
@@ -54,5 +55,7 @@ $(BUILD)/fuzz/%: $(TOK_DIR)/fuzz/%.c $(TOK_SRCS) $(TOK_HDRS)
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(FUZZ_FLAGS) $< $(TOK_SRCS) -o $@ $(TOK_LIBS)
 
+# (ngx_dpd_module/build.mk adds the request-path target)
 fuzz: $(TOK_FUZZ)
 	bash $(TOK_DIR)/fuzz/run.sh $(BUILD) $(FUZZ_SECONDS)
+	bash ngx_dpd_module/fuzz/run.sh $(BUILD) $(FUZZ_SECONDS)

@@ -273,6 +273,37 @@ print_json_string(const char *s, size_t len)
 }
 
 
+/* offset of the first NUL in a JSON text (a raw byte, or "\u0000" in a
+ * string), or -1 */
+static long
+json_nul_at(const char *s, size_t len)
+{
+    size_t  i;
+    int     in_str = 0;
+
+    for (i = 0; i < len; i++) {
+        if (s[i] == '\0') {
+            return (long) i;
+        }
+        if (!in_str) {
+            in_str = (s[i] == '"');
+            continue;
+        }
+        if (s[i] == '"') {
+            in_str = 0;
+        } else if (s[i] == '\\' && i + 1 < len) {
+            if (s[i + 1] == 'u' && i + 5 < len && memcmp(s + i + 2, "0000", 4)
+                == 0)
+            {
+                return (long) i;
+            }
+            i++;
+        }
+    }
+    return -1;
+}
+
+
 static int
 do_chat(const dpd_tok_t *tok, const opts_t *o, const char *body, size_t len,
     const char *where)
@@ -283,6 +314,14 @@ do_chat(const dpd_tok_t *tok, const opts_t *o, const char *body, size_t len,
     size_t        tlen;
     int           rc, est;
     long          n;
+
+    n = json_nul_at(body, len);
+    if (n >= 0) {
+        fprintf(stderr, "dpd-tokenize: %sthe chat request holds a NUL "
+                "character (\\u0000) at byte %ld: refused, as the gateway "
+                "refuses it\n", where, n);
+        return 2;
+    }
 
     root = cJSON_ParseWithLength(body, len);
     if (root == NULL) {

@@ -71,6 +71,25 @@ is($out, "\n", 'empty text: no ids');
 (undef, undef, $out) = run_in("--tokenizer '$good' --jsonl --ids", "\"\"\n\"hello\"\n\"\\u0000\"\n");
 is($out, "\n259\n0\n", '--jsonl: one line per input, empty string gives empty line');
 
+# NUL characters: text is tokenized in full (raw or "\u0000" in --jsonl,
+# never cut short); a chat request holding one is refused, as the gateway
+# refuses it (cJSON would end the content there)
+(undef, undef, $out) = run_in("--tokenizer '$good' --ids", "hello\0hello");
+is($out, "259 0 259\n", 'raw NUL byte: the text after it is tokenized too');
+(undef, undef, $out) = run_in("--tokenizer '$good' --jsonl --count", "\"\\u0000hello\"\n");
+is($out, "2\n", '--jsonl "\\u0000hello": counted in full');
+for my $chat ('{"messages":[{"role":"user","content":"hi\\u0000hello hello"}]}',
+              '[{"role":"user","content":"hi","name":"\\u0000"}]',
+              "[{\"role\":\"user\",\"content\":\"hi\"}]\0") {
+    ($rc, $err, $out) = run_in("--tokenizer '$good' --chat --count --template chatml", $chat);
+    is($rc, 2, "--chat with a NUL character: exit 2 (" . substr($chat, 0, 40) . ")");
+    like($err, qr/holds a NUL character \(\\u0000\) at byte \d+: refused/, '  ... saying why');
+    is($out, '', '  ... and no count');
+}
+($rc, $err, $out) = run_in("--tokenizer '$good' --chat --count --template chatml",
+                           '[{"role":"user","content":"a\\\\u0000b"}]');
+is($rc, 0, '--chat: an escaped backslash before "u0000" is no NUL') or diag $err;
+
 my @bad = (
     ['missing file', "$dir/nonexistent.json", qr/nonexistent\.json: No such file/],
     ['invalid JSON', write_tok('badjson', '{"model": {'), qr/invalid JSON near byte \d+ \(line 1\)/],

@@ -35,6 +35,22 @@ static char *slurp(size_t *n)
     return buf;
 }
 
+/* the request as the module parses it (default caps); NULL when refused,
+ * after printing "REFUSED <reason>\t<message>\n" */
+static ngx_http_dpd_req_t  dpd_req;
+
+static ngx_http_dpd_req_t *parse_req(const char *in, size_t n)
+{
+    ngx_http_dpd_limits_t  lim = { 64, 524288 };
+
+    if (ngx_http_dpd_proto_parse_request(&dpd_req, in, n, &lim) != 0) {
+        printf("REFUSED %d\t%s\n", dpd_req.bad, dpd_req.why);
+        ngx_http_dpd_proto_release(&dpd_req);
+        return NULL;
+    }
+    return &dpd_req;
+}
+
 _C_
 
 # () when a driver can be built here, else the reason (for skip_all)
@@ -111,8 +127,11 @@ ngx_dpd_module/ngx_http_dpd_protocol.c (no nginx)
 =head1 DESCRIPTION
 
 The driver source is C<$DPD::ProtoDriver::PREAMBLE> (stdio, stdlib,
-string, ngx_http_dpd_protocol.h and C<static char *slurp(size_t *n)>,
-which reads all of stdin) followed by the test's C<main>.  It is compiled
+string, ngx_http_dpd_protocol.h, C<static char *slurp(size_t *n)>,
+which reads all of stdin, and C<parse_req(in, n)>, which parses a request
+body as the module does, with the default caps, or prints
+C<REFUSED reason\tmessage> and returns NULL) followed by the test's
+C<main>.  It is compiled
 with C<$CC -std=c11 -Wall -Wextra -Werror -O1 -g> together with
 ngx_http_dpd_protocol.c and linked with -lcjson -lm.  C<run> and
 C<run_under> feed C<$input> on stdin and return the driver's stdout and

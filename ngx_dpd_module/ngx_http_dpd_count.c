@@ -1,0 +1,613 @@
+/*
+ * Prompt tokens of a parsed OpenAI request (see ngx_http_dpd_count.h).
+ * No nginx headers here: the module and the libFuzzer target link it.
+ */
+
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ngx_http_dpd_count.h"
+
+
+static int dpd_refuse(ngx_http_dpd_count_t *out, int bad,
+    const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static uint64_t dpd_text_bound(const ngx_http_dpd_count_conf_t *cf,
+    const unsigned char *text, size_t len, int add_special);
+static int dpd_bound_skips(const ngx_http_dpd_count_conf_t *cf,
+    ngx_http_dpd_count_t *out, uint64_t bound);
+static int dpd_count_completions(const cJSON *req,
+    const ngx_http_dpd_count_conf_t *cf, ngx_http_dpd_count_t *out);
+static int dpd_count_ids(const cJSON *arr, uint32_t vocab, long outer,
+    size_t max, size_t *total, ngx_http_dpd_count_t *out);
+static int dpd_count_chat(const cJSON *req,
+    const ngx_http_dpd_count_conf_t *cf, ngx_http_dpd_count_t *out);
+static cJSON *dpd_chat_text_only(const cJSON *messages);
+static int dpd_check_messages(const cJSON *messages, size_t max,
+    ngx_http_dpd_count_t *out);
+
+
+static int
+dpd_refuse(ngx_http_dpd_count_t *out, int bad, const char *fmt, ...)
+{
+    va_list  args;
+
+    out->bad = bad;
+
+    va_start(args, fmt);
+    vsnprintf(out->why, sizeof(out->why), fmt, args);
+    va_end(args);
+
+    return 0;
+}
+
+
+int
+ngx_http_dpd_count(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
+    ngx_http_dpd_count_t *out)
+{
+    out->tokens = -1;
+    out->bound = -1;
+    out->skipped = 0;
+    out->estimated = 0;
+    out->bad = NGX_HTTP_DPD_BAD_NONE;
+    out->why[0] = '\0';
+    out->note[0] = '\0';
+
+    if (!cJSON_IsObject(req)) {
+        return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                          "the request body must be a JSON object");
+    }
+
+    return cf->chat ? dpd_count_chat(req, cf, out)
+                    : dpd_count_completions(req, cf, out);
+}
+
+
+/* UINT64_MAX: no bound for this tokenizer */
+
+static uint64_t
+dpd_text_bound(const ngx_http_dpd_count_conf_t *cf, const unsigned char *text,
+    size_t len, int add_special)
+{
+    size_t                other;
+    const unsigned char  *p, *end;
+
+    if (cf->bound_prefix == 0) {
+        return UINT64_MAX;
+    }
+
+    other = 0;
+
+    if (cf->bound_other != 1) {
+        end = text + len;
+
+        for (p = text; p < end; p++) {
+            other += (*p >> 7);
+        }
+    }
+
+    return ((uint64_t) (len - other) + (uint64_t) other * cf->bound_other)
+           * cf->bound_prefix
+           + (add_special ? cf->bound_specials : 0);
+}
+
+
+/* bound mode and the bound below the threshold: no exact count needed */
+
+static int
+dpd_bound_skips(const ngx_http_dpd_count_conf_t *cf,
+    ngx_http_dpd_count_t *out, uint64_t bound)
+{
+    if (bound > (uint64_t) LONG_MAX) {
+        return 0;
+    }
+
+    out->bound = (long) bound;
+
+    if (cf->threshold > 0 && out->bound < cf->threshold) {
+        out->skipped = 1;
+        return 1;
+    }
+
+    return 0;
+}
+
+
+static int
+dpd_count_completions(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
+    ngx_http_dpd_count_t *out)
+{
+    long              n, i, total;
+    size_t            ids;
+    uint32_t          vocab;
+    uint64_t          bound, b;
+    const cJSON      *prompt, *item, *first;
+    const dpd_tok_t  *tok;
+
+    tok = cf->tok;
+
+    prompt = cJSON_GetObjectItemCaseSensitive(req, "prompt");
+
+    if (prompt == NULL) {
+        return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                          "field \"prompt\" is required");
+    }
+
+    if (cJSON_IsString(prompt)) {
+        if (cf->bound
+            && dpd_bound_skips(cf, out,
+                   dpd_text_bound(cf, (unsigned char *) prompt->valuestring,
+                                  strlen(prompt->valuestring), 1)))
+        {
+            return 0;
+        }
+
+        n = dpd_tok_count(tok, prompt->valuestring,
+                          strlen(prompt->valuestring), 1);
+        if (n < 0) {
+            return -1;
+        }
+
+        out->tokens = n;
+        return 0;
+    }
+
+    if (!cJSON_IsArray(prompt)) {
+        goto wrong_type;
+    }
+
+    first = prompt->child;
+
+    if (first == NULL) {
+        return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                          "field \"prompt\" must not be empty");
+    }
+
+    vocab = dpd_tok_vocab_size(tok);
+
+    if (cJSON_IsString(first)) {
+        /* a batch of prompts: each tokenized with its specials */
+
+        i = 0;
+        bound = 0;
+
+        for (item = first; item; item = item->next, i++) {
+            if (!cJSON_IsString(item)) {
+                return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                                  "prompt[%ld]: expected a string like the "
+                                  "other elements", i);
+            }
+
+            if (cf->bound && bound != UINT64_MAX) {
+                b = dpd_text_bound(cf, (unsigned char *) item->valuestring,
+                                   strlen(item->valuestring), 1);
+                bound = (b > UINT64_MAX - bound) ? UINT64_MAX : bound + b;
+            }
+        }
+
+        if (cf->bound && dpd_bound_skips(cf, out, bound)) {
+            return 0;
+        }
+
+        total = 0;
+
+        for (item = first; item; item = item->next) {
+            n = dpd_tok_count(tok, item->valuestring,
+                              strlen(item->valuestring), 1);
+            if (n < 0) {
+                return -1;
+            }
+
+            total += n;
+        }
+
+        out->tokens = total;
+        return 0;
+    }
+
+    ids = 0;
+
+    if (cJSON_IsNumber(first)) {
+        if (dpd_count_ids(prompt, vocab, -1, cf->max_prompt_ids, &ids, out)
+            != 0)
+        {
+            return 0;
+        }
+
+        goto ids_counted;
+    }
+
+    if (cJSON_IsArray(first)) {
+        i = 0;
+
+        for (item = first; item; item = item->next, i++) {
+            if (!cJSON_IsArray(item)) {
+                return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                                  "prompt[%ld]: expected an array of token "
+                                  "ids like the other elements", i);
+            }
+
+            if (item->child == NULL) {
+                return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                                  "prompt[%ld] must not be empty", i);
+            }
+
+            if (dpd_count_ids(item, vocab, i, cf->max_prompt_ids, &ids, out)
+                != 0)
+            {
+                return 0;
+            }
+        }
+
+        goto ids_counted;
+    }
+
+    goto wrong_type;
+
+ids_counted:
+
+    /* token ids: counted exactly and cheaply; the bound is the count */
+
+    out->tokens = (long) ids;
+
+    if (cf->bound) {
+        out->bound = out->tokens;
+    }
+
+    return 0;
+
+wrong_type:
+
+    return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                      "field \"prompt\" must be a string, an array of "
+                      "strings, an array of token ids or an array of "
+                      "token-id arrays");
+}
+
+
+/* adds arr's ids to *total; 1: refused (out->bad set) */
+
+static int
+dpd_count_ids(const cJSON *arr, uint32_t vocab, long outer, size_t max,
+    size_t *total, ngx_http_dpd_count_t *out)
+{
+    long          i;
+    char          num[32];
+    double        v;
+    const cJSON  *id;
+
+    i = 0;
+
+    for (id = arr->child; id; id = id->next, i++) {
+
+        if (++*total > max) {
+            dpd_refuse(out, NGX_HTTP_DPD_BAD_LIMIT,
+                       "prompt: more than %zu token ids "
+                       "(dpd_max_prompt_ids)", max);
+            return 1;
+        }
+
+        if (!cJSON_IsNumber(id)) {
+            goto invalid;
+        }
+
+        v = id->valuedouble;
+
+        if (!isfinite(v) || v != floor(v)) {
+            goto invalid;
+        }
+
+        if (v < 0 || v >= (double) vocab) {
+            snprintf(num, sizeof(num), "%.17g", v);
+
+            if (outer >= 0) {
+                dpd_refuse(out, NGX_HTTP_DPD_BAD_TOKEN_RANGE,
+                           "prompt[%ld][%ld]: token id %s is out of range "
+                           "[0, %u)", outer, i, num, (unsigned) vocab);
+
+            } else {
+                dpd_refuse(out, NGX_HTTP_DPD_BAD_TOKEN_RANGE,
+                           "prompt[%ld]: token id %s is out of range "
+                           "[0, %u)", i, num, (unsigned) vocab);
+            }
+
+            return 1;
+        }
+    }
+
+    return 0;
+
+invalid:
+
+    if (outer >= 0) {
+        dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                   "prompt[%ld][%ld]: token ids must be integers", outer, i);
+
+    } else {
+        dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                   "prompt[%ld]: token ids must be integers", i);
+    }
+
+    return 1;
+}
+
+
+static int
+dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
+    ngx_http_dpd_count_t *out)
+{
+    int               estimated;
+    long              n;
+    char              err[256], err2[256], *text;
+    size_t            len;
+    cJSON            *copy;
+    const cJSON      *messages;
+    const dpd_tok_t  *tok;
+
+    tok = cf->tok;
+
+    messages = cJSON_GetObjectItemCaseSensitive(req, "messages");
+
+    if (messages == NULL) {
+        return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                          "field \"messages\" is required");
+    }
+
+    if (!cJSON_IsArray(messages)) {
+        return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                          "field \"messages\" must be an array");
+    }
+
+    if (messages->child == NULL) {
+        return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                          "field \"messages\" must not be empty");
+    }
+
+    if (dpd_check_messages(messages, cf->max_messages, out) != 0) {
+        return 0;
+    }
+
+    estimated = 0;
+    err[0] = '\0';
+
+    if (cf->bound) {
+
+        /*
+         * The rendered prompt holds the template's specials as text (each
+         * at least one byte) and is encoded without added specials: its
+         * bytes bound the ids.  Render once, count the same text if the
+         * bound is not enough.  Unknown template (estimate) or messages
+         * the renderer refuses: the exact path below.
+         */
+
+        text = NULL;
+        len = 0;
+
+        if (dpd_chat_render_json(tok, cf->tmpl, messages, &text, &len, err,
+                                 sizeof(err))
+            == 0)
+        {
+            if (dpd_bound_skips(cf, out,
+                    dpd_text_bound(cf, (unsigned char *) text, len, 0)))
+            {
+                free(text);
+                return 0;
+            }
+
+            n = dpd_tok_count(tok, text, len, 0);
+            free(text);
+
+            if (n < 0) {
+                return -1;
+            }
+
+            out->tokens = n;
+            return 0;
+        }
+
+        free(text);
+        err[0] = '\0';
+    }
+
+    n = dpd_chat_count_json(tok, cf->tmpl, messages, &estimated, err,
+                            sizeof(err));
+
+    if (n < 0) {
+        /*
+         * The request has OpenAI's shape (checked above) but the counter
+         * is stricter than vLLM (custom roles, image or audio parts): count
+         * the text of a normalized copy rather than refuse what the
+         * decoder accepts.
+         */
+
+        copy = dpd_chat_text_only(messages);
+        if (copy == NULL) {
+            return -1;
+        }
+
+        n = dpd_chat_count_json(tok, cf->tmpl, copy, &estimated, err2,
+                                sizeof(err2));
+        cJSON_Delete(copy);
+
+        if (n < 0) {
+            return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD, "%s",
+                              err[0] ? err : "invalid messages");
+        }
+
+        snprintf(out->note, sizeof(out->note), "text counted only (%s)",
+                 err);
+
+        estimated = 1;
+    }
+
+    out->tokens = n;
+    out->estimated = estimated ? 1 : 0;
+
+    return 0;
+}
+
+
+/*
+ * A copy of messages the counter accepts: roles other than system, user,
+ * assistant and tool become "system" (OpenAI's "developer") or "user", and
+ * only the text parts of array contents are kept.  NULL: out of memory.
+ */
+
+static cJSON *
+dpd_chat_text_only(const cJSON *messages)
+{
+    cJSON       *copy, *m, *role, *content, *part, *next, *type, *calls;
+    const char  *name;
+
+    copy = cJSON_Duplicate(messages, 1);
+    if (copy == NULL) {
+        return NULL;
+    }
+
+    cJSON_ArrayForEach(m, copy) {
+        role = cJSON_GetObjectItemCaseSensitive(m, "role");
+
+        if (cJSON_IsString(role)
+            && strcmp(role->valuestring, "system") != 0
+            && strcmp(role->valuestring, "user") != 0
+            && strcmp(role->valuestring, "assistant") != 0
+            && strcmp(role->valuestring, "tool") != 0)
+        {
+            name = strcmp(role->valuestring, "developer") == 0
+                   ? "system" : "user";
+
+            if (cJSON_ReplaceItemInObjectCaseSensitive(m, "role",
+                                               cJSON_CreateString(name))
+                == 0)
+            {
+                cJSON_Delete(copy);
+                return NULL;
+            }
+        }
+
+        calls = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
+        if (calls && !cJSON_IsArray(calls)) {
+            cJSON_DeleteItemFromObjectCaseSensitive(m, "tool_calls");
+        }
+
+        content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (!cJSON_IsArray(content)) {
+            continue;
+        }
+
+        for (part = content->child; part; part = next) {
+            next = part->next;
+            type = cJSON_GetObjectItemCaseSensitive(part, "type");
+
+            if (!cJSON_IsString(type)
+                || strcmp(type->valuestring, "text") != 0)
+            {
+                cJSON_Delete(cJSON_DetachItemViaPointer(content, part));
+            }
+        }
+    }
+
+    return copy;
+}
+
+
+/*
+ * The shape OpenAI's API requires, checked here so that every template
+ * (and the estimate) rejects the same requests: at most max messages,
+ * objects with a string "role"; "content" a string or an array of content
+ * parts, or null/absent for an assistant message (tool calls).  1: refused.
+ */
+
+static int
+dpd_check_messages(const cJSON *messages, size_t max,
+    ngx_http_dpd_count_t *out)
+{
+    long          i, j;
+    const cJSON  *m, *role, *content, *part, *type, *text;
+
+    i = 0;
+
+    for (m = messages->child; m; m = m->next, i++) {
+
+        if ((size_t) i >= max) {
+            dpd_refuse(out, NGX_HTTP_DPD_BAD_LIMIT,
+                       "field \"messages\": more than %zu messages "
+                       "(dpd_max_messages)", max);
+            return 1;
+        }
+
+        if (!cJSON_IsObject(m)) {
+            dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                       "messages[%ld] must be an object", i);
+            return 1;
+        }
+
+        role = cJSON_GetObjectItemCaseSensitive(m, "role");
+
+        if (!cJSON_IsString(role)) {
+            dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD, "messages[%ld].role: %s",
+                       i, role ? "expected a string" : "is required");
+            return 1;
+        }
+
+        content = cJSON_GetObjectItemCaseSensitive(m, "content");
+
+        if (content == NULL || cJSON_IsNull(content)) {
+            if (strcmp(role->valuestring, "assistant") == 0) {
+                continue;
+            }
+
+            dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                       "messages[%ld].content is required", i);
+            return 1;
+        }
+
+        if (cJSON_IsString(content)) {
+            continue;
+        }
+
+        if (!cJSON_IsArray(content)) {
+            dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                       "messages[%ld].content: expected a string or an "
+                       "array of content parts", i);
+            return 1;
+        }
+
+        j = 0;
+
+        for (part = content->child; part; part = part->next, j++) {
+            type = cJSON_IsObject(part)
+                   ? cJSON_GetObjectItemCaseSensitive(part, "type") : NULL;
+
+            if (!cJSON_IsString(type)) {
+                dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                           "messages[%ld].content[%ld]: expected an object "
+                           "with a string \"type\"", i, j);
+                return 1;
+            }
+
+            if (strcmp(type->valuestring, "text") != 0) {
+                continue;
+            }
+
+            text = cJSON_GetObjectItemCaseSensitive(part, "text");
+
+            if (!cJSON_IsString(text)) {
+                dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
+                           "messages[%ld].content[%ld].text: expected a "
+                           "string", i, j);
+                return 1;
+            }
+        }
+    }
+
+    return 0;
+}
