@@ -167,7 +167,12 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
     ngx_http_dpd_prefill_conf_t *prev, ngx_http_dpd_prefill_conf_t *conf)
 {
     char        *err;
+    ngx_uint_t   set_decode, set_wait;
     const char  *proto;
+
+    /* set in this block (before the merge fills them in) */
+    set_decode = (conf->decode_name.data != NULL);
+    set_wait = (conf->kv_wait != NGX_CONF_UNSET_MSEC);
 
     if (conf->prefill_pass.data == NULL) {
         conf->prefill_pass = prev->prefill_pass;
@@ -180,6 +185,29 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
                               NGX_HTTP_DPD_FALLBACK_DECODE);
     ngx_conf_merge_str_value(conf->decode_name, prev->decode_name, "");
     ngx_conf_merge_msec_value(conf->kv_wait, prev->kv_wait, 2000);
+
+    /* directives the protocol of a disaggregating block does not use */
+
+    if (conf->prefill_pass.len == 0) {
+        set_decode = 0;
+        set_wait = 0;
+    }
+
+    if (set_decode && conf->protocol == NGX_HTTP_DPD_PROTO_NIXL) {
+        ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                           "\"dpd_decode_upstream\" is ignored with "
+                           "\"dpd_protocol nixl\" (any decoder takes the "
+                           "request)");
+    }
+
+    if (set_wait && conf->protocol != NGX_HTTP_DPD_PROTO_KV_AGENT) {
+        ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                           "\"dpd_kv_wait\" is ignored with "
+                           "\"dpd_protocol %s\" (only kv_agent waits for "
+                           "the state table)",
+                           conf->protocol == NGX_HTTP_DPD_PROTO_NIXL
+                           ? "nixl" : "lmcache");
+    }
 
     if (conf->prefill_pass.len == 0
         || (conf->protocol != NGX_HTTP_DPD_PROTO_LMCACHE
