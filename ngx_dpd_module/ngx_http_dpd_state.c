@@ -189,7 +189,7 @@ ngx_http_dpd_state_create_main_conf(ngx_conf_t *cf)
     smcf->stale = NGX_CONF_UNSET_MSEC;
     smcf->check = NGX_CONF_UNSET_MSEC;
 
-    ngx_str_set(&smcf->reqid_var, "dpd_request_id");
+    ngx_str_set(&smcf->reqid_var, "dpd_kv_request_id");
     smcf->reqid_key = ngx_hash_key(smcf->reqid_var.data, smcf->reqid_var.len);
 
     return smcf;
@@ -826,7 +826,8 @@ ngx_http_dpd_state_request(ngx_http_request_t *r, ngx_str_t *request_id,
 }
 
 
-/* $dpd_request_id when the core module set it, else the client header. */
+/* $dpd_kv_request_id (the KV key) when the core module set it, else the
+ * client header. */
 
 static ngx_int_t
 ngx_http_dpd_state_request_id(ngx_http_request_t *r,

@@ -66,8 +66,10 @@ is($rec && $rec->{body}{prompt}, 'keep the rest',
    'the rest of the body forwarded');
 
 $rec = $emu->last_request(request_id => 'keep-1');
-is($rec && $rec->{headers}{'x-request-id'}, 'keep-1',
-   "client's X-Request-Id forwarded upstream");
+is($rec && $rec->{headers}{'x-client-request-id'}, 'keep-1',
+   "client's X-Request-Id forwarded upstream as X-Client-Request-Id");
+like($rec && $rec->{headers}{'x-request-id'}, qr/^[0-9a-f]{32}$/,
+   'the X-Request-Id the engine gets is generated');
 
 __DATA__
 
@@ -293,7 +295,7 @@ X-Request-Id: has "quotes"
 X-Dpd-Id: ^[0-9a-f]{32}$
 --- response_body_like: ^rid=[0-9a-f]{32}\n$
 --- error_log
-client X-Request-Id replaced by
+dpd: unusable client X-Request-Id
 
 
 === TEST 15: client kv_transfer_params are removed on the direct path

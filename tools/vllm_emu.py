@@ -77,6 +77,8 @@ EMULATOR ENDPOINTS (tests)
         kv_agent_late_released_total (the same
         names with an emu_ prefix are in /metrics).
         A record: {"n","t","method","path","request_id" (X-Request-Id),
+        "client_request_id" (X-Client-Request-Id: the gateway forwards the
+        client's id so, and sends its own as X-Request-Id),
         "headers" (lower-case names),"body" (parsed JSON, or null and
         "body_raw"),"status","fault","stream","prompt_tokens",
         "cached_tokens","completion_tokens","finish_reason","text",
@@ -1252,6 +1254,7 @@ class Emu(object):
     def new_record(self, method, path, headers, body_raw):
         rec = {"method": method, "path": path,
                "request_id": headers.get("x-request-id"),
+               "client_request_id": headers.get("x-client-request-id"),
                "headers": dict(headers), "body": None, "status": None,
                "fault": None, "stream": False, "prompt_tokens": None,
                "cached_tokens": None, "completion_tokens": None,
