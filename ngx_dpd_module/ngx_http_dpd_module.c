@@ -854,8 +854,8 @@ ngx_http_dpd_random_id(ngx_http_request_t *r, ngx_str_t *id)
 
 
 /*
- * The ids of a request (DESIGN.md §1: never key KV by an id the client
- * chose).
+ * The ids of a request (docs/module.md, X-Request-Id: never key KV by an id the
+ * client chose).
  *
  * ctx->kv_id is generated here for every request the module handles:
  * 16 random bytes from the batch above, unguessable and unique.  It is

@@ -179,8 +179,9 @@ ngx_int_t ngx_http_dpd_replace_body(ngx_http_request_t *r, u_char *data,
  * Send an OpenAI-shaped error response
  *   {"error":{"message":"...","type":"...","param":null,"code":status}}
  * Returns what ngx_http_finalize_request() expects after a content handler
- * sent a response (NGX_OK, NGX_AGAIN, NGX_ERROR): pass it on, e.g.
- *     ngx_http_finalize_request(r, ngx_http_dpd_send_error(r, 502, ...));
+ * sent a response (NGX_OK, NGX_AGAIN, NGX_ERROR): a content handler
+ * returns it (the content phase finalizes with it); the phase handler
+ * never calls this, it sets ctx->answer (ngx_http_dpd_answer()).
  * type: OpenAI's error type ("invalid_request_error", "server_error", ...);
  * NULL picks one from the status.
  */

@@ -1,5 +1,5 @@
 /*
- * The disaggregated path (DESIGN.md §1, §2).
+ * The disaggregated path (docs/dpd.md).
  *
  * For a request routed "disaggregated" the core calls
  * ngx_http_dpd_prefill_handler() from its phase handler:
@@ -21,13 +21,20 @@
  *   6. on failure: a prefill 4xx goes back to the client as it came; 5xx,
  *      timeout, connection errors and unusable replies fall back to a
  *      decode-only request (dpd_fallback decode) or end in a 502/504
- *      OpenAI-shaped error (dpd_fallback error).
+ *      OpenAI-shaped error (dpd_fallback error); both answers are left in
+ *      ctx->answer for the core's content handler (NGX_DONE).
+ *
+ * Nothing here sends a response or finalizes the main request: the
+ * post-subrequest handler, the deadline and the KV timer and read handler
+ * record what happened and resume the phases; the core's phase handler
+ * acts on it and the phase engine finalizes (auth_request's pattern).
  *
  * A client that goes away while the prefill runs terminates the main
  * request and with it the subrequest (nginx does this); the pool cleanup
  * below stops our timer and the balancer's drops a decoder reservation.
  * During the KV wait no subrequest watches the client: a read handler of
- * our own notices it going away and terminates the request.
+ * our own notices it going away (HTTP/1.x: the connection; HTTP/2: the
+ * stream reset or its connection gone) and the request ends with 499.
  */
 
 #include <ngx_config.h>

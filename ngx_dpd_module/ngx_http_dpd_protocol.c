@@ -1,5 +1,5 @@
 /*
- * Wire transforms of the disaggregated path (DESIGN.md §2).  No nginx
+ * Wire transforms of the disaggregated path (docs/dpd.md).  No nginx
  * headers here: the nginx side hands in the parsed request and copies the
  * texts out; t/201-protocol.t links this file alone with cJSON.
  */

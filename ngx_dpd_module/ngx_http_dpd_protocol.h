@@ -1,5 +1,5 @@
 /*
- * Wire transforms of the disaggregated path (DESIGN.md §2), with cJSON and
+ * Wire transforms of the disaggregated path (docs/dpd.md), with cJSON and
  * no nginx types, so a test program links this file alone.
  *
  *   prefill copy   the client's request with max_tokens 1 (and
@@ -73,7 +73,7 @@ char *ngx_http_dpd_proto_decode_body(const cJSON *req, const cJSON *params,
 
 
 /*
- * kv_agent (DESIGN.md §2): the prefill copy of "req" with
+ * kv_agent (docs/dpd.md, "dpd_protocol kv_agent"): the prefill copy of "req" with
  *   "kv_transfer_params": {"dpd": {"req_id": req_id,
  *                                  "decode_node": decode_node}}
  * Returns the serialized body, or NULL.

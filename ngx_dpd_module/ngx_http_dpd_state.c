@@ -1,6 +1,6 @@
 /*
  * ngx_http_dpd_state_module: the reader side of the kv_agent readiness
- * table (DESIGN.md section 4, kv_agent/include/dpd_state.h).
+ * table (docs/state.md, kv_agent/include/dpd_state.h).
  *
  * Each worker maps the file read-only in init_process and, at most once
  * per "check" interval, stat()s the path: a new inode, size or header

@@ -1,5 +1,5 @@
 /*
- * Readiness of the kv_agent state table (DESIGN.md section 4) for the rest
+ * Readiness of the kv_agent state table (docs/state.md) for the rest
  * of ngx_http_dpd_module: every worker maps the table read-only and these
  * calls copy records out of it (seqlock, bounded retries).  Nothing here
  * blocks; a missing, corrupt or replaced file is handled inside.
