@@ -331,8 +331,7 @@ main::hdr('kvw-ready')
 === TEST 2: the prefill reply says nothing was pushed: not_pushed, no wait
 --- init
 $main::P->fault(role => 'prefill', count => 1,
-                kv_override => {dpd => {req_id => 'kvw-notpushed',
-                                        blocks => 0, state => 'failed'}});
+                kv_override => {dpd => {blocks => 0, state => 'failed'}});
 --- request eval
 main::req('/v1/completions')
 --- more_headers eval
