@@ -260,10 +260,12 @@ our %H2;   # how => seconds from the client's exit to client_closed
 sub h2_abort {
     my ($how, $rid) = @_;
     my $body = body();
-    my $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1',
-                                  PeerPort => $ENV{TEST_NGINX_H2_PORT},
-                                  Timeout => 5)
-        or die "h2 connect: $!";
+    my $s;
+    DPD::Pools::wait_for('nginx to listen (h2)', sub {
+        $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1',
+                                   PeerPort => $ENV{TEST_NGINX_H2_PORT},
+                                   Timeout => 5);
+    }, 30) or die "h2 connect: $!";
     binmode $s;
     print $s "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", h2_frame(4, 0, 0, '');
     print $s h2_frame(1, 0x4, 1,
