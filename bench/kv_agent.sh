@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kv_agent benchmark (DESIGN section 7, "KV transfer"):
+# kv_agent benchmark (README.md, Benchmarks: "KV transfer"):
 #  1. RMA write bandwidth of `kv_agent bench` over tcp;ofi_rxm on loopback
 #     vs a plain TCP stream (iperf3) on loopback, same run, 64 MiB
 #     transfers, interleaved rounds, medians; target ratio >= 0.8.

@@ -15,7 +15,7 @@
 # for prompts of ~100 and ~4096 tokens, in turn ROUNDS times; the median
 # requests/s of each is compared with plain.  The module's own decision
 # time ($dpd_decision_time, read + parse + count) is measured in separate,
-# logged passes.  Target (DESIGN.md §7): dpd >= 0.9x plain at 100 tokens.
+# logged passes.  Target (README.md, Benchmarks): dpd >= 0.9x plain at 100 tokens.
 #
 # Usage: bench/routing_overhead.sh          (after `make`)
 # Printed per size: median req/s of plain, exact and bound and the ratios

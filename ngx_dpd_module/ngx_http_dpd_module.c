@@ -8,9 +8,18 @@
  *      handler through ngx_http_core_run_phases);
  *   2. parse, validate, count, decide (ngx_http_dpd_openai.c);
  *   3. disaggregated with a prefill pool: run the prefill hook until it
- *      declines (auth_request pattern: NGX_AGAIN while waiting);
+ *      declines (auth_request pattern: NGX_AGAIN while waiting; the
+ *      post-subrequest handler and the module's timers only record what
+ *      happened and resume the phases, the phase handler acts on it);
  *   4. decline, so that the location's proxy_pass sends the (possibly
  *      replaced) body to the decode pool.
+ *
+ * Nothing here sends a response or finalizes the request from the phase
+ * handler (the one exception is the mirror pattern's NGX_DONE while the
+ * body is read): a rejected request, a relayed prefill 4xx and the
+ * dpd_fallback error answer are recorded in ctx->answer and sent by a
+ * content handler, errors are returned as a status; the phase engine
+ * finalizes, and nothing touches the request after that.
  */
 
 
@@ -28,18 +37,18 @@
 
 
 /*
- * Random bytes for generated request ids, drawn from OpenSSL in batches:
- * one RAND_bytes() call per 256 ids instead of one per request (it costs
- * about as much as the rest of the direct path).  Per process: refilled
- * when the pid changes, so forked workers never share bytes.
+ * Random bytes for generated request ids, drawn from a CSPRNG (OpenSSL's
+ * RAND_bytes(), else /dev/urandom) in batches: one call per 256 ids
+ * instead of one per request (it costs about as much as the rest of the
+ * direct path).  Per process: refilled when the pid changes, so forked
+ * workers never share bytes; each id's bytes are wiped once used.
  */
 #define NGX_HTTP_DPD_RAND_BATCH  4096
+#define NGX_HTTP_DPD_ID_BYTES    16
 
-#if (NGX_OPENSSL)
 static u_char     ngx_http_dpd_rand[NGX_HTTP_DPD_RAND_BATCH];
 static size_t     ngx_http_dpd_rand_left;
 static ngx_pid_t  ngx_http_dpd_rand_pid;
-#endif
 
 
 static ngx_int_t ngx_http_dpd_handler(ngx_http_request_t *r);
@@ -50,11 +59,16 @@ static ngx_int_t ngx_http_dpd_strip_body(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx);
 static ngx_int_t ngx_http_dpd_decided(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_loc_conf_t *dlcf);
+static ngx_int_t ngx_http_dpd_answer_handler(ngx_http_request_t *r);
+static ngx_int_t ngx_http_dpd_send_body(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx);
+static ngx_int_t ngx_http_dpd_header_filter(ngx_http_request_t *r);
 static void ngx_http_dpd_cleanup(void *data);
 static ngx_uint_t ngx_http_dpd_classify(ngx_http_request_t *r);
 static ngx_table_elt_t *ngx_http_dpd_find_request_id(ngx_http_request_t *r);
-static ngx_int_t ngx_http_dpd_fill_request_id(ngx_http_request_t *r,
-    ngx_http_dpd_main_conf_t *dmcf);
+static ngx_int_t ngx_http_dpd_random_fill(ngx_log_t *log);
+static ngx_int_t ngx_http_dpd_random_id(ngx_http_request_t *r,
+    ngx_str_t *id);
 static ngx_int_t ngx_http_dpd_set_request_id(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx);
 static ngx_int_t ngx_http_dpd_log_handler(ngx_http_request_t *r);
@@ -209,6 +223,7 @@ ngx_module_t  ngx_http_dpd_module = {
 #define NGX_HTTP_DPD_VAR_REQUEST_ID      2
 #define NGX_HTTP_DPD_VAR_DECISION_TIME   3
 #define NGX_HTTP_DPD_VAR_TOKENS_BOUND    4
+#define NGX_HTTP_DPD_VAR_KV_REQUEST_ID   5
 
 
 static ngx_http_variable_t  ngx_http_dpd_vars[] = {
@@ -228,11 +243,19 @@ static ngx_http_variable_t  ngx_http_dpd_vars[] = {
     { ngx_string("dpd_prompt_tokens_bound"), NULL, ngx_http_dpd_variable,
       NGX_HTTP_DPD_VAR_TOKENS_BOUND, NGX_HTTP_VAR_NOCACHEABLE, 0 },
 
+    { ngx_string("dpd_kv_request_id"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_KV_REQUEST_ID, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
       ngx_http_null_variable
 };
 
 
 static ngx_str_t  ngx_http_dpd_request_id_header = ngx_string("X-Request-Id");
+static ngx_str_t  ngx_http_dpd_client_id_header =
+    ngx_string("X-Client-Request-Id");
+
+
+static ngx_http_output_header_filter_pt  ngx_http_next_header_filter;
 
 
 static ngx_int_t
@@ -281,6 +304,7 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
         rc = ngx_http_dpd_read_body(r, ngx_http_dpd_body_handler);
 
         if (rc >= NGX_HTTP_SPECIAL_RESPONSE || rc == NGX_ERROR) {
+            /* the body handler did not run: r is ours to return rc for */
             ctx->state = NGX_HTTP_DPD_STATE_DONE;
             ctx->err_status = (rc == NGX_ERROR)
                               ? NGX_HTTP_INTERNAL_SERVER_ERROR : rc;
@@ -289,6 +313,12 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
                               : NGX_HTTP_DPD_E_BODY_READ;
             return rc;
         }
+
+        /*
+         * mirror pattern: drop the reference the body read took.  The
+         * body handler may have run already and the request been answered
+         * through the phases it resumed: this is the last touch of r.
+         */
 
         ngx_http_finalize_request(r, NGX_DONE);
         return NGX_DONE;
@@ -326,16 +356,17 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
 
         if (ctx->err_status) {
             /* bad input: the client gets the OpenAI-shaped error */
-            ctx->state = NGX_HTTP_DPD_STATE_DONE;
 
             ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                           "dpd: rejected request %V: %s",
                           &ctx->request_id, ctx->err_message);
 
-            rc = ngx_http_dpd_send_error(r, ctx->err_status, ctx->err_type,
-                                         (char *) ctx->err_message);
-            ngx_http_finalize_request(r, rc);
-            return NGX_DONE;
+            ctx->answer = NGX_HTTP_DPD_ANSWER_ERROR;
+            ctx->answer_status = ctx->err_status;
+            ctx->answer_type = ctx->err_type;
+            ctx->answer_message = (char *) ctx->err_message;
+
+            return ngx_http_dpd_answer(r, ctx);
         }
 
         ngx_http_dpd_decide(r, ctx, dlcf);
@@ -447,13 +478,13 @@ ngx_http_dpd_decided(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     switch (rc) {
 
     case NGX_AGAIN:
-        /* waiting for the prefill subrequest; it resumes the phases */
+        /* waiting for the prefill or the KV; it resumes the phases */
         return NGX_AGAIN;
 
     case NGX_DONE:
-        /* the prefill code finalized the request itself */
-        ctx->state = NGX_HTTP_DPD_STATE_DONE;
-        return NGX_DONE;
+        /* the prefill code set ctx->answer (a 4xx relay, dpd_fallback
+         * error): the content phase sends it */
+        return ngx_http_dpd_answer(r, ctx);
 
     case NGX_OK:
     case NGX_DECLINED:
@@ -462,11 +493,110 @@ ngx_http_dpd_decided(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         return NGX_DECLINED;
 
     default:
-        /* NGX_ERROR or an HTTP status: nginx finalizes, the error filter
-         * gives the body its OpenAI shape */
+        /* NGX_ERROR or an HTTP status: the phase engine finalizes, the
+         * error filter gives the body its OpenAI shape */
         ctx->state = NGX_HTTP_DPD_STATE_DONE;
         return rc;
     }
+}
+
+
+ngx_int_t
+ngx_http_dpd_answer(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
+{
+    ctx->state = NGX_HTTP_DPD_STATE_DONE;
+
+    /*
+     * NGX_OK skips the rest of the precontent phase (try_files, mirror)
+     * and the content phase calls our handler instead of the location's
+     * and finalizes the request with what it returns
+     */
+
+    r->content_handler = ngx_http_dpd_answer_handler;
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_answer_handler(ngx_http_request_t *r)
+{
+    ngx_http_dpd_ctx_t  *ctx;
+
+    ctx = ngx_http_dpd_get_ctx(r);
+
+    if (ctx == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    switch (ctx->answer) {
+
+    case NGX_HTTP_DPD_ANSWER_ERROR:
+        return ngx_http_dpd_send_error(r, ctx->answer_status,
+                                       ctx->answer_type, ctx->answer_message);
+
+    case NGX_HTTP_DPD_ANSWER_BODY:
+        return ngx_http_dpd_send_body(r, ctx);
+
+    default:
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+}
+
+
+/* answer_status with answer_body as it is (the core's error filter leaves
+ * it alone) */
+
+static ngx_int_t
+ngx_http_dpd_send_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
+{
+    ngx_int_t     rc;
+    ngx_buf_t    *b;
+    ngx_chain_t   out;
+
+    ngx_http_clear_content_length(r);
+    ngx_http_clear_accept_ranges(r);
+
+    r->headers_out.status = ctx->answer_status;
+    r->headers_out.content_length_n = ctx->answer_body.len;
+
+    if (ctx->answer_content_type.len) {
+        r->headers_out.content_type = ctx->answer_content_type;
+
+    } else {
+        ngx_str_set(&r->headers_out.content_type, "application/json");
+    }
+
+    r->headers_out.content_type_len = r->headers_out.content_type.len;
+    r->headers_out.content_type_lowcase = NULL;
+
+    ctx->own_error = 1;
+
+    if (ctx->answer_body.len == 0) {
+        r->header_only = 1;
+    }
+
+    rc = ngx_http_send_header(r);
+
+    if (rc == NGX_ERROR || rc > NGX_OK || r->header_only) {
+        return rc;
+    }
+
+    b = ngx_calloc_buf(r->pool);
+    if (b == NULL) {
+        return NGX_ERROR;
+    }
+
+    b->pos = ctx->answer_body.data;
+    b->last = ctx->answer_body.data + ctx->answer_body.len;
+    b->memory = 1;
+    b->last_buf = 1;
+    b->last_in_chain = 1;
+
+    out.buf = b;
+    out.next = NULL;
+
+    return ngx_http_output_filter(r, &out);
 }
 
 
@@ -646,98 +776,184 @@ ngx_http_dpd_request_id_valid(ngx_str_t *id)
 
 
 /*
- * Give $request_id its value (as nginx would: 32 hex digits of 16 random
- * bytes, cached for the request) from the batch, unless it has one
- * already; $request_id and the X-Request-Id sent upstream stay equal.
+ * The batch of random bytes: OpenSSL's CSPRNG where nginx has OpenSSL,
+ * else the kernel's (/dev/urandom).  NGX_ERROR when neither gives bytes:
+ * the request then fails rather than run with a guessable id.
  */
 
 static ngx_int_t
-ngx_http_dpd_fill_request_id(ngx_http_request_t *r,
-    ngx_http_dpd_main_conf_t *dmcf)
+ngx_http_dpd_random_fill(ngx_log_t *log)
 {
 #if (NGX_OPENSSL)
-    u_char                     *id, *bytes;
-    ngx_http_variable_value_t  *vv;
 
-    vv = &r->variables[dmcf->request_id_index];
-
-    if (vv->valid || vv->not_found) {
-        return NGX_OK;
+    if (RAND_bytes(ngx_http_dpd_rand, NGX_HTTP_DPD_RAND_BATCH) != 1) {
+        ngx_log_error(NGX_LOG_ALERT, log, 0, "dpd: RAND_bytes() failed");
+        return NGX_ERROR;
     }
 
-    if (ngx_http_dpd_rand_pid != ngx_pid || ngx_http_dpd_rand_left < 16) {
+#else
 
-        if (RAND_bytes(ngx_http_dpd_rand, NGX_HTTP_DPD_RAND_BATCH) != 1) {
-            /* nginx's own variable handler reports and copes */
-            ngx_http_dpd_rand_left = 0;
-            return NGX_OK;
+    size_t    got;
+    ssize_t   n;
+    ngx_fd_t  fd;
+
+    fd = ngx_open_file("/dev/urandom", NGX_FILE_RDONLY, NGX_FILE_OPEN, 0);
+    if (fd == NGX_INVALID_FILE) {
+        ngx_log_error(NGX_LOG_ALERT, log, ngx_errno,
+                      ngx_open_file_n " \"/dev/urandom\" failed");
+        return NGX_ERROR;
+    }
+
+    for (got = 0; got < NGX_HTTP_DPD_RAND_BATCH; got += n) {
+        n = read(fd, ngx_http_dpd_rand + got, NGX_HTTP_DPD_RAND_BATCH - got);
+
+        if (n <= 0) {
+            if (n == -1 && ngx_errno == NGX_EINTR) {
+                n = 0;
+                continue;
+            }
+
+            ngx_log_error(NGX_LOG_ALERT, log, ngx_errno,
+                          "read() from \"/dev/urandom\" failed");
+            (void) ngx_close_file(fd);
+            return NGX_ERROR;
         }
-
-        ngx_http_dpd_rand_pid = ngx_pid;
-        ngx_http_dpd_rand_left = NGX_HTTP_DPD_RAND_BATCH;
     }
 
-    id = ngx_pnalloc(r->pool, 32);
-    if (id == NULL) {
+    (void) ngx_close_file(fd);
+
+#endif
+
+    ngx_http_dpd_rand_pid = ngx_pid;
+    ngx_http_dpd_rand_left = NGX_HTTP_DPD_RAND_BATCH;
+
+    return NGX_OK;
+}
+
+
+/* 32 hex digits of 16 fresh random bytes, in the request pool */
+
+static ngx_int_t
+ngx_http_dpd_random_id(ngx_http_request_t *r, ngx_str_t *id)
+{
+    u_char  *bytes;
+
+    if (ngx_http_dpd_rand_pid != ngx_pid
+        || ngx_http_dpd_rand_left < NGX_HTTP_DPD_ID_BYTES)
+    {
+        if (ngx_http_dpd_random_fill(r->connection->log) != NGX_OK) {
+            ngx_http_dpd_rand_left = 0;
+            return NGX_ERROR;
+        }
+    }
+
+    id->data = ngx_pnalloc(r->pool, 2 * NGX_HTTP_DPD_ID_BYTES);
+    if (id->data == NULL) {
         return NGX_ERROR;
     }
 
     bytes = ngx_http_dpd_rand + NGX_HTTP_DPD_RAND_BATCH
             - ngx_http_dpd_rand_left;
 
-    ngx_hex_dump(id, bytes, 16);
+    id->len = ngx_hex_dump(id->data, bytes, NGX_HTTP_DPD_ID_BYTES)
+              - id->data;
 
     /* used once: do not keep it around */
-    ngx_explicit_memzero(bytes, 16);
-    ngx_http_dpd_rand_left -= 16;
-
-    vv->data = id;
-    vv->len = 32;
-    vv->valid = 1;
-    vv->no_cacheable = 0;
-    vv->not_found = 0;
-#endif
+    ngx_explicit_memzero(bytes, NGX_HTTP_DPD_ID_BYTES);
+    ngx_http_dpd_rand_left -= NGX_HTTP_DPD_ID_BYTES;
 
     return NGX_OK;
 }
 
 
+/*
+ * The ids of a request (docs/module.md, X-Request-Id: never key KV by an id the
+ * client chose).
+ *
+ * ctx->kv_id is generated here for every request the module handles:
+ * 16 random bytes from the batch above, unguessable and unique.  It is
+ * the only X-Request-Id the engines get (vLLM derives its engine request
+ * ids, NIXL's remote_request_id among them, from that header, so a client
+ * reusing another request's id can collide with it there too), the
+ * kv_agent req_id and state table key and lmcache's disagg_spec.req_id;
+ * $dpd_kv_request_id, and $request_id unless something read it before.
+ *
+ * ctx->request_id is the client's X-Request-Id when usable, else kv_id:
+ * logs, $dpd_request_id, and the X-Request-Id of the response when an
+ * engine echoes it.  Every client X-Request-Id header is forwarded
+ * renamed to X-Client-Request-Id (engine logs can still be matched; no
+ * engine keys anything by it).
+ */
+
 static ngx_int_t
 ngx_http_dpd_set_request_id(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
 {
+    ngx_uint_t                  i, n;
+    ngx_list_part_t            *part;
     ngx_table_elt_t            *h;
     ngx_http_variable_value_t  *vv;
     ngx_http_dpd_main_conf_t   *dmcf;
 
-    h = ngx_http_dpd_find_request_id(r);
-
-    if (h && ngx_http_dpd_request_id_valid(&h->value)) {
-        ctx->request_id = h->value;
-        return NGX_OK;
+    if (ngx_http_dpd_random_id(r, &ctx->kv_id) != NGX_OK) {
+        return NGX_ERROR;
     }
 
-    /* none, or unusable: nginx's own $request_id (32 hex digits) */
+    n = 0;
+    part = &r->headers_in.headers.part;
+    h = part->elts;
+
+    for (i = 0; /* void */; i++) {
+
+        if (i >= part->nelts) {
+            if (part->next == NULL) {
+                break;
+            }
+
+            part = part->next;
+            h = part->elts;
+            i = 0;
+        }
+
+        if (h[i].hash == 0
+            || h[i].key.len != ngx_http_dpd_request_id_header.len
+            || ngx_strncasecmp(h[i].key.data,
+                               ngx_http_dpd_request_id_header.data,
+                               h[i].key.len) != 0)
+        {
+            continue;
+        }
+
+        if (n++ == 0) {
+            if (ngx_http_dpd_request_id_valid(&h[i].value)) {
+                ctx->request_id = h[i].value;
+
+            } else {
+                ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                              "dpd: unusable client X-Request-Id, "
+                              "request id \"%V\"", &ctx->kv_id);
+            }
+        }
+
+        h[i].key = ngx_http_dpd_client_id_header;
+        h[i].lowcase_key = (u_char *) "x-client-request-id";
+        h[i].hash = ngx_hash_key(h[i].lowcase_key, h[i].key.len);
+    }
+
+    if (ctx->request_id.len == 0) {
+        ctx->request_id = ctx->kv_id;
+    }
+
+    /* $request_id (unless read before) and X-Request-Id stay equal */
 
     dmcf = ngx_http_get_module_main_conf(r, ngx_http_dpd_module);
+    vv = &r->variables[dmcf->request_id_index];
 
-    if (ngx_http_dpd_fill_request_id(r, dmcf) != NGX_OK) {
-        return NGX_ERROR;
-    }
-
-    vv = ngx_http_get_indexed_variable(r, dmcf->request_id_index);
-    if (vv == NULL || vv->not_found) {
-        return NGX_ERROR;
-    }
-
-    ctx->request_id.data = vv->data;
-    ctx->request_id.len = vv->len;
-
-    if (h) {
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "dpd: client X-Request-Id replaced by \"%V\"",
-                      &ctx->request_id);
-        h->value = ctx->request_id;
-        return NGX_OK;
+    if (!vv->valid && !vv->not_found) {
+        vv->data = ctx->kv_id.data;
+        vv->len = ctx->kv_id.len;
+        vv->valid = 1;
+        vv->no_cacheable = 0;
+        vv->not_found = 0;
     }
 
     h = ngx_list_push(&r->headers_in.headers);
@@ -745,15 +961,72 @@ ngx_http_dpd_set_request_id(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
         return NGX_ERROR;
     }
 
-    h->hash = 1;
     h->key = ngx_http_dpd_request_id_header;
-    h->value = ctx->request_id;
+    h->value = ctx->kv_id;
     h->lowcase_key = (u_char *) "x-request-id";
+    h->hash = ngx_hash_key(h->lowcase_key, h->key.len);
 #if (nginx_version >= 1023000)
     h->next = NULL;
 #endif
 
     return NGX_OK;
+}
+
+
+/*
+ * An engine that echoes X-Request-Id (vLLM's --enable-request-id-headers)
+ * echoes the generated id: the client gets its own back.
+ */
+
+static ngx_int_t
+ngx_http_dpd_header_filter(ngx_http_request_t *r)
+{
+    ngx_uint_t           i;
+    ngx_list_part_t     *part;
+    ngx_table_elt_t     *h;
+    ngx_http_dpd_ctx_t  *ctx;
+
+    if (r != r->main) {
+        return ngx_http_next_header_filter(r);
+    }
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_dpd_module);
+
+    if (ctx == NULL || ctx->kv_id.len == 0
+        || ctx->request_id.data == ctx->kv_id.data)
+    {
+        return ngx_http_next_header_filter(r);
+    }
+
+    part = &r->headers_out.headers.part;
+    h = part->elts;
+
+    for (i = 0; /* void */; i++) {
+
+        if (i >= part->nelts) {
+            if (part->next == NULL) {
+                break;
+            }
+
+            part = part->next;
+            h = part->elts;
+            i = 0;
+        }
+
+        if (h[i].hash != 0
+            && h[i].key.len == ngx_http_dpd_request_id_header.len
+            && ngx_strncasecmp(h[i].key.data,
+                               ngx_http_dpd_request_id_header.data,
+                               h[i].key.len) == 0
+            && h[i].value.len == ctx->kv_id.len
+            && ngx_strncmp(h[i].value.data, ctx->kv_id.data,
+                           ctx->kv_id.len) == 0)
+        {
+            h[i].value = ctx->request_id;
+        }
+    }
+
+    return ngx_http_next_header_filter(r);
 }
 
 
@@ -875,6 +1148,15 @@ ngx_http_dpd_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
         v->data = ctx->request_id.data;
         break;
 
+    case NGX_HTTP_DPD_VAR_KV_REQUEST_ID:
+        if (ctx->kv_id.len == 0) {
+            return NGX_OK;
+        }
+
+        v->len = ctx->kv_id.len;
+        v->data = ctx->kv_id.data;
+        break;
+
     case NGX_HTTP_DPD_VAR_DECISION_TIME:
         if (!ctx->timed) {
             return NGX_OK;
@@ -965,6 +1247,9 @@ ngx_http_dpd_postconfiguration(ngx_conf_t *cf)
     if (ngx_http_dpd_error_filter_init(cf) != NGX_OK) {
         return NGX_ERROR;
     }
+
+    ngx_http_next_header_filter = ngx_http_top_header_filter;
+    ngx_http_top_header_filter = ngx_http_dpd_header_filter;
 
     return ngx_http_dpd_metrics_init_zone_conf(cf, dmcf);
 }

@@ -43,6 +43,13 @@
 #define NGX_HTTP_DPD_STATE_DECIDED        3   /* parsed, counted, routed */
 #define NGX_HTTP_DPD_STATE_DONE           4   /* phases continue */
 
+/* ctx->answer: what the core's content handler sends (nothing else in the
+ * module sends a response from the phase handler or finalizes there) */
+#define NGX_HTTP_DPD_ANSWER_NONE          0
+#define NGX_HTTP_DPD_ANSWER_ERROR         1   /* OpenAI-shaped error */
+#define NGX_HTTP_DPD_ANSWER_BODY          2   /* answer_body as it is (a
+                                                 relayed prefill 4xx) */
+
 #define NGX_HTTP_DPD_DEFAULT_THRESHOLD    4096
 #define NGX_HTTP_DPD_DEFAULT_JSON_DEPTH   64
 #define NGX_HTTP_DPD_MAX_JSON_DEPTH       512
@@ -103,7 +110,13 @@ struct ngx_http_dpd_ctx_s {
     ngx_str_t                    body;          /* body as parsed (pool or
                                                    request buffer memory,
                                                    live as long as r) */
-    ngx_str_t                    request_id;    /* X-Request-Id sent upstream */
+    ngx_str_t                    request_id;    /* the client's X-Request-Id
+                                                   (else kv_id): logs,
+                                                   $dpd_request_id */
+    ngx_str_t                    kv_id;         /* generated, unguessable:
+                                                   the X-Request-Id sent to
+                                                   the engines and the KV
+                                                   key of every protocol */
 
     ngx_int_t                    prompt_tokens; /* -1: not counted */
     ngx_int_t                    prompt_bound;  /* dpd_count bound: upper
@@ -118,6 +131,14 @@ struct ngx_http_dpd_ctx_s {
     const char                  *err_type;
     u_char                      *err_message;
     ngx_str_t                    error_body;    /* error filter's JSON */
+
+    /* the answer the content phase sends (NGX_HTTP_DPD_ANSWER_*) */
+    ngx_uint_t                   answer;
+    ngx_uint_t                   answer_status;
+    const char                  *answer_type;   /* ERROR */
+    const char                  *answer_message; /* ERROR */
+    ngx_str_t                    answer_body;   /* BODY */
+    ngx_str_t                    answer_content_type; /* BODY */
 
     /* CLOCK_MONOTONIC microseconds */
     uint64_t                     start_usec;    /* phase handler entry */
@@ -153,6 +174,14 @@ ngx_http_dpd_ctx_t *ngx_http_dpd_get_ctx(ngx_http_request_t *r);
 ngx_http_dpd_ctx_t *ngx_http_dpd_create_ctx(ngx_http_request_t *r);
 
 /*
+ * Have the content phase answer the request with ctx->answer (set it
+ * first); returns what the phase handler returns to the phase engine
+ * (NGX_OK: on to the content phase, whose handler sends the answer and
+ * whose finalize is the last touch of the request).
+ */
+ngx_int_t ngx_http_dpd_answer(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx);
+
+/*
  * Replace the main request body by len bytes at data, so that a following
  * proxy_pass (and its retries) sends exactly these bytes with a matching
  * Content-Length.  data must live as long as the request (r->pool memory).
@@ -164,8 +193,9 @@ ngx_int_t ngx_http_dpd_replace_body(ngx_http_request_t *r, u_char *data,
  * Send an OpenAI-shaped error response
  *   {"error":{"message":"...","type":"...","param":null,"code":status}}
  * Returns what ngx_http_finalize_request() expects after a content handler
- * sent a response (NGX_OK, NGX_AGAIN, NGX_ERROR): pass it on, e.g.
- *     ngx_http_finalize_request(r, ngx_http_dpd_send_error(r, 502, ...));
+ * sent a response (NGX_OK, NGX_AGAIN, NGX_ERROR): a content handler
+ * returns it (the content phase finalizes with it); the phase handler
+ * never calls this, it sets ctx->answer (ngx_http_dpd_answer()).
  * type: OpenAI's error type ("invalid_request_error", "server_error", ...);
  * NULL picks one from the status.
  */

@@ -1,5 +1,5 @@
 /*
- * The disaggregated path (DESIGN.md §1, §2).
+ * The disaggregated path (docs/dpd.md).
  *
  * For a request routed "disaggregated" the core calls
  * ngx_http_dpd_prefill_handler() from its phase handler:
@@ -21,13 +21,20 @@
  *   6. on failure: a prefill 4xx goes back to the client as it came; 5xx,
  *      timeout, connection errors and unusable replies fall back to a
  *      decode-only request (dpd_fallback decode) or end in a 502/504
- *      OpenAI-shaped error (dpd_fallback error).
+ *      OpenAI-shaped error (dpd_fallback error); both answers are left in
+ *      ctx->answer for the core's content handler (NGX_DONE).
+ *
+ * Nothing here sends a response or finalizes the main request: the
+ * post-subrequest handler, the deadline and the KV timer and read handler
+ * record what happened and resume the phases; the core's phase handler
+ * acts on it and the phase engine finalizes (auth_request's pattern).
  *
  * A client that goes away while the prefill runs terminates the main
  * request and with it the subrequest (nginx does this); the pool cleanup
  * below stops our timer and the balancer's drops a decoder reservation.
  * During the KV wait no subrequest watches the client: a read handler of
- * our own notices it going away and terminates the request.
+ * our own notices it going away (HTTP/1.x: the connection; HTTP/2: the
+ * stream reset or its connection gone) and the request ends with 499.
  */
 
 #include <ngx_config.h>
@@ -167,7 +174,12 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
     ngx_http_dpd_prefill_conf_t *prev, ngx_http_dpd_prefill_conf_t *conf)
 {
     char        *err;
+    ngx_uint_t   set_decode, set_wait;
     const char  *proto;
+
+    /* set in this block (before the merge fills them in) */
+    set_decode = (conf->decode_name.data != NULL);
+    set_wait = (conf->kv_wait != NGX_CONF_UNSET_MSEC);
 
     if (conf->prefill_pass.data == NULL) {
         conf->prefill_pass = prev->prefill_pass;
@@ -180,6 +192,29 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
                               NGX_HTTP_DPD_FALLBACK_DECODE);
     ngx_conf_merge_str_value(conf->decode_name, prev->decode_name, "");
     ngx_conf_merge_msec_value(conf->kv_wait, prev->kv_wait, 2000);
+
+    /* directives the protocol of a disaggregating block does not use */
+
+    if (conf->prefill_pass.len == 0) {
+        set_decode = 0;
+        set_wait = 0;
+    }
+
+    if (set_decode && conf->protocol == NGX_HTTP_DPD_PROTO_NIXL) {
+        ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                           "\"dpd_decode_upstream\" is ignored with "
+                           "\"dpd_protocol nixl\" (any decoder takes the "
+                           "request)");
+    }
+
+    if (set_wait && conf->protocol != NGX_HTTP_DPD_PROTO_KV_AGENT) {
+        ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                           "\"dpd_kv_wait\" is ignored with "
+                           "\"dpd_protocol %s\" (only kv_agent waits for "
+                           "the state table)",
+                           conf->protocol == NGX_HTTP_DPD_PROTO_NIXL
+                           ? "nixl" : "lmcache");
+    }
 
     if (conf->prefill_pass.len == 0
         || (conf->protocol != NGX_HTTP_DPD_PROTO_LMCACHE
@@ -316,6 +351,12 @@ ngx_http_dpd_prefill_handler(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
     case NGX_HTTP_DPD_PREFILL_KV_WAIT:
         if (!p->kv_done) {
             return NGX_AGAIN;
+        }
+
+        if (p->aborted) {
+            /* the client went away during the wait */
+            p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
+            return NGX_HTTP_CLIENT_CLOSED_REQUEST;
         }
 
         return ngx_http_dpd_kv_handoff(r, ctx, &dlcf->prefill, NULL);
@@ -493,7 +534,7 @@ ngx_http_dpd_prefill_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     sp = NULL;
 
     if (pcf->protocol == NGX_HTTP_DPD_PROTO_KV_AGENT) {
-        spec.req_id = (char *) ngx_http_dpd_cstr(r->pool, &ctx->request_id);
+        spec.req_id = (char *) ngx_http_dpd_cstr(r->pool, &ctx->kv_id);
         if (spec.req_id == NULL || ctx->prefill.decode_node == NULL) {
             return NGX_ERROR;
         }
@@ -520,7 +561,7 @@ ngx_http_dpd_prefill_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
             alloc[i] = ap[i];
         }
 
-        spec.req_id = (char *) ngx_http_dpd_cstr(r->pool, &ctx->request_id);
+        spec.req_id = (char *) ngx_http_dpd_cstr(r->pool, &ctx->kv_id);
         spec.receiver_host = (char *) ngx_http_dpd_cstr(r->pool, &pin->host);
         spec.init_ports = init;
         spec.alloc_ports = alloc;
@@ -660,22 +701,30 @@ ngx_http_dpd_prefill_done(ngx_http_request_t *sr, void *data, ngx_int_t rc)
 
 
 /*
- * dpd_prefill_timeout: the deadline for the whole prefill, retries
- * included.  Expire the subrequest's upstream read event as its own timer
- * would, with no try left, so the upstream ends it with a 504 through its
- * usual path (which frees the connection and finalizes the subrequest).
+ * dpd_prefill_timeout: the deadline for the whole prefill, whatever state
+ * the subrequest is in (resolving the upstream's name, connecting,
+ * sending, waiting for the reply, between tries, or still in its own
+ * phases).  The subrequest is ended here rather than nudged: its
+ * upstream is released the way nginx releases it when a request is
+ * terminated (the upstream's own cleanup: the resolver query cancelled,
+ * the connection closed, the peer freed with state 0, so our deadline
+ * never counts towards the peer's max_fails), then the subrequest is
+ * finalized; the post-subrequest handler records the outcome and wakes
+ * the main request, whose phase handler falls back or answers.
  */
 
 static void
 ngx_http_dpd_prefill_timeout(ngx_event_t *ev)
 {
-    ngx_http_request_t          *r, *sr;
     ngx_connection_t            *c;
+    ngx_http_cleanup_t          *cln;
+    ngx_http_request_t          *r, *sr;
     ngx_http_upstream_t         *u;
     ngx_http_dpd_ctx_t          *ctx;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     r = ev->data;
+    c = r->connection;
 
     ctx = ngx_http_dpd_get_ctx(r);
     if (ctx == NULL) {
@@ -684,35 +733,51 @@ ngx_http_dpd_prefill_timeout(ngx_event_t *ev)
 
     p = &ctx->prefill;
 
-    if (p->done) {
+    if (p->done || p->sr == NULL) {
         return;
     }
 
     p->timed_out = 1;
 
-    ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+    ngx_log_error(NGX_LOG_WARN, c->log, 0,
                   "dpd: prefill of request \"%V\" timed out",
                   &ctx->request_id);
 
     sr = p->sr;
     u = sr->upstream;
 
-    if (u == NULL || u->peer.connection == NULL) {
-        /* between tries: the next upstream step sees the flag */
-        return;
+    if (u && u->cleanup) {
+
+        /*
+         * u->cleanup points at the handler of the ngx_http_cleanup_t the
+         * upstream registered (its first member).  That handler finalizes
+         * the upstream with NGX_DONE, which ends in
+         * ngx_http_finalize_request(sr, NGX_DONE) and so drops one
+         * reference of the main request: take one for it.
+         */
+
+        cln = (ngx_http_cleanup_t *) u->cleanup;
+
+        if (cln->handler) {
+            r->main->count++;
+            cln->handler(cln->data);
+        }
     }
 
-    u->peer.tries = 1;
-
-    c = u->peer.connection;
-
-    if (c->read->timer_set) {
-        ngx_del_timer(c->read);
+    if (!p->answered) {
+        /* nginx's own verdict for a deadline */
+        p->status = NGX_HTTP_GATEWAY_TIME_OUT;
     }
 
-    c->read->timedout = 1;
+    /*
+     * NGX_ERROR: no error page is generated into a subrequest that may
+     * have sent its header already; the post-subrequest handler takes
+     * it as a broken prefill (never as the client's error) and the
+     * subrequest completes and wakes its parent
+     */
 
-    ngx_post_event(c->read, &ngx_posted_events);
+    ngx_http_finalize_request(sr, NGX_ERROR);
+    ngx_http_run_posted_requests(c);
 }
 
 
@@ -851,63 +916,22 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 }
 
 
-/* a prefill 4xx: the client gets it as the prefill engine sent it */
+/*
+ * A prefill 4xx: the client gets it as the prefill engine sent it, from
+ * the core's content handler (NGX_DONE: nothing is sent here).
+ */
 
 static ngx_int_t
 ngx_http_dpd_prefill_relay(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
 {
-    ngx_int_t                    rc;
-    ngx_buf_t                   *b;
-    ngx_chain_t                  out;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
 
-    ngx_http_clear_content_length(r);
-    ngx_http_clear_accept_ranges(r);
-
-    r->headers_out.status = p->status;
-    r->headers_out.content_length_n = p->reply.len;
-
-    if (p->content_type.len) {
-        r->headers_out.content_type = p->content_type;
-        r->headers_out.content_type_len = p->content_type.len;
-
-    } else {
-        ngx_str_set(&r->headers_out.content_type, "application/json");
-        r->headers_out.content_type_len = r->headers_out.content_type.len;
-    }
-
-    /* the body is final: the core's error filter leaves it alone */
-    ctx->own_error = 1;
-
-    if (p->reply.len == 0) {
-        r->header_only = 1;
-    }
-
-    rc = ngx_http_send_header(r);
-
-    if (rc == NGX_ERROR || rc > NGX_OK || r->header_only) {
-        ngx_http_finalize_request(r, rc);
-        return NGX_DONE;
-    }
-
-    b = ngx_calloc_buf(r->pool);
-    if (b == NULL) {
-        ngx_http_finalize_request(r, NGX_ERROR);
-        return NGX_DONE;
-    }
-
-    b->pos = p->reply.data;
-    b->last = p->reply.data + p->reply.len;
-    b->memory = 1;
-    b->last_buf = 1;
-    b->last_in_chain = 1;
-
-    out.buf = b;
-    out.next = NULL;
-
-    ngx_http_finalize_request(r, ngx_http_output_filter(r, &out));
+    ctx->answer = NGX_HTTP_DPD_ANSWER_BODY;
+    ctx->answer_status = p->status;
+    ctx->answer_body = p->reply;
+    ctx->answer_content_type = p->content_type;
 
     return NGX_DONE;
 }
@@ -958,11 +982,14 @@ ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                       &ctx->request_id, why ? ": " : "", why ? why : "",
                       status);
 
-        ngx_http_finalize_request(r,
-            ngx_http_dpd_send_error(r, status, "server_error",
-                                    status == NGX_HTTP_GATEWAY_TIME_OUT
-                                    ? "the prefill pool timed out"
-                                    : "the prefill pool failed"));
+        /* the core's content handler sends it */
+
+        ctx->answer = NGX_HTTP_DPD_ANSWER_ERROR;
+        ctx->answer_status = status;
+        ctx->answer_type = "server_error";
+        ctx->answer_message = (status == NGX_HTTP_GATEWAY_TIME_OUT)
+                              ? "the prefill pool timed out"
+                              : "the prefill pool failed";
         return NGX_DONE;
     }
 
@@ -1283,7 +1310,7 @@ ngx_http_dpd_kv_reply(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     p = &ctx->prefill;
     c = r->connection;
 
-    id = ngx_http_dpd_cstr(r->pool, &ctx->request_id);
+    id = ngx_http_dpd_cstr(r->pool, &ctx->kv_id);
     if (id == NULL) {
         return NGX_ERROR;
     }
@@ -1348,7 +1375,7 @@ ngx_http_dpd_kv_check(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     p = &ctx->prefill;
 
-    if (ngx_http_dpd_state_request(r, &ctx->request_id, &rec) == NGX_OK) {
+    if (ngx_http_dpd_state_request(r, &ctx->kv_id, &rec) == NGX_OK) {
 
         p->kv_state = rec.state;
 
@@ -1434,12 +1461,10 @@ ngx_http_dpd_kv_tick(ngx_event_t *ev)
 
     /* an event nobody consumed yet (edge-triggered): is the client gone? */
 
-    if ((c->read->ready || c->read->pending_eof)
+    if ((c->error || c->read->ready || c->read->pending_eof)
         && ngx_http_dpd_kv_client_gone(r))
     {
         ngx_http_dpd_kv_client_closed(r, p);
-        ngx_http_finalize_request(r, NGX_HTTP_CLIENT_CLOSED_REQUEST);
-        ngx_http_run_posted_requests(c);
         return;
     }
 
@@ -1460,33 +1485,58 @@ ngx_http_dpd_kv_tick(ngx_event_t *ev)
 }
 
 
+/*
+ * The request's read handler during the wait: the client connection
+ * (HTTP/1.x) or the stream (HTTP/2: a RST_STREAM or the connection's end
+ * sets c->error and calls this handler) may report the client gone.
+ */
+
 static void
 ngx_http_dpd_kv_reading(ngx_http_request_t *r)
 {
     ngx_http_dpd_ctx_t  *ctx;
 
-    if (ngx_http_dpd_kv_client_gone(r)) {
-        ctx = ngx_http_dpd_get_ctx(r);
-        if (ctx) {
-            ngx_http_dpd_kv_client_closed(r, &ctx->prefill);
-        }
+    ctx = ngx_http_dpd_get_ctx(r);
 
-        ngx_http_finalize_request(r, NGX_HTTP_CLIENT_CLOSED_REQUEST);
+    if (ctx && ngx_http_dpd_kv_client_gone(r)) {
+        ngx_http_dpd_kv_client_closed(r, &ctx->prefill);
     }
 }
 
 
-/* the wait ends with the client (the request is terminated next) */
+/*
+ * The wait ends with the client: record it and resume the phases; the
+ * phase handler returns 499 and the phase engine terminates the request
+ * (the last touch of it).
+ */
 
 static void
 ngx_http_dpd_kv_client_closed(ngx_http_request_t *r,
     ngx_http_dpd_prefill_ctx_t *p)
 {
+    ngx_connection_t  *c;
+
     if (p->state != NGX_HTTP_DPD_PREFILL_KV_WAIT || p->kv_done) {
         return;
     }
 
     ngx_http_dpd_metrics_kv_wait(r, NGX_HTTP_DPD_KVW_CLIENT_CLOSED, -1);
+
+    p->kv_done = 1;
+    p->aborted = 1;
+    p->kv_elapsed = ngx_current_msec - p->kv_start;
+
+    if (p->kv_timer.timer_set) {
+        ngx_del_timer(&p->kv_timer);
+    }
+
+    r->read_event_handler = ngx_http_block_reading;
+
+    c = r->connection;
+
+    r->write_event_handler = ngx_http_core_run_phases;
+    ngx_http_core_run_phases(r);
+    ngx_http_run_posted_requests(c);
 }
 
 
@@ -1508,16 +1558,25 @@ ngx_http_dpd_kv_client_gone(ngx_http_request_t *r)
     c = r->connection;
     rev = c->read;
 
+    /*
+     * first, as ngx_http_upstream_check_broken_connection(): HTTP/2 marks
+     * the stream's connection failed on RST_STREAM or when the whole
+     * connection ends
+     */
+
+    if (c->error) {
+        ngx_log_error(NGX_LOG_INFO, c->log, 0,
+                      "client gone while waiting for the KV of request "
+                      "\"%V\"", &ngx_http_dpd_get_ctx(r)->request_id);
+        return 1;
+    }
+
 #if (NGX_HTTP_V2)
     if (r->stream) {
-        /* a reset stream finalizes the request through HTTP/2 itself */
+        /* nothing to peek at: the stream reports through c->error */
         return 0;
     }
 #endif
-
-    if (c->error) {
-        return 1;
-    }
 
     err = 0;
 
@@ -1617,7 +1676,7 @@ ngx_http_dpd_kv_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         r->read_event_handler = ngx_http_block_reading;
     }
 
-    id = ngx_http_dpd_cstr(r->pool, &ctx->request_id);
+    id = ngx_http_dpd_cstr(r->pool, &ctx->kv_id);
     if (id == NULL) {
         return NGX_ERROR;
     }

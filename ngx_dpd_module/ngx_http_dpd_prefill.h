@@ -170,14 +170,18 @@ ngx_int_t ngx_http_dpd_prefill_add_variables(ngx_conf_t *cf);
  * Called by the core phase handler once the body is read, parsed and the
  * route decided as disaggregated, and again each time the phase handler
  * runs while the prefill is in flight.  Returns:
- *   NGX_AGAIN     waiting for the prefill subrequest (phase handler returns
- *                 NGX_AGAIN / NGX_DONE as auth_request does)
+ *   NGX_AGAIN     waiting for the prefill subrequest or the KV (the phase
+ *                 handler returns NGX_AGAIN as auth_request does; the
+ *                 post-subrequest handler and our timers only record and
+ *                 resume the phases)
  *   NGX_DECLINED  done: the decode body is in place (and the decode peer
  *                 pinned where the protocol needs it); continue phases
- *   NGX_DONE      the response was sent here (a prefill 4xx relayed as is,
- *                 or the dpd_fallback error reply) and the request was
- *                 finalized: do not touch r
- *   >= NGX_HTTP_SPECIAL_RESPONSE / NGX_ERROR   finalize with that
+ *   NGX_DONE      answer the client with ctx->answer (a prefill 4xx
+ *                 relayed as is, or the dpd_fallback error reply): the
+ *                 core's content handler sends it; nothing was sent here
+ *   >= NGX_HTTP_SPECIAL_RESPONSE / NGX_ERROR   the phase engine finalizes
+ *                 with that (499: the client went away during the KV wait)
+ * Nothing here sends a response or finalizes the main request.
  */
 ngx_int_t ngx_http_dpd_prefill_handler(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx);

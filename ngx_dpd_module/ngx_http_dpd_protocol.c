@@ -1,6 +1,6 @@
 /*
  * The client's request and the wire transforms of the disaggregated path
- * (DESIGN.md §2).  No nginx headers here: the nginx side hands in the
+ * (docs/dpd.md).  No nginx headers here: the nginx side hands in the
  * body's bytes and an allocator; t/201-protocol.t and the libFuzzer target
  * (ngx_dpd_module/fuzz/) link this file alone with cJSON.
  */

@@ -1,6 +1,6 @@
 /*
  * The client's request as the gateway sees it, and the wire transforms of
- * the disaggregated path (DESIGN.md §2), with cJSON and no nginx types, so
+ * the disaggregated path (docs/dpd.md), with cJSON and no nginx types, so
  * a test program or a fuzzer links this file alone.
  *
  *   request        the client's bytes, checked in one pass before cJSON
@@ -155,7 +155,7 @@ char *ngx_http_dpd_proto_decode_body(const ngx_http_dpd_req_t *req,
 
 
 /*
- * kv_agent (DESIGN.md §2): the prefill copy with
+ * kv_agent (docs/dpd.md): the prefill copy with
  *   "kv_transfer_params": {"dpd": {"req_id": req_id,
  *                                  "decode_node": decode_node}}
  * Returns the body, or NULL.

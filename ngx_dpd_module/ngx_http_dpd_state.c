@@ -1,6 +1,6 @@
 /*
  * ngx_http_dpd_state_module: the reader side of the kv_agent readiness
- * table (DESIGN.md section 4, kv_agent/include/dpd_state.h).
+ * table (docs/state.md, kv_agent/include/dpd_state.h).
  *
  * The table is never mapped: a file mapped in a worker faults (SIGBUS) on
  * every page that something cut off after the mapping was made, and a
@@ -235,7 +235,7 @@ ngx_http_dpd_state_create_main_conf(ngx_conf_t *cf)
     smcf->check = NGX_CONF_UNSET_MSEC;
     smcf->fd = NGX_INVALID_FILE;
 
-    ngx_str_set(&smcf->reqid_var, "dpd_request_id");
+    ngx_str_set(&smcf->reqid_var, "dpd_kv_request_id");
     smcf->reqid_key = ngx_hash_key(smcf->reqid_var.data, smcf->reqid_var.len);
 
     return smcf;
@@ -1200,7 +1200,8 @@ ngx_http_dpd_state_request(ngx_http_request_t *r, ngx_str_t *request_id,
 }
 
 
-/* $dpd_request_id when the core module set it, else the client header. */
+/* $dpd_kv_request_id (the KV key) when the core module set it, else the
+ * client header. */
 
 static ngx_int_t
 ngx_http_dpd_state_request_id(ngx_http_request_t *r,

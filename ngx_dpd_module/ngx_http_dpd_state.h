@@ -1,5 +1,5 @@
 /*
- * Readiness of the kv_agent state table (DESIGN.md section 4) for the rest
+ * Readiness of the kv_agent state table (docs/state.md) for the rest
  * of ngx_http_dpd_module: every worker keeps a snapshot of the table, read
  * with pread() on a timer (dpd_state_table check=), and these calls copy
  * records out of it; request records are read from the file at lookup

@@ -66,8 +66,10 @@ is($rec && $rec->{body}{prompt}, 'keep the rest',
    'the rest of the body forwarded');
 
 $rec = $emu->last_request(request_id => 'keep-1');
-is($rec && $rec->{headers}{'x-request-id'}, 'keep-1',
-   "client's X-Request-Id forwarded upstream");
+is($rec && $rec->{headers}{'x-client-request-id'}, 'keep-1',
+   "client's X-Request-Id forwarded upstream as X-Client-Request-Id");
+like($rec && $rec->{headers}{'x-request-id'}, qr/^[0-9a-f]{32}$/,
+   'the X-Request-Id the engine gets is generated');
 
 __DATA__
 
@@ -293,7 +295,7 @@ X-Request-Id: has "quotes"
 X-Dpd-Id: ^[0-9a-f]{32}$
 --- response_body_like: ^rid=[0-9a-f]{32}\n$
 --- error_log
-client X-Request-Id replaced by
+dpd: unusable client X-Request-Id
 
 
 === TEST 15: client kv_transfer_params are removed on the direct path
@@ -350,3 +352,29 @@ X-Request-Id: redirect-1
 route=direct tokens=9 id=redirect-1
 --- error_log
 connect() failed
+
+
+
+=== TEST 18: engines get only the generated X-Request-Id, the client its own
+--- config
+    location /v1/ {
+        dpd on;
+        add_header X-Kv-Id $dpd_kv_request_id always;
+        proxy_pass http://127.0.0.1:$TEST_NGINX_SERVER_PORT/echo$uri;
+    }
+    location /echo/ {
+        # an engine that echoes X-Request-Id (vLLM's
+        # --enable-request-id-headers)
+        add_header X-Request-Id $http_x_request_id;
+        return 200 "rid=$http_x_request_id cid=$http_x_client_request_id\n";
+    }
+--- request
+POST /v1/completions
+{"prompt": "hi"}
+--- more_headers
+X-Request-Id: echo-1
+X-Request-Id: evil-2
+--- response_headers_like
+X-Request-Id: ^echo-1$
+X-Kv-Id: ^[0-9a-f]{32}$
+--- response_body_like: ^rid=[0-9a-f]{32} cid=echo-1

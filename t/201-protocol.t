@@ -1,4 +1,4 @@
-# The wire transforms of the disaggregated path (DESIGN.md §2), tested on
+# The wire transforms of the disaggregated path (docs/dpd.md), tested on
 # ngx_dpd_module/ngx_http_dpd_protocol.c alone: a small C driver (below,
 # compiled here with cc and libcjson) feeds it requests and replies.
 

@@ -190,11 +190,24 @@ for my $id (qw(nixl-cmpl nixl-chat-stream nixl-chat nixl-tmpfile)) {
 
 {
     # nginx's own request id when the client sends none: same on both sides
-    my ($gen) = grep { $_->{request_id} =~ /^[0-9a-f]{32}$/ }
+    my ($gen) = grep { !defined $_->{client_request_id}
+                       && $_->{request_id} =~ /^[0-9a-f]{32}$/ }
                 map { $_->requests(path => '/v1/completions') } @decode;
     ok $gen, 'generated X-Request-Id reached the decoder';
     my @p = $gen ? recs($gen->{request_id}, @prefill) : ();
     is scalar(@p), 1, 'and the same id reached the prefill engine';
+}
+
+{
+    # the engines get the gateway's id, the client's as X-Client-Request-Id
+    my @r = (recs('nixl-chat', @prefill), recs('nixl-chat', @decode));
+    is scalar(@r), 2, 'nixl-chat: one prefill and one decode request';
+    like $r[0]{request_id} // '', qr/^[0-9a-f]{32}$/,
+        'nixl-chat: the engines get a generated X-Request-Id';
+    is $r[1]{request_id}, $r[0]{request_id},
+        'nixl-chat: the same one on both engines';
+    is $r[0]{headers}{'x-client-request-id'}, 'nixl-chat',
+        "nixl-chat: the client's id as X-Client-Request-Id";
 }
 
 {
@@ -237,7 +250,7 @@ X-Req: nixl-cmpl
 --- more_headers
 Content-Type: application/json
 X-Request-Id: nixl-chat-stream
---- response_body_like: ^(data: \{"id":"chatcmpl-nixl-chat-stream".*\n\n)+.*"cached_tokens":[1-9]\d\d.*\n\ndata: \[DONE\]\n\n$
+--- response_body_like: ^(data: \{"id":"chatcmpl-[0-9a-f]{32}".*\n\n)+.*"cached_tokens":[1-9]\d\d.*\n\ndata: \[DONE\]\n\n$
 --- response_headers_like
 X-Route: disaggregated
 Content-Type: text/event-stream.*
@@ -256,7 +269,7 @@ Content-Type: text/event-stream.*
 Content-Type: application/json
 Authorization: Bearer sk-nixl
 X-Request-Id: nixl-chat
---- response_body_like: ^\{"id":"chatcmpl-nixl-chat".*"cached_tokens":[1-9]\d\d
+--- response_body_like: ^\{"id":"chatcmpl-[0-9a-f]{32}".*"cached_tokens":[1-9]\d\d
 --- response_headers_like
 X-Route: disaggregated
 --- no_error_log

@@ -1,4 +1,4 @@
-# Failure rules of the disaggregated path (DESIGN.md §2, issue 4):
+# Failure rules of the disaggregated path (docs/dpd.md, failure table; issue 4):
 #   prefill 5xx, timeout, connection error, a reply that is not JSON or too
 #   large -> dpd_fallback decode: a decoder without transfer params (route
 #   "fallback", counted, warn log with the reason); dpd_fallback error: an

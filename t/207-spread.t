@@ -129,7 +129,7 @@ band_ok('nixl', per_decoder('nixl'));
     my @p = map { count_requests(qr/^nixl-\d+$/, $_) } @prefill;
     ok !(grep { $_ < int($N * 0.25) } @p), "nixl: both prefill engines busy (@p)";
     my @cached = grep { ($_->{cached_tokens} // 0) > 0 }
-                 grep { $_->{request_id} =~ /^nixl-\d+$/ } map { $_->requests } @decode;
+                 grep { ($_->{client_request_id} // '') =~ /^nixl-\d+$/ } map { $_->requests } @decode;
     is scalar(@cached), $N, 'nixl: every decode reused the transferred KV';
 }
 
@@ -137,7 +137,7 @@ is scalar(grep { $STATUS{$_} == 200 } grep { /^lmc-/ } keys %STATUS), $N,
     'lmcache: all requests answered 200';
 band_ok('lmcache', per_decoder('lmc'));
 {
-    my @recs = grep { $_->{request_id} =~ /^lmc-\d+$/ } map { $_->requests } @decode;
+    my @recs = grep { ($_->{client_request_id} // '') =~ /^lmc-\d+$/ } map { $_->requests } @decode;
     my @hit = grep { ($_->{cached_tokens} // 0) == $_->{prompt_tokens} - 1 } @recs;
     is scalar(@hit), $N,
         'lmcache: under concurrency every decode went to the decoder that got its KV';

@@ -115,9 +115,12 @@ block_defaults(http_config => $http_config, config => $config, timeout => 30);
 
 sub freeze { kill 'STOP', $_->pid for values %DA }
 
-# thaw the decode agents, drop what landed for nobody, wait for the mesh
+# thaw the decode agents, drop what landed for nobody, wait for the mesh;
+# @ids: the clients' ids, whose KV the agents know by the gateway's id
+# (the X-Request-Id the prefill engine got)
 sub thaw {
-    my (@ids) = @_;
+    my @ids = map { my $c = $_; map { $_->{request_id} }
+                    $P->requests(request_id => $c) } @_;
     kill 'CONT', $_->pid for values %DA;
     for my $a (values %DA) {
         for my $id (@ids) {
@@ -190,17 +193,19 @@ run_tests();
     my @d = recs('kvf-failed', values %D);
     is scalar(@d), 1, 'push failed: one decode request';
     is_deeply $d[0]{body}{kv_transfer_params},
-        {dpd => {req_id => 'kvf-failed'}},
-        'push failed: the decoder still checks its agent';
+        {dpd => {req_id => $p->{request_id}}},
+        'push failed: the decoder still checks its agent (the KV id)';
     my $node = $p->{body}{kv_transfer_params}{dpd}{decode_node} // '';
     is $d[0]{emu}->host, $HOST_OF{$node},
         'push failed: still the pinned decoder';
 }
 
 {
+    my ($p) = recs('kvf-lost', $P);
     my @d = recs('kvf-lost', values %D);
     is scalar(@d), 1, 'KV never landed: one decode request';
-    is_deeply $d[0]{body}{kv_transfer_params}, {dpd => {req_id => 'kvf-lost'}},
+    is_deeply $d[0]{body}{kv_transfer_params},
+        {dpd => {req_id => $p && $p->{request_id}}},
         'KV never landed: decode still names the request';
     isnt $d[0]{kv}{outcome}, 'ready', 'KV never landed: not ready at the decoder';
     ok !$d[0]{cached_tokens}, 'KV never landed: the decoder recomputed';
@@ -296,7 +301,7 @@ qr/\[warn\].*kv_agent: no node record for the decoder in the state table \(decod
 === TEST 4: the prefill reply says the push failed: no KV wait
 --- init
 $main::P->fault(role => 'prefill', count => 1,
-                kv_override => {dpd => {req_id => 'kvf-failed', blocks => 0,
+                kv_override => {dpd => {blocks => 0,
                                         state => 'failed'}});
 --- request eval
 "POST /v1/completions\n" . main::long_body()

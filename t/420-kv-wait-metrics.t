@@ -17,6 +17,9 @@ use DPD::KvAgent;
 use File::Temp qw(tempdir);
 use JSON::PP ();
 use Time::HiRes qw(sleep time);
+use HTTP::Tiny;
+use IO::Socket::INET;
+use DPD::Pools ();
 
 if (my ($why) = DPD::KvAgent->unavailable('tcp;ofi_rxm')) {
     plan(skip_all => $why);
@@ -174,6 +177,29 @@ $common
     location = /metrics { dpd_metrics; }
 _EOC_
 
+# the same /abort/ location behind an HTTP/2 (h2c) listener
+$ENV{TEST_NGINX_H2_PORT} = $ENV{DPD_KVW_H2_PORT} || ($eport + 11);
+
+our $H2_SERVER = <<_EOC_;
+    server {
+        listen 127.0.0.1:\$TEST_NGINX_H2_PORT http2;
+        server_name h2;
+
+        location /abort/ {
+$common
+            dpd_decode_upstream decode;
+            dpd_kv_wait 20s;
+            proxy_pass http://decode/;
+        }
+
+        location /_dpd_prefill/ {
+            internal;
+            proxy_pass http://prefill/;
+            proxy_http_version 1.1;
+        }
+    }
+_EOC_
+
 add_block_preprocessor(sub {
     my $block = shift;
     $block->set_value('http_config', $WITH_TABLE)
@@ -206,6 +232,72 @@ sub kv_metrics {
     return qr/# TYPE dpd_kv_wait_seconds histogram\n(?s:.*)dpd_kv_wait_seconds_count $count\n(?s:.*)# TYPE dpd_kv_wait_total counter\n$re/;
 }
 
+# --- a minimal HTTP/2 client (prior knowledge, h2c) -------------------------
+
+sub h2_frame {
+    my ($type, $flags, $sid, $payload) = @_;
+    return substr(pack('N', length $payload), 1, 3)
+           . pack('CCN', $type, $flags, $sid) . $payload;
+}
+
+# HPACK: literal header fields without indexing, new names, no Huffman
+sub h2_headers {
+    my $out = '';
+    while (my ($k, $v) = splice @_, 0, 2) {
+        for my $s ($k, $v) {
+            die 'h2_headers: long string' if length $s > 126;
+        }
+        $out .= "\x00" . chr(length $k) . $k . chr(length $v) . $v;
+    }
+    return $out;
+}
+
+our %H2;   # how => seconds from the client's exit to client_closed
+
+# POST on an HTTP/2 stream, wait until the KV wait runs, then cancel the
+# stream (RST_STREAM CANCEL, connection kept) or close the connection;
+# record how long nginx takes to count the request as client_closed
+sub h2_abort {
+    my ($how, $rid) = @_;
+    my $body = body();
+    my $s;
+    DPD::Pools::wait_for('nginx to listen (h2)', sub {
+        $s = IO::Socket::INET->new(PeerAddr => '127.0.0.1',
+                                   PeerPort => $ENV{TEST_NGINX_H2_PORT},
+                                   Timeout => 5);
+    }, 30) or die "h2 connect: $!";
+    binmode $s;
+    print $s "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", h2_frame(4, 0, 0, '');
+    print $s h2_frame(1, 0x4, 1,
+                      h2_headers(':method' => 'POST', ':scheme' => 'http',
+                                 ':path' => '/abort/v1/completions',
+                                 ':authority' => 'localhost',
+                                 'content-type' => 'application/json',
+                                 'content-length' => length $body,
+                                 'x-request-id' => $rid));
+    print $s h2_frame(0, 0x1, 1, $body);
+    $s->flush;
+    DPD::Pools::wait_for("$rid prefill answered",
+        sub { grep { defined $_->{status} } $P->requests(request_id => $rid) },
+        20) or die "$rid: no prefill";
+    sleep 0.5;          # in the KV wait now (the decode agent is frozen)
+    if ($how eq 'rst') {
+        print $s h2_frame(3, 0, 1, pack('N', 8));
+        $s->flush;
+    } else {
+        close $s;
+    }
+    my $t0 = time;
+    my $ok = DPD::Pools::wait_for("$rid counted client_closed", sub {
+        my $r = HTTP::Tiny->new(timeout => 5)->get(
+            'http://127.0.0.1:' . Test::Nginx::Socket::server_port()
+            . '/metrics');
+        $r->{content} =~ /dpd_kv_wait_total\{outcome="client_closed"\} 1\n/;
+    }, 10);
+    $H2{$how} = $ok ? time - $t0 : 'never';
+    close $s if $how eq 'rst';
+}
+
 sub freeze { kill 'STOP', $DA->pid }
 sub thaw { kill 'CONT', $DA->pid }
 
@@ -214,6 +306,13 @@ log_level('info');
 run_tests();
 
 thaw();
+
+# the wait is 20 s: the client's exit is seen at once, as for HTTP/1.1
+for my $how (qw(rst close)) {
+    my $t = $H2{$how} // 'not run';
+    ok $t =~ /^[\d.]+$/ && $t < 3,
+        "HTTP/2 client gone ($how) during the KV wait: seen in $t s";
+}
 
 __DATA__
 
@@ -234,8 +333,7 @@ main::hdr('kvw-ready')
 === TEST 2: the prefill reply says nothing was pushed: not_pushed, no wait
 --- init
 $main::P->fault(role => 'prefill', count => 1,
-                kv_override => {dpd => {req_id => 'kvw-notpushed',
-                                        blocks => 0, state => 'failed'}});
+                kv_override => {dpd => {blocks => 0, state => 'failed'}});
 --- request eval
 main::req('/v1/completions')
 --- more_headers eval
@@ -306,6 +404,40 @@ main::hdr('kvw-timeout')
 ["", 404, 200]
 --- response_body_like eval
 ["^\$", "404 Not Found", main::kv_metrics('client_closed', 0)]
+--- no_error_log
+[alert]
+[crit]
+
+
+
+=== TEST 7: an HTTP/2 stream reset during the KV wait: client_closed
+--- http_config eval
+$::WITH_TABLE . $::H2_SERVER
+--- init
+main::h2_abort('rst', 'kvw-h2-rst');
+--- request
+GET /metrics
+--- response_body_like eval
+main::kv_metrics('client_closed', 0)
+--- error_log
+client gone while waiting for the KV of request "kvw-h2-rst"
+--- no_error_log
+[alert]
+[crit]
+
+
+
+=== TEST 8: an HTTP/2 connection closed during the KV wait: client_closed
+--- http_config eval
+$::WITH_TABLE . $::H2_SERVER
+--- init
+main::h2_abort('close', 'kvw-h2-close');
+--- request
+GET /metrics
+--- response_body_like eval
+main::kv_metrics('client_closed', 0)
+--- error_log
+client gone while waiting for the KV of request "kvw-h2-close"
 --- no_error_log
 [alert]
 [crit]

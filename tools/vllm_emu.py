@@ -77,6 +77,8 @@ EMULATOR ENDPOINTS (tests)
         kv_agent_late_released_total (the same
         names with an emu_ prefix are in /metrics).
         A record: {"n","t","method","path","request_id" (X-Request-Id),
+        "client_request_id" (X-Client-Request-Id: the gateway forwards the
+        client's id so, and sends its own as X-Request-Id),
         "headers" (lower-case names),"body" (parsed JSON, or null and
         "body_raw"),"status","fault","stream","prompt_tokens",
         "cached_tokens","completion_tokens","finish_reason","text",
@@ -100,7 +102,8 @@ FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
   "malformed_json":true, "kv_override":{..}, "kv_drop":true,
   "pad_bytes":N, "path":"/v1/completions", "role":"prefill"|"decode"|"any",
   "count":K}.  kv_override merges its fields into the reply's
-  kv_transfer_params (e.g. a foreign remote_host); kv_drop answers without
+  kv_transfer_params (e.g. a foreign remote_host; objects one level deep,
+  so {"dpd":{"state":"failed"}} keeps dpd.req_id); kv_drop answers without
   them (blocks stay held until they expire); pad_bytes adds a field of N
   bytes to a non-streaming JSON reply (oversized reply).  path/role scope
   a rule (role = the request's: "prefill" when it carries do_remote_decode,
@@ -1252,6 +1255,7 @@ class Emu(object):
     def new_record(self, method, path, headers, body_raw):
         rec = {"method": method, "path": path,
                "request_id": headers.get("x-request-id"),
+               "client_request_id": headers.get("x-client-request-id"),
                "headers": dict(headers), "body": None, "status": None,
                "fault": None, "stream": False, "prompt_tokens": None,
                "cached_tokens": None, "completion_tokens": None,
@@ -1962,7 +1966,15 @@ class Conn(socketserver.BaseRequestHandler):
                 # LMCache's connector returns the prefill's first token
                 kv_out = {"first_tok": seqs[0].first_tok}
             if fault and fault.get("kv_override") is not None:
-                kv_out = dict(kv_out or {}, **fault["kv_override"])
+                kv_out = dict(kv_out or {})
+                for k, v in fault["kv_override"].items():
+                    # objects merge one level deep: {"dpd":{"state":..}}
+                    # keeps the request's dpd.req_id
+                    if isinstance(v, dict) and isinstance(kv_out.get(k),
+                                                          dict):
+                        kv_out[k] = dict(kv_out[k], **v)
+                    else:
+                        kv_out[k] = v
             if fault and fault.get("kv_drop"):
                 kv_out = None
             self.prom_account(seqs, reasons)

@@ -1,5 +1,5 @@
 /*
- * dpd_state.h - the kv_agent readiness state table ABI (DESIGN.md section 4).
+ * dpd_state.h - the kv_agent readiness state table ABI (docs/state.md).
  *
  * One fixed-size file (normally under /dev/shm) written by exactly one
  * kv_agent process and mapped read-only by any number of readers (nginx

@@ -250,13 +250,19 @@ sub stats {
     return $self->_json_or_croak($self->get("/emu/stats$q"), 'stats');
 }
 
-# requests(path => ..., request_id => ..., since => N): matching records
+# requests(path => ..., request_id => ..., since => N): matching records;
+# request_id matches the X-Request-Id the engine got or the client's id
+# the gateway forwards as X-Client-Request-Id
 sub requests {
     my ($self, %f) = @_;
     my $st = $self->stats(since => delete $f{since});
     my @r = @{ $st->{requests} };
     for my $k (keys %f) {
-        @r = grep { defined $_->{$k} && $_->{$k} eq $f{$k} } @r;
+        my @k = $k eq 'request_id' ? ('request_id', 'client_request_id')
+                                   : ($k);
+        @r = grep { my $rec = $_;
+                    grep { defined $rec->{$_} && $rec->{$_} eq $f{$k} } @k }
+             @r;
     }
     return @r;
 }

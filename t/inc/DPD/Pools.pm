@@ -150,7 +150,9 @@ sub long_body {
                                   max_tokens => 2, %o});
 }
 
-# the records with this X-Request-Id on these engines, each with emu => $e
+# the records with this X-Request-Id (the client's, which the engines get
+# as X-Client-Request-Id, or the one they got) on these engines, each with
+# emu => $e
 sub recs {
     my ($id, @emus) = @_;
     return map { my $e = $_;
@@ -169,7 +171,8 @@ sub one {
 # how many requests with an id matching $re the engine got
 sub count_requests {
     my ($re, $emu) = @_;
-    return scalar grep { $_->{request_id} =~ $re } $emu->requests;
+    return scalar grep { ($_->{client_request_id} // $_->{request_id} // '')
+                         =~ $re } $emu->requests;
 }
 
 sub wait_for {
