@@ -17,7 +17,8 @@ NGINX_BIN  ?= /usr/sbin/nginx
 CUDA_HOME  ?= /usr/local/cuda
 PROVE      ?= prove
 
-.PHONY: all deps test test-quick test-valgrind demo bench clean module programs fuzz
+.PHONY: all deps test test-quick test-valgrind test-asan module-asan demo \
+        bench clean module programs fuzz
 all: module programs
 
 include ngx_dpd_module/tokenizer/build.mk
@@ -41,6 +42,26 @@ test-quick: all
 test-valgrind: all
 	@TEST_NGINX_USE_VALGRIND=1 bash tools/run-tests.sh $(sort $(wildcard t/[1-4]*.t))
 
+# The module (and the tokenizer inside it) with -fsanitize=address,undefined
+# in its own build directory; the tests run the stock nginx with the
+# runtime preloaded (tools/nginx-sanitized) and fail on any report
+# (t/990-sanitizer-report.t).  SAN_TESTS picks the test files.
+SAN_BUILD   ?= build-asan
+SAN_CC      ?= gcc
+SAN_FLAGS   ?= -fsanitize=address,undefined -fno-sanitize-recover=all \
+               -fno-omit-frame-pointer
+SAN_RUNTIME ?= $(shell $(SAN_CC) -print-file-name=libasan.so)
+SAN_TESTS   ?= $(sort $(wildcard t/[1-4]*.t))
+
+module-asan:
+	@CC=$(SAN_CC) CFLAGS="-O1 -g $(SAN_FLAGS)" \
+	    MODULE_CC="$(SAN_CC) $(SAN_FLAGS)" \
+	    $(MAKE) --no-print-directory BUILD=$(SAN_BUILD) module
+
+test-asan: all module-asan
+	@DPD_SAN_RUNTIME=$(SAN_RUNTIME) SAN_BUILD=$(SAN_BUILD) \
+	    bash tools/run-sanitized.sh $(SAN_TESTS)
+
 demo: deps
 	@$(MAKE) --no-print-directory all
 	@bash tools/demo.sh
@@ -49,4 +70,4 @@ bench: all
 	@bash bench/run-all.sh
 
 clean:
-	rm -rf $(BUILD) t/servroot*
+	rm -rf $(BUILD) $(SAN_BUILD) t/servroot*
