@@ -45,12 +45,16 @@ test-valgrind: all
 # The module (and the tokenizer inside it) with -fsanitize=address,undefined
 # in its own build directory; the tests run the stock nginx with the
 # runtime preloaded (tools/nginx-sanitized) and fail on any report
-# (t/990-sanitizer-report.t).  SAN_TESTS picks the test files.
+# (t/990-sanitizer-report.t).  SAN_TESTS picks the test files.  clang by
+# default: its UBSan lives in the ASan runtime and writes to the report
+# files (gcc's libubsan writes to stderr, i.e. nginx's error log).
 SAN_BUILD   ?= build-asan
-SAN_CC      ?= gcc
+SAN_CC      ?= clang
 SAN_FLAGS   ?= -fsanitize=address,undefined -fno-sanitize-recover=all \
-               -fno-omit-frame-pointer
-SAN_RUNTIME ?= $(shell $(SAN_CC) -print-file-name=libasan.so)
+               -fno-omit-frame-pointer \
+               $(if $(findstring clang,$(SAN_CC)),-shared-libsan)
+SAN_RUNTIME ?= $(shell $(SAN_CC) -print-file-name=$(if $(findstring \
+                 clang,$(SAN_CC)),libclang_rt.asan-x86_64.so,libasan.so))
 SAN_TESTS   ?= $(sort $(wildcard t/[1-4]*.t))
 
 module-asan:

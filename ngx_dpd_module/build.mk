@@ -22,7 +22,9 @@ $(BUILD)/module-srcs.txt: FORCE | $(BUILD)
 
 $(NGX_BUILD)/objs/Makefile: config $(BUILD)/module-srcs.txt | $(BUILD)
 	@test -f $(NGX_BUILD)/configure || cp -r $(NGX_SRC) $(NGX_BUILD)
-	cd $(NGX_BUILD) && DPD_BUILD_DIR=$(abspath $(BUILD)) \
+	@# nginx's own compiler flags (-Werror ...): configure would take
+	@# CFLAGS from the environment instead
+	cd $(NGX_BUILD) && env -u CFLAGS DPD_BUILD_DIR=$(abspath $(BUILD)) \
 	    ./configure $(NGX_FLAGS) \
 	    --add-dynamic-module=$(CURDIR) >configure.log 2>&1 \
 	    || { tail -30 configure.log; exit 1; }

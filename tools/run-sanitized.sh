@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 SAN_BUILD=${SAN_BUILD:-build-asan}
 
-export DPD_SAN_RUNTIME=${DPD_SAN_RUNTIME:-$(gcc -print-file-name=libasan.so)}
+export DPD_SAN_RUNTIME=${DPD_SAN_RUNTIME:-$(clang \
+    -print-file-name=libclang_rt.asan-x86_64.so)}
 export DPD_SAN_LOG_DIR=$ROOT/$SAN_BUILD/reports
 export DPD_SAN_MODULE=$ROOT/$SAN_BUILD/ngx_http_dpd_module.so
 export TEST_NGINX_BINARY=$ROOT/tools/nginx-sanitized
