@@ -17,8 +17,8 @@ NGINX_BIN  ?= /usr/sbin/nginx
 CUDA_HOME  ?= /usr/local/cuda
 PROVE      ?= prove
 
-.PHONY: all deps test test-quick test-valgrind test-asan module-asan demo \
-        bench clean module programs fuzz
+.PHONY: all deps test test-quick test-valgrind test-valgrind-ci test-asan \
+        module-asan fuzz-nginx demo bench clean module programs fuzz
 all: module programs
 
 include ngx_dpd_module/tokenizer/build.mk
@@ -41,6 +41,26 @@ test-quick: all
 # invalid access or definite leak).
 test-valgrind: all
 	@TEST_NGINX_USE_VALGRIND=1 bash tools/run-tests.sh $(sort $(wildcard t/[1-4]*.t))
+
+# CI's valgrind subset: every path where the module ends a request itself
+# (kept-alive finalize, prefill failures, client aborts, table faults, KV
+# wait faults); see README "Tests".
+VALGRIND_CI_TESTS ?= t/205-failures.t t/206-abort.t t/250-finalize-keepalive.t \
+                     t/310-state-bad-file.t t/410-kv-agent-faults.t
+
+test-valgrind-ci: all
+	@TEST_NGINX_USE_VALGRIND=1 bash tools/run-tests.sh $(VALGRIND_CI_TESTS)
+
+# The black-box mutation run of t/260-fuzz-nginx.t, longer and with
+# bigger cases (bodies up to ~16 MB); FUZZ_NGINX_SEED/COUNT/SECONDS.
+FUZZ_NGINX_SEED    ?= 1
+FUZZ_NGINX_COUNT   ?= 20000
+FUZZ_NGINX_SECONDS ?= 600
+
+fuzz-nginx: all
+	@DPD_FUZZ_SEED=$(FUZZ_NGINX_SEED) DPD_FUZZ_COUNT=$(FUZZ_NGINX_COUNT) \
+	    DPD_FUZZ_SECONDS=$(FUZZ_NGINX_SECONDS) DPD_FUZZ_ARGS=--big \
+	    bash tools/run-tests.sh t/260-fuzz-nginx.t
 
 # The module (and the tokenizer inside it) with -fsanitize=address,undefined
 # in its own build directory; the tests run the stock nginx with the
