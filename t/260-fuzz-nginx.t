@@ -30,6 +30,9 @@ our $Seed = $ENV{DPD_FUZZ_SEED} // 1;
 our $Count = $ENV{DPD_FUZZ_COUNT} // 3000;
 our $Seconds = $ENV{DPD_FUZZ_SECONDS} // 60;
 our @Extra = split ' ', $ENV{DPD_FUZZ_ARGS} // '';
+# under the sanitizers (tools/run-sanitized.sh) RSS says nothing about the
+# module: ASan keeps freed memory in quarantine and shadows all of it
+push @Extra, qw(--rss-growth-mb 1e9 --peak-mb 1e9) if $ENV{DPD_SAN_LOG_DIR};
 our (@Findings, $Summary, $Rc);
 
 sub fuzz {
