@@ -17,7 +17,8 @@ NGINX_BIN  ?= /usr/sbin/nginx
 CUDA_HOME  ?= /usr/local/cuda
 PROVE      ?= prove
 
-.PHONY: all deps test test-quick test-valgrind demo bench clean module programs fuzz
+.PHONY: all deps test test-quick test-valgrind test-valgrind-ci test-asan \
+        module-asan fuzz-nginx demo bench clean module programs fuzz
 all: module programs
 
 include ngx_dpd_module/tokenizer/build.mk
@@ -41,6 +42,50 @@ test-quick: all
 test-valgrind: all
 	@TEST_NGINX_USE_VALGRIND=1 bash tools/run-tests.sh $(sort $(wildcard t/[1-4]*.t))
 
+# CI's valgrind subset: every path where the module ends a request itself
+# (kept-alive finalize, prefill failures, client aborts, table faults, KV
+# wait faults); see README "Tests".
+VALGRIND_CI_TESTS ?= t/205-failures.t t/206-abort.t t/250-finalize-keepalive.t \
+                     t/310-state-bad-file.t t/410-kv-agent-faults.t
+
+test-valgrind-ci: all
+	@TEST_NGINX_USE_VALGRIND=1 bash tools/run-tests.sh $(VALGRIND_CI_TESTS)
+
+# The black-box mutation run of t/260-fuzz-nginx.t, longer and with
+# bigger cases (bodies up to ~16 MB); FUZZ_NGINX_SEED/COUNT/SECONDS.
+FUZZ_NGINX_SEED    ?= 1
+FUZZ_NGINX_COUNT   ?= 20000
+FUZZ_NGINX_SECONDS ?= 600
+
+fuzz-nginx: all
+	@DPD_FUZZ_SEED=$(FUZZ_NGINX_SEED) DPD_FUZZ_COUNT=$(FUZZ_NGINX_COUNT) \
+	    DPD_FUZZ_SECONDS=$(FUZZ_NGINX_SECONDS) DPD_FUZZ_ARGS=--big \
+	    bash tools/run-tests.sh t/260-fuzz-nginx.t
+
+# The module (and the tokenizer inside it) with -fsanitize=address,undefined
+# in its own build directory; the tests run the stock nginx with the
+# runtime preloaded (tools/nginx-sanitized) and fail on any report
+# (t/990-sanitizer-report.t).  SAN_TESTS picks the test files.  clang by
+# default: its UBSan lives in the ASan runtime and writes to the report
+# files (gcc's libubsan writes to stderr, i.e. nginx's error log).
+SAN_BUILD   ?= build-asan
+SAN_CC      ?= clang
+SAN_FLAGS   ?= -fsanitize=address,undefined -fno-sanitize-recover=all \
+               -fno-omit-frame-pointer \
+               $(if $(findstring clang,$(SAN_CC)),-shared-libsan)
+SAN_RUNTIME ?= $(shell $(SAN_CC) -print-file-name=$(if $(findstring \
+                 clang,$(SAN_CC)),libclang_rt.asan-x86_64.so,libasan.so))
+SAN_TESTS   ?= $(sort $(wildcard t/[1-4]*.t))
+
+module-asan:
+	@CC=$(SAN_CC) CFLAGS="-O1 -g $(SAN_FLAGS)" \
+	    MODULE_CC="$(SAN_CC) $(SAN_FLAGS)" \
+	    $(MAKE) --no-print-directory BUILD=$(SAN_BUILD) module
+
+test-asan: all module-asan
+	@DPD_SAN_RUNTIME=$(SAN_RUNTIME) SAN_BUILD=$(SAN_BUILD) \
+	    bash tools/run-sanitized.sh $(SAN_TESTS)
+
 demo: deps
 	@$(MAKE) --no-print-directory all
 	@bash tools/demo.sh
@@ -49,4 +94,4 @@ bench: all
 	@bash bench/run-all.sh
 
 clean:
-	rm -rf $(BUILD) t/servroot*
+	rm -rf $(BUILD) $(SAN_BUILD) t/servroot*

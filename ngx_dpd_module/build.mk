@@ -9,6 +9,9 @@ MODULE_SO   := $(BUILD)/ngx_http_dpd_module.so
 MODULE_CSRC := $(sort $(wildcard ngx_dpd_module/ngx_http_dpd_*.c))
 MODULE_DEPS := $(MODULE_CSRC) $(wildcard ngx_dpd_module/*.h) \
                $(wildcard kv_agent/include/*.h)
+# compiler for the module's objects and link (nginx's objs/Makefile keeps
+# its own CFLAGS, -Werror among them); the sanitizer build adds its flags
+MODULE_CC   ?= $(CC)
 
 module: $(MODULE_SO)
 
@@ -19,13 +22,17 @@ $(BUILD)/module-srcs.txt: FORCE | $(BUILD)
 
 $(NGX_BUILD)/objs/Makefile: config $(BUILD)/module-srcs.txt | $(BUILD)
 	@test -f $(NGX_BUILD)/configure || cp -r $(NGX_SRC) $(NGX_BUILD)
-	cd $(NGX_BUILD) && ./configure $(NGX_FLAGS) \
+	@# nginx's own compiler flags (-Werror ...): configure would take
+	@# CFLAGS from the environment instead
+	cd $(NGX_BUILD) && env -u CFLAGS DPD_BUILD_DIR=$(abspath $(BUILD)) \
+	    ./configure $(NGX_FLAGS) \
 	    --add-dynamic-module=$(CURDIR) >configure.log 2>&1 \
 	    || { tail -30 configure.log; exit 1; }
 
 $(MODULE_SO): $(NGX_BUILD)/objs/Makefile $(MODULE_DEPS) $(TOK_PIC_LIB)
 	rm -f $(NGX_BUILD)/objs/ngx_http_dpd_module.so
-	$(MAKE) --no-print-directory -C $(NGX_BUILD) -f objs/Makefile modules
+	$(MAKE) --no-print-directory -C $(NGX_BUILD) -f objs/Makefile modules \
+	    CC="$(MODULE_CC)"
 	@# replace by rename: a running nginx keeps its mapping of the old file
 	cp $(NGX_BUILD)/objs/ngx_http_dpd_module.so $@.tmp && mv -f $@.tmp $@
 

@@ -1,0 +1,164 @@
+# Black-box mutation run through the real nginx (issue 8, "make the regime
+# catch this class"): tools/fuzz_nginx.py sends malformed, duplicated-key,
+# deeply nested, huge, NUL-bearing, invalid-UTF-8, lying-Content-Length,
+# chunked-garbage bodies and hostile headers to every kind of location
+# (direct, observe, nixl, lmcache, kv_agent, dpd_count bound) in front of
+# the vLLM emulators, with a master and two workers, and checks: no worker
+# exits on a signal (no [alert]/[crit]/[emerg] at all), every answer is a
+# 2xx/4xx/5xx with a JSON body (nginx's own page only where nginx refuses
+# the request before any location) or a clean close for protocol garbage,
+# no answer later than 10 s, bounded worker RSS, no client
+# kv_transfer_params at an engine.  Bounded: DPD_FUZZ_COUNT cases (3000)
+# or DPD_FUZZ_SECONDS (60), seed DPD_FUZZ_SEED (1); `make fuzz-nginx` runs
+# longer with bigger cases.  A finding names its case: replay it with
+#   tools/fuzz_nginx.py --port P --prefix /nixl --seed S --only INDEX --show
+use strict;
+use warnings;
+
+use Test::Nginx::Socket;
+use DPD::Pools;
+use File::Spec ();
+
+plan(skip_all => $_) for DPD::Pools->unavailable;
+plan('no_plan');   # after the skip checks: a skip must not plan twice
+
+# ports: $DPD_TEST_PORT_BASE (default 18600) + 90 .. 93
+my $pools = DPD::Pools->start(offset => 90, time_scale => 0.001);
+our @engines = ($pools->prefill, $pools->decode);
+
+our $Seed = $ENV{DPD_FUZZ_SEED} // 1;
+our $Count = $ENV{DPD_FUZZ_COUNT} // 3000;
+our $Seconds = $ENV{DPD_FUZZ_SECONDS} // 60;
+our @Extra = split ' ', $ENV{DPD_FUZZ_ARGS} // '';
+# under the sanitizers (tools/run-sanitized.sh) RSS says nothing about the
+# module: ASan keeps freed memory in quarantine and shadows all of it
+push @Extra, qw(--rss-growth-mb 1e9 --peak-mb 1e9) if $ENV{DPD_SAN_LOG_DIR};
+our (@Findings, $Summary, $Rc);
+
+sub fuzz {
+    my $root = $ENV{DPD_ROOT} // '.';
+    my $logs = File::Spec->catdir(server_root(), 'logs');
+    my @cmd = ('python3', "$root/tools/fuzz_nginx.py",
+               '--port', server_port(),
+               (map { ('--prefix', $_) }
+                qw(/direct /observe /nixl /lmcache /kv /bound)),
+               '--seed', $Seed, '--count', $Count, '--seconds', $Seconds,
+               '--error-log', "$logs/error.log",
+               '--pid-file', "$logs/nginx.pid",
+               (map { ('--engine', $_->url) } @engines), @Extra);
+    open my $out, '-|', @cmd or die "fuzz_nginx.py: $!";
+    while (my $line = <$out>) {
+        chomp $line;
+        push @Findings, $1 if $line =~ /^FINDING (.*)/;
+        $Summary = $line if $line =~ /^\{/;
+    }
+    close $out;
+    $Rc = $? >> 8;
+}
+
+our $http_config = $pools->http_config(lmcache => 1);
+
+our $config = <<'_EOC_';
+    proxy_http_version 1.1;
+    proxy_buffering off;
+    dpd_prefill_timeout 5s;
+    dpd_kv_wait 200ms;
+
+    location /direct/ {
+        dpd on;
+        dpd_threshold 1000000;
+        proxy_pass http://decode/;
+    }
+
+    location /observe/ {
+        dpd on;
+        dpd_threshold 256;
+        proxy_pass http://decode/;
+    }
+
+    location /nixl/ {
+        dpd on;
+        dpd_threshold 256;
+        dpd_protocol nixl;
+        dpd_prefill_pass /_dpd_prefill;
+        proxy_pass http://decode/;
+    }
+
+    location /lmcache/ {
+        dpd on;
+        dpd_threshold 256;
+        dpd_protocol lmcache;
+        dpd_prefill_pass /_dpd_prefill;
+        proxy_pass http://decode/;
+    }
+
+    location /kv/ {
+        dpd on;
+        dpd_threshold 0;
+        dpd_protocol kv_agent;
+        dpd_decode_upstream decode;
+        dpd_prefill_pass /_dpd_prefill;
+        proxy_pass http://decode/;
+    }
+
+    location /bound/ {
+        dpd on;
+        dpd_threshold 256;
+        dpd_count bound;
+        dpd_prefill_pass /_dpd_prefill;
+        proxy_pass http://decode/;
+    }
+
+    location /_dpd_prefill/ {
+        internal;
+        subrequest_output_buffer_size 64k;
+        proxy_pass http://prefill/;
+    }
+
+    location = /ping { return 200 "pong\n"; }
+_EOC_
+
+master_on();
+workers(2);
+log_level('warn');
+no_shuffle();
+run_tests();
+
+is($Rc, 0, "fuzz run (seed $Seed) exited cleanly");
+ok(defined $Summary, 'fuzz run summary') and diag("fuzz summary: $Summary");
+
+# one test per class of finding, the cases in the diagnostics
+my %class = (
+    'no worker died or logged an alert'
+        => qr/error log:|workers changed|nginx down|does not answer/,
+    'every answer 2xx/4xx/5xx with a JSON body, or a clean close'
+        => qr/not JSON|not 2xx|cut short|without an answer|no answer/,
+    'no answer later than --slow' => qr/answered after/,
+    'worker RSS bounded' => qr/RSS/,
+    "no client kv_transfer_params reached an engine"
+        => qr/kv_transfer_params|stats unreadable/,
+);
+my %seen;
+for my $name (sort keys %class) {
+    my @f = grep { /$class{$name}/ } @Findings;
+    $seen{$_} = 1 for @f;
+    is(scalar @f, 0, $name) or diag(join "\n", splice(@f, 0, 40));
+}
+my @other = grep { !$seen{$_} } @Findings;
+is(scalar @other, 0, 'no other finding') or diag(join "\n", @other);
+
+__DATA__
+
+=== TEST 1: the mutation run; nginx answers afterwards
+--- http_config eval: $::http_config
+--- config eval: $::config
+--- init
+main::fuzz();
+--- request
+GET /ping
+--- timeout: 30
+--- response_body
+pong
+--- no_error_log
+exited on signal
+[alert]
