@@ -94,7 +94,9 @@ sub agent_config {
     return \%c;
 }
 
-# start_agent($cfg, wrap => [...], wait => 1)
+# start_agent($cfg, wrap => [...], wait => 1, env => {K => V},
+#             pre_exec => sub { ... })   (pre_exec runs in the child, whose
+#                                         pid the agent keeps)
 sub start_agent {
     my ($cfg, %o) = @_;
     my $dir = kv_tmpdir();
@@ -110,6 +112,8 @@ sub start_agent {
     if ($pid == 0) {
         open STDERR, '>>', $log or die;
         open STDOUT, '>&', \*STDERR or die;
+        $ENV{$_} = $o{env}{$_} for keys %{ $o{env} // {} };
+        $o{pre_exec}->() if $o{pre_exec};   # runs in the agent's process
         my @cmd = (@{ $o{wrap} // [] }, kv_bin(), "run", "--config",
                    $cfgfile);
         exec @cmd or die "exec: $!";
