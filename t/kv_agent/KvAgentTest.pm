@@ -107,6 +107,15 @@ sub start_agent {
     close $fh;
     my $log = "$dir/$name.log";
     unlink $cfg->{api_socket} if $cfg->{api_socket};
+    if ($ENV{KV_TEST_VALGRIND} && !$o{wrap}) {
+        # KV_TEST_VALGRIND=1: every agent under memcheck, one log per
+        # process in the test's directory (KV_TEST_KEEP=1 keeps it)
+        $o{wrap} = ["valgrind", "--leak-check=full",
+                    "--show-leak-kinds=definite",
+                    "--errors-for-leak-kinds=definite",
+                    "--error-exitcode=99", "--log-file=$dir/$name.vg.%p"];
+        $o{timeout} //= 90;
+    }
     my $pid = fork();
     die "fork: $!" unless defined $pid;
     if ($pid == 0) {
