@@ -81,21 +81,63 @@ learn_identity(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j)
     }
     pe->old_inst = pe->inst;
     pe->old_pidfd = pe->pidfd;
+    pe->old_pid = pe->pid;
+    pe->old_pid_start = pe->pid_start;
     pe->inst = inst;
     pe->pidfd = -1;
-#ifdef SYS_pidfd_open
-    if (cJSON_IsNumber(jp) && jp->valuedouble >= 1
-        && jp->valuedouble < 4194305.0 && cJSON_IsString(jh)
-        && strcmp(jh->valuestring, host_id()) == 0)
+    pe->pid = 0;
+    pe->pid_start = 0;
+    if (!cJSON_IsNumber(jp) || jp->valuedouble < 1
+        || jp->valuedouble >= 4194305.0 || !cJSON_IsString(jh)
+        || strcmp(jh->valuestring, host_id()) != 0)
     {
-        pe->pidfd = (int) syscall(SYS_pidfd_open, (pid_t) jp->valuedouble,
-                                  0);
-        if (pe->pidfd >= 0) {
-            fcntl(pe->pidfd, F_SETFD, FD_CLOEXEC);
-        }
+        return;                        /* another host */
+    }
+    pe->pid = (int) jp->valuedouble;
+#ifdef SYS_pidfd_open
+    pe->pidfd = (int) syscall(SYS_pidfd_open, (pid_t) pe->pid, 0);
+    if (pe->pidfd >= 0) {
+        fcntl(pe->pidfd, F_SETFD, FD_CLOEXEC);
     }
 #endif
+    /* without pidfd_open (old kernel, valgrind): pid + start time */
+    pe->pid_start = kv_proc_start(pe->pid);
     (void) ctx;
+}
+
+
+/* A process's start time (/proc/PID/stat field 22); 0 when it is gone
+ * or a zombie.  With the pid it names one process for good. */
+uint64_t
+kv_proc_start(int pid)
+{
+    char path[64], buf[1024], *p;
+    unsigned long long st = 0;
+    size_t n;
+    FILE *f;
+    int i;
+
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    f = fopen(path, "r");
+    if (f == NULL) {
+        return 0;
+    }
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    p = strrchr(buf, ')');            /* the name may hold spaces */
+    if (p == NULL || p[1] != ' ' || p[2] == 'Z' || p[2] == 'X') {
+        return 0;
+    }
+    p += 2;
+    for (i = 3; i < 22 && p; i++) {   /* p is at field 3 (state) */
+        p = strchr(p, ' ');
+        p = p ? p + 1 : NULL;
+    }
+    if (p == NULL || sscanf(p, "%llu", &st) != 1) {
+        return 0;
+    }
+    return st ? st : 1;
 }
 
 

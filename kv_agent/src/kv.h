@@ -294,6 +294,8 @@ typedef struct {
     int            pidfd;             /* same host: its process, or -1 */
     uint64_t       old_inst;          /* the incarnation before */
     int            old_pidfd;
+    int            pid, old_pid;      /* without pidfd_open: the pid and */
+    uint64_t       pid_start, old_pid_start;  /* its /proc start time */
 } kv_peer_t;
 
 enum {
@@ -469,6 +471,7 @@ void kv_ctrl_update_node(kv_ctx_t *ctx, int peer);
 void kv_ctrl_update_self(kv_ctx_t *ctx);
 void kv_ctrl_inbound_closed(kv_ctx_t *ctx, int client);
 void kv_ctrl_rekeyed(kv_ctx_t *ctx, const char *why);
+uint64_t kv_proc_start(int pid);      /* 0: gone (or a zombie) */
 
 /* xfer.c */
 int  kv_xfer_init(kv_ctx_t *ctx);

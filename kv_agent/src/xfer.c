@@ -682,10 +682,13 @@ sender_gone(kv_ctx_t *ctx, kv_rreq_t *r)
 {
     kv_peer_t *pe = &ctx->peers[r->peer];
     struct pollfd pf;
-    int fd, i;
+    uint64_t start;
+    int fd, i, pid;
 
     if (r->begin_inst != 0 && r->begin_inst == pe->inst) {
         fd = pe->pidfd;
+        pid = pe->pid;
+        start = pe->pid_start;
         if (pe->out_state == KV_LINK_UP || pe->in_conn >= 0) {
             return 0;
         }
@@ -696,11 +699,15 @@ sender_gone(kv_ctx_t *ctx, kv_rreq_t *r)
         }
     } else if (r->begin_inst != 0 && r->begin_inst == pe->old_inst) {
         fd = pe->old_pidfd;         /* its successor's hello re-keyed AV */
+        pid = pe->old_pid;
+        start = pe->old_pid_start;
     } else {
         return 0;
     }
     if (fd < 0) {
-        return 0;
+        /* no pidfd: the same pid with the same start time is the same
+         * process; anything else means it is gone */
+        return pid > 0 && start != 0 && kv_proc_start(pid) != start;
     }
     pf.fd = fd;
     pf.events = POLLIN;
