@@ -38,8 +38,10 @@ void   kvc_close(kvc_t *c);
 int kvc_call(kvc_t *c, const char *json, int fd, char **reply, char *err,
     size_t elen);
 
-/* Host memory pool: a memfd (memfd_create + ftruncate) of >= the layout's
- * size; the agent maps it MAP_SHARED. */
+/* Host memory pool: a memfd (memfd_create with MFD_ALLOW_SEALING +
+ * ftruncate) of >= the layout's size; the agent maps it MAP_SHARED.  The
+ * memfd is sealed here (F_SEAL_SHRINK | F_SEAL_GROW) before it is sent:
+ * the agent refuses unsealed ones, and the engine cannot resize it after. */
 int kvc_register_host_pool(kvc_t *c, int memfd, size_t size, char *err,
     size_t elen);
 /* GPU pool: a cudaIpcMemHandle_t exported by the engine, as raw bytes. */

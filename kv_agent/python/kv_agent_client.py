@@ -13,6 +13,7 @@ over as a memfd with SCM_RIGHTS, GPU pools as a CUDA IPC handle (hex).
     c.wait("req-1", timeout_ms=10000)
 """
 
+import fcntl
 import json
 import mmap
 import os
@@ -47,12 +48,21 @@ class HostPool:
     """Host memory for a KV pool: a memfd mapped here and, once registered,
     in the agent too (MAP_SHARED), so both see the same bytes."""
 
-    def __init__(self, size, name="kv_pool"):
+    def __init__(self, size, name="kv_pool", seal=True):
         self.size = size
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, size)
         self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED,
                              mmap.PROT_READ | mmap.PROT_WRITE)
+        if seal:
+            self.seal()
+
+    def seal(self):
+        """Fix the size (F_SEAL_SHRINK | F_SEAL_GROW): the agent refuses a
+        memfd that could shrink under it (SIGBUS) or grow."""
+        want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        if fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & want != want:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, want)
 
     def close(self):
         self.map.close()
@@ -114,7 +124,8 @@ class Client:
         return self.call({"verb": "info"})
 
     def register_pool(self, pool):
-        """pool: a HostPool (memfd) ..."""
+        """pool: a HostPool (memfd, sealed against resizing) ..."""
+        pool.seal()
         return self.call({"verb": "register_pool", "memory": "host",
                           "size": pool.size}, fds=[pool.fd])
 

@@ -157,6 +157,9 @@ kv_api_req_json(kv_ctx_t *ctx, const char *req_id)
         if (r->state == DPD_REQ_FAILED) {
             cJSON_AddStringToObject(j, "error", r->error);
         }
+        if (r->quar) {
+            cJSON_AddBoolToObject(j, "quarantined", 1);
+        }
         return j;
     }
     return NULL;
@@ -215,6 +218,7 @@ verb_info(kv_ctx_t *ctx)
         kv_layout_json(p, l);
         cJSON_AddNumberToObject(p, "size", (double) l->size);
         cJSON_AddNumberToObject(p, "free", ctx->free_blocks);
+        cJSON_AddNumberToObject(p, "quarantined", ctx->nquar);
         cJSON_AddStringToObject(p, "memory", ctx->pool.cuda_dev >= 0
                                 ? "cuda" : "host");
         cJSON_AddStringToObject(p, "access", kv_pool_access_name(ctx));
@@ -248,19 +252,26 @@ verb_info(kv_ctx_t *ctx)
                             (double) ctx->stat_ctrl_refused);
     cJSON_AddNumberToObject(o, "ctrl_hello_timeouts",
                             (double) ctx->stat_ctrl_timeouts);
+    cJSON_AddNumberToObject(o, "revocations", (double) ctx->stat_revocations);
     return j;
 }
 
 
+/*
+ * A new pool is adopted and registered before the old one is touched: a
+ * refused registration changes nothing, and peers are told (reconnect,
+ * new keys) only about one that took effect.
+ */
 static cJSON *
 verb_register_pool(kv_ctx_t *ctx, kv_client_t *c, cJSON *j)
 {
     cJSON *jm = cJSON_GetObjectItemCaseSensitive(j, "memory");
     cJSON *js = cJSON_GetObjectItemCaseSensitive(j, "size");
     cJSON *jh = cJSON_GetObjectItemCaseSensitive(j, "ipc_handle");
+    kv_pool_t np;
     char err[256];
     size_t size = 0;
-    int fd, i, rc, dev;
+    int fd, i, dev;
 
     if (!ctx->cfg.has_pool) {
         return err_reply("no_pool", "this node has no KV pool");
@@ -268,6 +279,12 @@ verb_register_pool(kv_ctx_t *ctx, kv_client_t *c, cJSON *j)
     if (kv_xfer_busy(ctx)) {
         return err_reply("busy", "transfers in progress; register the pool "
                          "before use");
+    }
+    if (ctx->nquar && !ctx->revocable) {
+        /* a late write of theirs would land in memory we no longer own */
+        return err_reply("busy", "%u failed transfer(s) may still write "
+                         "into the pool; it cannot be replaced until their "
+                         "senders confirm", ctx->nquar);
     }
     if (cJSON_IsNumber(js) && js->valuedouble > 0) {
         size = (size_t) js->valuedouble;
@@ -282,10 +299,9 @@ verb_register_pool(kv_ctx_t *ctx, kv_client_t *c, cJSON *j)
             c->conn.fds[i - 1] = c->conn.fds[i];
         }
         c->conn.nfds--;
-        kv_pool_unregister(ctx);
-        rc = kv_pool_adopt_memfd(ctx, fd, size, err, sizeof(err));
-        if (rc != 0) {
+        if (kv_pool_adopt_memfd(ctx, &np, fd, size, err, sizeof(err)) != 0) {
             close(fd);
+            return err_reply("bad_request", "%s", err);
         }
     } else if (strncmp(jm->valuestring, "cuda:", 5) == 0) {
         dev = atoi(jm->valuestring + 5);
@@ -293,28 +309,20 @@ verb_register_pool(kv_ctx_t *ctx, kv_client_t *c, cJSON *j)
             return err_reply("bad_request", "register_pool with cuda memory "
                              "needs ipc_handle (hex)");
         }
-        kv_pool_unregister(ctx);
-        rc = kv_pool_adopt_cuda_ipc(ctx, jh->valuestring, dev, size, err,
-                                    sizeof(err));
+        if (kv_pool_adopt_cuda_ipc(ctx, &np, jh->valuestring, dev, size, err,
+                                   sizeof(err)) != 0)
+        {
+            return err_reply("bad_request", "%s", err);
+        }
     } else {
         return err_reply("bad_request", "memory must be host or cuda:<dev>");
     }
-    if (ctx->fab_ok && !ctx->pool.registered && kv_pool_register(ctx) != 0) {
-        return err_reply("fabric", "cannot register the pool with the fabric");
+    if (kv_pool_replace(ctx, &np, err, sizeof(err)) != 0) {
+        return err_reply("fabric", "%s", err);
     }
-    if (rc != 0) {
-        return err_reply("bad_request", "%s", err);
-    }
-    /* peers learnt our old keys: make them reconnect and learn the new */
-    for (i = 0; i < ctx->npeers; i++) {
-        if (ctx->peers[i].out_state != KV_LINK_DOWN) {
-            kv_ctrl_link_down(ctx, i, "pool re-registered");
-            ctx->peers[i].next_connect_ms = 0;
-        }
-        if (ctx->peers[i].in_conn >= 0) {
-            kv_client_close(ctx, ctx->peers[i].in_conn);
-        }
-    }
+    /* new keys: no write issued under the old ones can land */
+    kv_quar_lift_all(ctx, "the pool was registered again");
+    kv_ctrl_rekeyed(ctx, "pool re-registered");
     return ok_reply();
 }
 

@@ -4,6 +4,7 @@
  */
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -287,11 +288,36 @@ simple(kvc_t *c, cJSON *req, int fd, char *err, size_t elen)
 }
 
 
+/* The agent refuses a memfd that can still shrink (SIGBUS) or grow:
+ * seal it before handing it over. */
+static int
+seal_memfd(int fd, char *err, size_t elen)
+{
+    int want = F_SEAL_SHRINK | F_SEAL_GROW, seals = fcntl(fd, F_GET_SEALS);
+
+    if (seals >= 0 && (seals & want) == want) {
+        return 0;
+    }
+    if (seals < 0 || fcntl(fd, F_ADD_SEALS, want) != 0) {
+        snprintf(err, elen, "cannot seal the pool memfd (%s): create it "
+                 "with memfd_create(..., MFD_ALLOW_SEALING)",
+                 strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+
 int
 kvc_register_host_pool(kvc_t *c, int memfd, size_t size, char *err,
     size_t elen)
 {
-    cJSON *j = verb("register_pool", NULL);
+    cJSON *j;
+
+    if (seal_memfd(memfd, err, elen) != 0) {
+        return -1;
+    }
+    j = verb("register_pool", NULL);
 
     cJSON_AddStringToObject(j, "memory", "host");
     cJSON_AddNumberToObject(j, "size", (double) size);

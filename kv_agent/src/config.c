@@ -366,7 +366,7 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
     static const char *const st_keys[] = { "max_nodes", "max_reqs", NULL };
     static const char *const to_keys[] = {
         "heartbeat_ms", "dead_after_ms", "transfer_ms", "reconnect_ms",
-        "retention_ms", NULL
+        "retention_ms", "quarantine_ms", NULL
     };
     static const char *const tr_keys[] = {
         "window", "max_write", "coalesce", NULL
@@ -469,6 +469,8 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
             || get_int(o, "reconnect_ms", &c->reconnect_ms, 10, 600000, err,
                        elen)
             || get_int(o, "retention_ms", &c->retention_ms, 0, 86400000,
+                       err, elen)
+            || get_int(o, "quarantine_ms", &c->quarantine_ms, 10, 3600000,
                        err, elen))
         {
             return -1;
@@ -537,6 +539,7 @@ defaults(kv_config_t *c)
     c->transfer_timeout_ms = 30000;
     c->reconnect_ms = 500;
     c->retention_ms = 600000;
+    c->quarantine_ms = 10000;
     c->window = 64;
     c->max_write = 4u << 20;
     c->coalesce = 1;

@@ -95,7 +95,7 @@ main(int argc, char **argv)
     } else if (strcmp(cmd, "register-memfd") == 0 && argc >= 4) {
         size_t size = strtoull(argv[3], NULL, 10), i;
         unsigned long seed = argc > 4 ? strtoul(argv[4], NULL, 10) : 1;
-        int fd = memfd_create("kv_pool", MFD_CLOEXEC);
+        int fd = memfd_create("kv_pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
         unsigned char *m;
 
         if (fd < 0 || ftruncate(fd, size) != 0) {

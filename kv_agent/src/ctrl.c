@@ -18,6 +18,7 @@
  */
 
 #include <errno.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -25,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -34,6 +36,133 @@
 #define KV_CTRL_VERSION 2
 
 static void hs_fail(kv_ctx_t *ctx, int peer, const char *why);
+
+int kv_fault_short_addr;               /* tests: advertise a cut address */
+
+
+/* Which kernel and pid namespace we run in: a peer reporting the same
+ * one runs on this host and its pid means the same process here. */
+static const char *
+host_id(void)
+{
+    static char id[128];
+    char boot[64] = "", ns[48] = "";
+    FILE *f;
+    ssize_t n;
+
+    if (id[0]) {
+        return id;
+    }
+    f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f) {
+        if (fgets(boot, sizeof(boot), f) == NULL) {
+            boot[0] = '\0';
+        }
+        fclose(f);
+        boot[strcspn(boot, "\n")] = '\0';
+    }
+    n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+    ns[n > 0 ? n : 0] = '\0';
+    snprintf(id, sizeof(id), "%s/%s", boot[0] ? boot : "?",
+             ns[0] ? ns : "?");
+    return id;
+}
+
+
+/* Our incarnation, pid and host, in both hellos: learn_identity() on the
+ * other side. */
+static void
+add_identity(kv_ctx_t *ctx, cJSON *j)
+{
+    char num[32];
+
+    snprintf(num, sizeof(num), "%llu", (unsigned long long) ctx->inst);
+    cJSON_AddStringToObject(j, "inst", num);
+    cJSON_AddNumberToObject(j, "pid", (double) getpid());
+    cJSON_AddStringToObject(j, "host", host_id());
+}
+
+
+/* The peer's incarnation (a random number per process) and, on this
+ * host, a pidfd of its process: an aborted push's blocks are freed when
+ * that process is gone (xfer.c). */
+static void
+learn_identity(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j)
+{
+    cJSON *ji = cJSON_GetObjectItemCaseSensitive(j, "inst");
+    cJSON *jp = cJSON_GetObjectItemCaseSensitive(j, "pid");
+    cJSON *jh = cJSON_GetObjectItemCaseSensitive(j, "host");
+    uint64_t inst;
+
+    if (!cJSON_IsString(ji)
+        || (inst = strtoull(ji->valuestring, NULL, 10)) == 0
+        || inst == pe->inst)
+    {
+        return;
+    }
+    if (pe->old_pidfd >= 0) {
+        close(pe->old_pidfd);
+    }
+    pe->old_inst = pe->inst;
+    pe->old_pidfd = pe->pidfd;
+    pe->old_pid = pe->pid;
+    pe->old_pid_start = pe->pid_start;
+    pe->inst = inst;
+    pe->pidfd = -1;
+    pe->pid = 0;
+    pe->pid_start = 0;
+    if (!cJSON_IsNumber(jp) || jp->valuedouble < 1
+        || jp->valuedouble >= 4194305.0 || !cJSON_IsString(jh)
+        || strcmp(jh->valuestring, host_id()) != 0)
+    {
+        return;                        /* another host */
+    }
+    pe->pid = (int) jp->valuedouble;
+#ifdef SYS_pidfd_open
+    pe->pidfd = (int) syscall(SYS_pidfd_open, (pid_t) pe->pid, 0);
+    if (pe->pidfd >= 0) {
+        fcntl(pe->pidfd, F_SETFD, FD_CLOEXEC);
+    }
+#endif
+    /* without pidfd_open (old kernel, valgrind): pid + start time */
+    pe->pid_start = kv_proc_start(pe->pid);
+    (void) ctx;
+}
+
+
+/* A process's start time (/proc/PID/stat field 22); 0 when it is gone
+ * or a zombie.  With the pid it names one process for good. */
+uint64_t
+kv_proc_start(int pid)
+{
+    char path[64], buf[1024], *p;
+    unsigned long long st = 0;
+    size_t n;
+    FILE *f;
+    int i;
+
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    f = fopen(path, "r");
+    if (f == NULL) {
+        return 0;
+    }
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    p = strrchr(buf, ')');            /* the name may hold spaces */
+    if (p == NULL || p[1] != ' ' || p[2] == 'Z' || p[2] == 'X') {
+        return 0;
+    }
+    p += 2;
+    for (i = 3; i < 22 && p; i++) {   /* p is at field 3 (state) */
+        p = strchr(p, ' ');
+        p = p ? p + 1 : NULL;
+    }
+    if (p == NULL || sscanf(p, "%llu", &st) != 1) {
+        return 0;
+    }
+    return st ? st : 1;
+}
 
 
 static int
@@ -141,11 +270,13 @@ hello_ok_json(kv_ctx_t *ctx, int peer, const uint8_t proof[KV_MAC_LEN])
     cJSON_AddStringToObject(j, "proof", hex);
     cJSON_AddStringToObject(j, "role", dpd_state_role_name(ctx->cfg.role));
     cJSON_AddStringToObject(j, "http", ctx->cfg.http);
+    add_identity(ctx, j);
     rails = cJSON_AddArrayToObject(j, "rails");
     for (i = 0; give_addr && ctx->fab_ok && i < ctx->fab.nrails; i++) {
         r = &ctx->fab.rail[i];
         o = cJSON_CreateObject();
-        kv_hex_encode(r->addr, r->addrlen, hex);
+        kv_hex_encode(r->addr, r->addrlen - (kv_fault_short_addr
+                                             && r->addrlen > 1), hex);
         cJSON_AddStringToObject(o, "addr", hex);
         cJSON_AddStringToObject(o, "provider",
                                 r->info->fabric_attr->prov_name);
@@ -194,6 +325,34 @@ av_forget(kv_ctx_t *ctx, kv_peer_t *pe)
     }
     pe->remote.nrails = 0;
     pe->remote.has_pool = 0;
+}
+
+
+/* fi_av_insert reads as many bytes as the provider's address format
+ * has: a shorter (or longer) blob from a peer is refused, not read past. */
+static int
+addr_len_check(kv_rail_t *r, const uint8_t *blob, size_t n, char *err,
+    size_t elen)
+{
+    size_t want = r->info->src_addrlen ? r->info->src_addrlen : r->addrlen;
+
+    if (r->info->addr_format == FI_ADDR_STR) {
+        /* a string: variable length, NUL-terminated within the blob */
+        if (n == 0 || n > FI_NAME_MAX || memchr(blob, '\0', n) == NULL) {
+            snprintf(err, elen, "fabric address of rail %d is not a "
+                     "terminated %s address (%zu bytes)", r->index,
+                     r->info->fabric_attr->prov_name, n);
+            return -1;
+        }
+        return 0;
+    }
+    if (n != want) {
+        snprintf(err, elen, "fabric address of rail %d is %zu bytes, "
+                 "provider %s uses %zu", r->index, n,
+                 r->info->fabric_attr->prov_name, want);
+        return -1;
+    }
+    return 0;
 }
 
 
@@ -246,6 +405,9 @@ learn_remote(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j, char *err, size_t elen)
             || kv_hex_decode(a->valuestring, blob, sizeof(blob), &n) != 0)
         {
             snprintf(err, elen, "bad fabric address");
+            return -1;
+        }
+        if (addr_len_check(&ctx->fab.rail[i], blob, n, err, elen) != 0) {
             return -1;
         }
         if (fi_av_insert(ctx->fab.rail[i].av, blob, 1,
@@ -342,7 +504,9 @@ kv_ctrl_send(kv_ctx_t *ctx, int peer, cJSON *j)
         return -1;
     }
     if (kv_conn_send_json(&pe->out, j) != 0) {
-        kv_ctrl_link_down(ctx, peer, "send failed");
+        kv_ctrl_link_down(ctx, peer, pe->out.overflow
+                          ? "the peer does not read (output limit)"
+                          : "send failed");
         return -1;
     }
     return 0;
@@ -372,6 +536,26 @@ kv_ctrl_link_down(kv_ctx_t *ctx, int peer, const char *why)
     snprintf(msg, sizeof(msg), "peer %s disconnected (%s)", pe->conf.id, why);
     kv_push_peer_down(ctx, peer, msg);
     av_forget(ctx, pe);
+}
+
+
+/* Our pool's keys changed (a new registration or a revocation): every
+ * peer reconnects now and learns the new ones from our hello. */
+void
+kv_ctrl_rekeyed(kv_ctx_t *ctx, const char *why)
+{
+    int i;
+
+    for (i = 0; i < ctx->npeers; i++) {
+        if (ctx->peers[i].out_state != KV_LINK_DOWN) {
+            kv_ctrl_link_down(ctx, i, why);
+        }
+        av_forget(ctx, &ctx->peers[i]);
+        ctx->peers[i].next_connect_ms = 0;
+        if (ctx->peers[i].in_conn >= 0) {
+            kv_client_close(ctx, ctx->peers[i].in_conn);
+        }
+    }
 }
 
 
@@ -538,6 +722,7 @@ out_challenge(kv_ctx_t *ctx, int peer, cJSON *j)
     cJSON_AddStringToObject(h, "key_id", pe->conf.kid[0]);
     kv_hex_encode(proof, KV_MAC_LEN, hex);
     cJSON_AddStringToObject(h, "proof", hex);
+    add_identity(ctx, h);
     kv_ctrl_send(ctx, peer, h);
 }
 
@@ -572,6 +757,7 @@ out_hello_ok(kv_ctx_t *ctx, int peer, cJSON *j)
         return;
     }
     err[0] = '\0';
+    learn_identity(ctx, pe, j);
     if (learn_remote(ctx, pe, j, err, sizeof(err)) != 0) {
         hs_fail(ctx, peer, err);
         return;
@@ -634,6 +820,8 @@ out_message(kv_ctx_t *ctx, int peer, cJSON *j)
         || strcmp(t->valuestring, "push_err") == 0)
     {
         kv_push_begin_reply(ctx, peer, j);
+    } else if (strcmp(t->valuestring, "push_cancel") == 0) {
+        kv_push_cancel_msg(ctx, peer, j);
     } else {
         kv_debug("ctrl: ignoring \"%s\" from %s", t->valuestring,
                  pe->conf.id);
@@ -934,10 +1122,16 @@ in_hello(kv_ctx_t *ctx, int client, cJSON *j)
     }
     pe->in_conn = client;
     c->peer = peer;
+    learn_identity(ctx, pe, j);
     peer_heard(ctx, peer);
     kv_info("ctrl: accepted %s (key %s)", pe->conf.id, pe->conf.kid[k]);
     reply = hello_ok_json(ctx, peer, want);
-    return kv_client_send(ctx, client, reply);
+    if (kv_client_send(ctx, client, reply) != 0) {
+        return -1;
+    }
+    /* acknowledgements of aborted pushes we still wait for */
+    kv_rreq_peer_up(ctx, peer);
+    return 0;
 
 reject:
     kv_warn("ctrl: rejected a peer: %s", err);
@@ -956,7 +1150,6 @@ kv_ctrl_in_msg(kv_ctx_t *ctx, int client, char *msg, uint32_t len)
     kv_client_t *c = &ctx->clients[client];
     cJSON *j = cJSON_ParseWithLength(msg, len), *t, *reply, *id;
     kv_peer_t *pe;
-    kv_rreq_t *r;
     int peer = c->peer, rc = 0;
 
     if (j == NULL || !cJSON_IsString(t = cJSON_GetObjectItemCaseSensitive(j,
@@ -1000,16 +1193,9 @@ kv_ctrl_in_msg(kv_ctx_t *ctx, int client, char *msg, uint32_t len)
         kv_ctrl_push_begin(ctx, peer, j, reply);
         rc = kv_client_send(ctx, client, reply);
     } else if (strcmp(t->valuestring, "push_abort") == 0) {
-        cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
-        cJSON *je = cJSON_GetObjectItemCaseSensitive(j, "error");
-        char why[200];
-        if (cJSON_IsString(jr) && (r = kv_rreq_find(ctx, jr->valuestring))
-            && r->peer == peer && r->state == DPD_REQ_TRANSFERRING)
-        {
-            snprintf(why, sizeof(why), "aborted by %s: %s", pe->conf.id,
-                     cJSON_IsString(je) ? je->valuestring : "?");
-            kv_rreq_set(ctx, r, DPD_REQ_FAILED, why);
-        }
+        kv_rreq_abort_msg(ctx, peer, j);
+    } else if (strcmp(t->valuestring, "push_cancel") == 0) {
+        kv_push_cancel_msg(ctx, peer, j);
     } else {
         kv_debug("ctrl: ignoring \"%s\" from %s", t->valuestring,
                  pe->conf.id);

@@ -260,6 +260,14 @@ kv_fabric_open(kv_fabric_t *f, const char *provider, int allow_fallback,
     int i, n = nrails > 0 ? nrails : 1;
 
     memset(f, 0, sizeof(*f));
+    kv_fault_init();
+    /* fi_av_remove must close the provider's connection to that peer
+     * (rxm keeps it otherwise, and a write it half received would still
+     * land after the peer was removed and its quarantine ended); read by
+     * libfabric once, at its first call */
+    if (setenv("FI_AV_REMOVE_CLEANUP", "1", 1) != 0) {
+        kv_warn("fabric: cannot set FI_AV_REMOVE_CLEANUP");
+    }
     snprintf(f->provider, sizeof(f->provider), "%s", provider);
     f->allow_fallback = allow_fallback;
     f->want_hmem = want_hmem;
@@ -373,20 +381,108 @@ kv_rail_raddr(const kv_rail_t *r, const void *base, uint64_t off)
 }
 
 
+/*
+ * Test-only fault injection (environment KV_TEST_FAULT, comma-separated):
+ *   cq_readerr:N  the next N CQ reads on rail 0 report an error entry that
+ *                 fi_cq_readerr then fails to return (-FI_EAGAIN)
+ *   short_addr    advertise our fabric address one byte short (ctrl.c)
+ */
+static long kv_fault_cq_readerr;
+static int  kv_fault_err_now;
+
+
 void
+kv_fault_init(void)
+{
+    const char *f = getenv("KV_TEST_FAULT"), *p;
+
+    if (f == NULL || f[0] == '\0') {
+        return;
+    }
+    if ((p = strstr(f, "cq_readerr:")) != NULL) {
+        kv_fault_cq_readerr = strtol(p + 11, NULL, 10);
+    }
+    if (strstr(f, "short_addr")) {
+        kv_fault_short_addr = 1;
+    }
+    kv_warn("fabric: test faults injected: %s", f);
+}
+
+
+ssize_t
+kv_rail_cq_read(kv_rail_t *r, struct fi_cq_data_entry *ce, size_t n)
+{
+    if (kv_fault_cq_readerr > 0 && r->index == 0) {
+        kv_fault_cq_readerr--;
+        kv_fault_err_now = 1;
+        return -FI_EAVAIL;
+    }
+    return fi_cq_read(r->cq, ce, n);
+}
+
+
+/* At most a few warnings a second per rail; the rest are counted. */
+static int
+cq_warn_ok(kv_rail_t *r)
+{
+    static uint64_t window_ms[KV_MAX_RAILS];
+    static uint32_t count[KV_MAX_RAILS], dropped[KV_MAX_RAILS];
+    uint64_t now = kv_now_ms();
+    int i = r->index;
+
+    if (now >= window_ms[i] + 1000) {
+        if (dropped[i]) {
+            kv_warn("fabric: rail %d: %u more completion error(s) not "
+                    "logged", i, dropped[i]);
+        }
+        window_ms[i] = now;
+        count[i] = dropped[i] = 0;
+    }
+    if (count[i] < 8) {
+        count[i]++;
+        return 1;
+    }
+    dropped[i]++;
+    return 0;
+}
+
+
+/*
+ * Read one error entry after fi_cq_read said -FI_EAVAIL.  1: *e holds it
+ * (logged at warn with the provider's own description); -1: it could not
+ * be read: the caller stops draining this CQ for this turn (the entry is
+ * retried on the next one) instead of asking again in a loop.
+ */
+int
 kv_rail_cq_error(kv_rail_t *r, struct fi_cq_err_entry *e)
 {
     char buf[256];
+    const char *ps;
     ssize_t rc;
 
     memset(e, 0, sizeof(*e));
-    rc = fi_cq_readerr(r->cq, e, 0);
-    if (rc < 0) {
-        e->err = FI_EIO;
-        return;
+    if (kv_fault_err_now) {
+        kv_fault_err_now = 0;
+        rc = -FI_EAGAIN;
+    } else {
+        rc = fi_cq_readerr(r->cq, e, 0);
     }
-    kv_debug("fabric: rail %d: completion error: %s (%s)", r->index,
-             kv_fi_err(e->err),
-             fi_cq_strerror(r->cq, e->prov_errno, e->err_data, buf,
-                            sizeof(buf)));
+    if (rc < 0 || rc == 0) {
+        if (cq_warn_ok(r)) {
+            kv_warn("fabric: rail %d: a completion error could not be "
+                    "read: %s", r->index, rc < 0 ? kv_fi_err((int) rc)
+                                                 : "no entry");
+        }
+        return -1;
+    }
+    if (cq_warn_ok(r)) {
+        buf[0] = '\0';
+        ps = fi_cq_strerror(r->cq, e->prov_errno, e->err_data, buf,
+                            sizeof(buf));
+        kv_warn("fabric: rail %d: completion error: %s (provider %s: %s)",
+                r->index, kv_fi_err(e->err ? e->err : FI_EIO),
+                r->info->fabric_attr->prov_name,
+                ps && ps[0] ? ps : "no detail");
+    }
+    return 1;
 }

@@ -141,6 +141,7 @@ typedef struct {
     int            cuda_dev;           /* -1: host memory */
     int            heartbeat_ms, dead_after_ms, transfer_timeout_ms;
     int            reconnect_ms, retention_ms;
+    int            quarantine_ms;      /* unacknowledged abort: revoke */
     uint32_t       window;             /* writes in flight per rail */
     uint64_t       max_write;          /* cap on one fi_write */
     int            coalesce;
@@ -244,7 +245,11 @@ int  kv_rail_reg(kv_rail_t *r, void *buf, size_t len, int cuda_dev,
     uint64_t access, struct fid_mr **mr, void **desc, uint64_t *key);
 uint64_t kv_rail_raddr(const kv_rail_t *r, const void *base, uint64_t off);
 const char *kv_fi_err(int rc);
-void kv_rail_cq_error(kv_rail_t *r, struct fi_cq_err_entry *e);
+int  kv_rail_cq_error(kv_rail_t *r, struct fi_cq_err_entry *e);
+ssize_t kv_rail_cq_read(kv_rail_t *r, struct fi_cq_data_entry *ce,
+    size_t n);
+void kv_fault_init(void);
+extern int kv_fault_short_addr;
 
 /* ---- framed JSON connections ----------------------------------------- */
 
@@ -257,7 +262,12 @@ typedef struct {
     int       fds[4];                 /* SCM_RIGHTS received, unconsumed */
     int       nfds;
     int       closing;
+    int       overflow;               /* output limit hit: closed */
 } kv_conn_t;
+
+/* Output buffered for one connection is capped (a peer or client that
+ * stops reading must not grow our memory): queueing past it fails. */
+extern size_t kv_conn_wmax;
 
 void kv_conn_init(kv_conn_t *c, int fd);
 void kv_conn_free(kv_conn_t *c);
@@ -323,6 +333,12 @@ typedef struct {
     /* accepted inbound handshakes, for max_peer_connects (ring) */
     uint64_t       in_accepts[64];
     uint32_t       in_accepts_n;
+    uint64_t       inst;              /* its incarnation (from hello) */
+    int            pidfd;             /* same host: its process, or -1 */
+    uint64_t       old_inst;          /* the incarnation before */
+    int            old_pidfd;
+    int            pid, old_pid;      /* without pidfd_open: the pid and */
+    uint64_t       pid_start, old_pid_start;  /* its /proc start time */
 } kv_peer_t;
 
 enum {
@@ -354,6 +370,7 @@ typedef struct {
     int          release_pending;      /* free when inflight drains */
     uint64_t     t_final_ms;           /* DONE/FAILED, for retention */
     uint32_t     cap;                  /* capacity of src/dst */
+    int          abort_pending;        /* tell "drained" when inflight 0 */
 } kv_push_t;
 
 /* A request on the receiving (decode) side: reserved blocks. */
@@ -371,6 +388,13 @@ typedef struct {
     uint64_t     t_final_ms;           /* monotonic, for retention */
     int          auto_res;             /* reserved by a peer's push */
     char         error[160];
+    uint64_t     begin_id, begin_inst; /* the push we granted (sender's) */
+    int          quar;                 /* failed: the sender may still
+                                        * write its blocks */
+    int          detached;             /* released: no record, no req_id;
+                                        * the slot only holds quarantine */
+    uint64_t     quar_since_ms;
+    uint64_t     quar_warn_ms;
 } kv_rreq_t;
 
 /* A local API client waiting for a request to finish. */
@@ -434,6 +458,11 @@ typedef struct kv_ctx {
     uint32_t     writes_inflight;
     uint32_t     push_rr;
     uint32_t    *scratch;              /* nblocks ids, control path */
+    uint8_t     *dupmap;               /* nblocks bits: duplicate checks */
+    uint64_t     inst;                 /* our incarnation (random) */
+    int          revocable;            /* a new MR key stops old writes */
+    uint32_t     nquar;                /* requests in quarantine */
+    uint64_t     stat_revocations;
     uint32_t     push_cap;             /* max pairs per push */
 
     uint64_t     begin_seq;
@@ -460,11 +489,13 @@ typedef struct {
 
 /* pool.c */
 int  kv_pool_alloc(kv_ctx_t *ctx);
-int  kv_pool_adopt_memfd(kv_ctx_t *ctx, int fd, size_t size, char *err,
-    size_t elen);
-int  kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, const char *hex, int dev,
-    size_t size, char *err, size_t elen);
+int  kv_pool_adopt_memfd(kv_ctx_t *ctx, kv_pool_t *np, int fd, size_t size,
+    char *err, size_t elen);
+int  kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, kv_pool_t *np, const char *hex,
+    int dev, size_t size, char *err, size_t elen);
+int  kv_pool_replace(kv_ctx_t *ctx, kv_pool_t *np, char *err, size_t elen);
 int  kv_pool_register(kv_ctx_t *ctx);
+int  kv_pool_revoke(kv_ctx_t *ctx, const char *why);
 void kv_pool_unregister(kv_ctx_t *ctx);
 const char *kv_pool_access_name(kv_ctx_t *ctx);
 void kv_pool_free(kv_ctx_t *ctx);
@@ -487,6 +518,8 @@ void kv_ctrl_update_self(kv_ctx_t *ctx);
 void kv_ctrl_inbound_closed(kv_ctx_t *ctx, int client);
 int  kv_ctrl_accepted(kv_ctx_t *ctx, int client);
 int  kv_ctrl_unauth_count(kv_ctx_t *ctx);
+void kv_ctrl_rekeyed(kv_ctx_t *ctx, const char *why);
+uint64_t kv_proc_start(int pid);      /* 0: gone (or a zombie) */
 
 /* xfer.c */
 int  kv_xfer_init(kv_ctx_t *ctx);
@@ -512,6 +545,13 @@ int  kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, struct cJSON *j,
 void kv_xfer_timeouts(kv_ctx_t *ctx, uint64_t now);
 void kv_xfer_fail_all(kv_ctx_t *ctx, const char *why);
 int  kv_xfer_busy(kv_ctx_t *ctx);
+int  kv_dup_check(kv_ctx_t *ctx, const uint32_t *ids, uint32_t n,
+    uint32_t *dup);
+void kv_push_cancel_msg(kv_ctx_t *ctx, int peer, struct cJSON *j);
+void kv_rreq_abort_msg(kv_ctx_t *ctx, int peer, struct cJSON *j);
+void kv_rreq_peer_up(kv_ctx_t *ctx, int peer);
+void kv_quar_tick(kv_ctx_t *ctx, uint64_t now);
+void kv_quar_lift_all(kv_ctx_t *ctx, const char *why);
 
 /* api.c */
 int  kv_api_listen(kv_ctx_t *ctx);

@@ -113,6 +113,11 @@ kv_client_send(kv_ctx_t *ctx, int i, cJSON *j)
         return -1;
     }
     if (kv_conn_send_json(&c->conn, j) != 0) {
+        if (c->conn.overflow) {
+            kv_warn("%s: the other side does not read (more than %zu bytes "
+                    "of output queued); closing", c->is_peer ? "ctrl" : "api",
+                    kv_conn_wmax);
+        }
         c->conn.closing = 2;          /* broken: close without flushing */
         return -1;
     }
@@ -392,6 +397,14 @@ shutdown_ctx(kv_ctx_t *ctx)
     if (ctx->fab_ok) {
         kv_fabric_close(&ctx->fab);
     }
+    for (i = 0; i < ctx->npeers; i++) {
+        if (ctx->peers[i].pidfd >= 0) {
+            close(ctx->peers[i].pidfd);
+        }
+        if (ctx->peers[i].old_pidfd >= 0) {
+            close(ctx->peers[i].old_pidfd);
+        }
+    }
     if (ctx->cfg.has_pool) {
         kv_pool_free(ctx);
     }
@@ -432,6 +445,9 @@ kv_run_main(int argc, char **argv)
         return 2;
     }
     kv_log_level = ctx->cfg.log_level;
+    /* output queued per connection: a few messages of the largest size */
+    kv_conn_wmax = (size_t) ctx->cfg.max_msg * 4 > (1u << 20)
+                   ? (size_t) ctx->cfg.max_msg * 4 : (1u << 20);
 
     memset(&sa, 0, sizeof(sa));
     sa.sa_handler = on_signal;
@@ -445,6 +461,7 @@ kv_run_main(int argc, char **argv)
         ctx->peers[i].conf = ctx->cfg.peers[i];
         ctx->peers[i].out.fd = -1;
         ctx->peers[i].in_conn = -1;
+        ctx->peers[i].pidfd = ctx->peers[i].old_pidfd = -1;
     }
     ctx->nclients = ctx->cfg.max_clients + ctx->cfg.max_unauth
                     + KV_MAX_PEERS;

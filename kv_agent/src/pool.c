@@ -7,6 +7,7 @@
  */
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -93,8 +94,12 @@ kv_pool_alloc(kv_ctx_t *ctx)
         return -1;
 #endif
     }
-    fd = memfd_create("kv_pool", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, size) != 0 || host_map(p, fd, size) != 0) {
+    fd = memfd_create("kv_pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || ftruncate(fd, size) != 0
+        || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+           != 0
+        || host_map(p, fd, size) != 0)
+    {
         kv_err("pool: cannot allocate %zu bytes of host memory: %s", size,
                strerror(errno));
         if (fd >= 0) {
@@ -110,12 +115,10 @@ kv_pool_alloc(kv_ctx_t *ctx)
 }
 
 
-void
-kv_pool_free(kv_ctx_t *ctx)
+/* Free a pool's memory (not its registrations). */
+static void
+pool_release(kv_pool_t *p)
 {
-    kv_pool_t *p = &ctx->pool;
-
-    kv_pool_unregister(ctx);
 #ifdef KV_HAVE_CUDA
     if (p->mirror) {
         cudaFreeHost(p->mirror);
@@ -138,15 +141,50 @@ kv_pool_free(kv_ctx_t *ctx)
 }
 
 
-int
-kv_pool_adopt_memfd(kv_ctx_t *ctx, int fd, size_t size, char *err,
-    size_t elen)
+void
+kv_pool_free(kv_ctx_t *ctx)
 {
-    kv_pool_t np;
-    struct stat sb;
+    kv_pool_unregister(ctx);
+    pool_release(&ctx->pool);
+}
 
+
+/*
+ * Adopt the engine's memfd into *np (ctx's pool is not touched).  The
+ * memfd must be sealed against shrinking and growing: the engine keeps
+ * its descriptor, and a pool it could ftruncate would kill the agent with
+ * SIGBUS on the next access (or a provider's write into it).  On error the
+ * caller still owns fd.
+ */
+int
+kv_pool_adopt_memfd(kv_ctx_t *ctx, kv_pool_t *np, int fd, size_t size,
+    char *err, size_t elen)
+{
+    struct stat sb;
+    int seals;
+
+    memset(np, 0, sizeof(*np));
+    np->fd = -1;
+    np->cuda_dev = -1;
+    seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0) {
+        snprintf(err, elen, "the pool descriptor is not a sealable memfd "
+                 "(F_GET_SEALS: %s): create it with memfd_create("
+                 "MFD_ALLOW_SEALING) and seal it with F_SEAL_SHRINK | "
+                 "F_SEAL_GROW", strerror(errno));
+        return -1;
+    }
+    if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW))
+        != (F_SEAL_SHRINK | F_SEAL_GROW))
+    {
+        snprintf(err, elen, "the pool memfd is not sealed against resizing "
+                 "(seals 0x%x): add F_SEAL_SHRINK | F_SEAL_GROW with "
+                 "fcntl(F_ADD_SEALS) before register_pool", seals);
+        return -1;
+    }
+    /* sealed: the size read now cannot change under us */
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        snprintf(err, elen, "passed descriptor is not a memfd/regular file");
+        snprintf(err, elen, "passed descriptor is not a memfd");
         return -1;
     }
     if (size == 0) {
@@ -158,26 +196,72 @@ kv_pool_adopt_memfd(kv_ctx_t *ctx, int fd, size_t size, char *err,
                  (unsigned long long) ctx->cfg.layout.size);
         return -1;
     }
-    memset(&np, 0, sizeof(np));
-    if (host_map(&np, fd, size) != 0) {
+    if (host_map(np, fd, size) != 0) {
         snprintf(err, elen, "cannot map pool memory: %s", strerror(errno));
+        np->fd = -1;
         return -1;
     }
-    kv_pool_free(ctx);
-    ctx->pool = np;
-    kv_info("pool: adopted %zu bytes of engine host memory (memfd)", size);
     return 0;
 }
 
 
-int
-kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, const char *hex, int dev, size_t size,
-    char *err, size_t elen)
+#ifdef KV_HAVE_CUDA
+/* The allocation ptr belongs to, from the driver (cuMemGetAddressRange,
+ * reached through the runtime so that we do not link libcuda). */
+typedef int (*kv_cu_range_fn)(unsigned long long *base, size_t *size,
+    unsigned long long ptr);
+
+static int
+cuda_alloc_range(void *ptr, uintptr_t *base, size_t *size, char *err,
+    size_t elen)
 {
+    enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSuccess;
+    unsigned long long b = 0;
+    kv_cu_range_fn fn = NULL;
+    cudaError_t ce;
+    int rc;
+
+#if CUDART_VERSION >= 12050
+    ce = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange",
+                                          (void **) &fn, 12000,
+                                          cudaEnableDefault, &q);
+#elif CUDART_VERSION >= 12000
+    ce = cudaGetDriverEntryPoint("cuMemGetAddressRange", (void **) &fn,
+                                 cudaEnableDefault, &q);
+#else
+    ce = cudaGetDriverEntryPoint("cuMemGetAddressRange", (void **) &fn,
+                                 cudaEnableDefault);
+#endif
+    if (ce != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn) {
+        snprintf(err, elen, "cannot check the size of the imported "
+                 "allocation (cuMemGetAddressRange unavailable: %s)",
+                 cudaGetErrorString(ce));
+        return -1;
+    }
+    rc = fn(&b, size, (unsigned long long) (uintptr_t) ptr);
+    if (rc != 0) {
+        snprintf(err, elen, "cuMemGetAddressRange failed (CUresult %d)", rc);
+        return -1;
+    }
+    *base = (uintptr_t) b;
+    return 0;
+}
+#endif
+
+
+int
+kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, kv_pool_t *np, const char *hex,
+    int dev, size_t size, char *err, size_t elen)
+{
+    memset(np, 0, sizeof(*np));
+    np->fd = -1;
+    np->cuda_dev = -1;
 #ifdef KV_HAVE_CUDA
     cudaIpcMemHandle_t h;
+    struct cudaPointerAttributes pa;
     cudaError_t ce;
-    size_t n;
+    uintptr_t abase = 0;
+    size_t n, asize = 0;
     void *ptr = NULL;
 
     if (kv_hex_decode(hex, &h, sizeof(h), &n) != 0 || n != sizeof(h)) {
@@ -199,13 +283,33 @@ kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, const char *hex, int dev, size_t size,
                  cudaGetErrorString(ce));
         return -1;
     }
-    kv_pool_free(ctx);
-    ctx->pool.base = ptr;
-    ctx->pool.size = size;
-    ctx->pool.cuda_dev = dev;
-    ctx->pool.imported_cuda = 1;
-    kv_info("pool: imported %zu bytes of cuda:%d memory (IPC handle)", size,
-            dev);
+    /* the engine's "size" is a claim: the allocation behind the handle
+     * must really span it, or the NIC and our copies would run past it */
+    ce = cudaPointerGetAttributes(&pa, ptr);
+    if (ce != cudaSuccess || pa.type != cudaMemoryTypeDevice
+        || pa.device != dev)
+    {
+        snprintf(err, elen, "the imported handle is not device memory of "
+                 "cuda:%d", dev);
+        cudaIpcCloseMemHandle(ptr);
+        return -1;
+    }
+    if (cuda_alloc_range(ptr, &abase, &asize, err, elen) != 0) {
+        cudaIpcCloseMemHandle(ptr);
+        return -1;
+    }
+    if ((uintptr_t) ptr < abase
+        || size > asize - ((uintptr_t) ptr - abase))
+    {
+        snprintf(err, elen, "pool size %zu exceeds the imported allocation "
+                 "(%zu bytes)", size, asize - ((uintptr_t) ptr - abase));
+        cudaIpcCloseMemHandle(ptr);
+        return -1;
+    }
+    np->base = ptr;
+    np->size = size;
+    np->cuda_dev = dev;
+    np->imported_cuda = 1;
     return 0;
 #else
     snprintf(err, elen, "this kv_agent was built without CUDA");
@@ -215,12 +319,14 @@ kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, const char *hex, int dev, size_t size,
 }
 
 
-int
-kv_pool_register(kv_ctx_t *ctx)
+/* Register p with every rail into mr/desc/key (the rails' current pool
+ * MRs are not touched).  On failure nothing stays registered. */
+static int
+reg_all(kv_ctx_t *ctx, kv_pool_t *p, struct fid_mr **mr, void **desc,
+    uint64_t *key)
 {
-    kv_pool_t *p = &ctx->pool;
     kv_rail_t *r;
-    int i, dev;
+    int i, k, dev;
 
     p->fab_base = p->base;
     dev = -1;
@@ -232,6 +338,7 @@ kv_pool_register(kv_ctx_t *ctx)
             if (p->mirror == NULL
                 && cudaMallocHost(&p->mirror, p->size) != cudaSuccess)
             {
+                p->mirror = NULL;
                 kv_err("pool: cannot allocate %zu bytes of pinned staging "
                        "memory", p->size);
                 return -1;
@@ -244,17 +351,125 @@ kv_pool_register(kv_ctx_t *ctx)
     for (i = 0; i < ctx->fab.nrails; i++) {
         r = &ctx->fab.rail[i];
         if (kv_rail_reg(r, p->fab_base, p->size, dev, pool_access(ctx),
-                        &r->pool_mr, &r->pool_desc, &r->pool_key) != 0)
+                        &mr[i], &desc[i], &key[i]) != 0)
         {
-            kv_pool_unregister(ctx);
+            for (k = 0; k < i; k++) {
+                fi_close(&mr[k]->fid);
+            }
             return -1;
         }
     }
-    p->registered = 1;
+    return 0;
+}
+
+
+static void
+install_mrs(kv_ctx_t *ctx, struct fid_mr **mr, void **desc, uint64_t *key)
+{
+    kv_rail_t *r;
+    int i;
+
+    for (i = 0; i < ctx->fab.nrails; i++) {
+        r = &ctx->fab.rail[i];
+        if (r->pool_mr) {
+            fi_close(&r->pool_mr->fid);
+        }
+        r->pool_mr = mr[i];
+        r->pool_desc = desc[i];
+        r->pool_key = key[i];
+    }
+    ctx->pool.registered = 1;
     kv_info("pool: registered %zu bytes on %d rail(s), access %s%s",
-            p->size, ctx->fab.nrails, kv_pool_access_name(ctx),
+            ctx->pool.size, ctx->fab.nrails, kv_pool_access_name(ctx),
             ctx->cfg.role == DPD_ROLE_DECODE
             ? "; its key goes to authenticated prefill peers only" : "");
+}
+
+
+int
+kv_pool_register(kv_ctx_t *ctx)
+{
+    struct fid_mr *mr[KV_MAX_RAILS];
+    void *desc[KV_MAX_RAILS];
+    uint64_t key[KV_MAX_RAILS];
+
+    if (reg_all(ctx, &ctx->pool, mr, desc, key) != 0) {
+        return -1;
+    }
+    install_mrs(ctx, mr, desc, key);
+    return 0;
+}
+
+
+/*
+ * Make *np the pool: register it first, and only when that worked drop
+ * the old registration and memory.  A refused pool changes nothing (np's
+ * resources are freed, the old pool stays registered under its keys).
+ */
+int
+kv_pool_replace(kv_ctx_t *ctx, kv_pool_t *np, char *err, size_t elen)
+{
+    struct fid_mr *mr[KV_MAX_RAILS];
+    void *desc[KV_MAX_RAILS];
+    uint64_t key[KV_MAX_RAILS];
+
+    if (ctx->fab_ok && reg_all(ctx, np, mr, desc, key) != 0) {
+        snprintf(err, elen, "cannot register the pool with the fabric");
+        pool_release(np);
+        return -1;
+    }
+    if (ctx->fab_ok) {
+        install_mrs(ctx, mr, desc, key);  /* closes the old MRs */
+    }
+    pool_release(&ctx->pool);
+    ctx->pool = *np;
+    ctx->pool.registered = ctx->fab_ok;
+    kv_info("pool: adopted %zu bytes of engine %s memory", ctx->pool.size,
+            ctx->pool.cuda_dev >= 0 ? "GPU (CUDA IPC)" : "host (memfd)");
+    return 0;
+}
+
+
+/*
+ * Revocation: the same memory under new keys.  Receives in progress fail
+ * (their senders' later writes carry the old key), every peer's address
+ * leaves our AVs (with FI_AV_REMOVE_CLEANUP the provider closes its
+ * connections, so a write half received cannot finish), the old MRs are
+ * closed, and peers reconnect to learn the new keys.  After that no write
+ * issued under the old registration can land: quarantines end.
+ */
+int
+kv_pool_revoke(kv_ctx_t *ctx, const char *why)
+{
+    struct fid_mr *mr[KV_MAX_RAILS];
+    void *desc[KV_MAX_RAILS];
+    uint64_t key[KV_MAX_RAILS];
+    uint32_t i, nq = ctx->nquar;
+
+    if (!ctx->fab_ok || !ctx->pool.registered || !ctx->revocable) {
+        return -1;
+    }
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        if (ctx->rreq[i].used
+            && ctx->rreq[i].state == DPD_REQ_TRANSFERRING)
+        {
+            kv_rreq_set(ctx, &ctx->rreq[i], DPD_REQ_FAILED,
+                        "memory keys revoked");
+        }
+    }
+    kv_ctrl_rekeyed(ctx, "memory keys revoked");
+    if (reg_all(ctx, &ctx->pool, mr, desc, key) != 0) {
+        /* no new keys: without a registration nothing can land either */
+        kv_pool_unregister(ctx);
+        kv_err("pool: revocation could not register the pool again; it "
+               "takes no transfers until the engine registers one");
+    } else {
+        install_mrs(ctx, mr, desc, key);
+    }
+    ctx->stat_revocations++;
+    kv_warn("pool: memory keys revoked (%s); %u quarantined request(s) "
+            "freed, peers reconnect with the new keys", why, nq);
+    kv_quar_lift_all(ctx, "memory keys revoked");
     return 0;
 }
 

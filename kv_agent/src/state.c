@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,7 +34,7 @@ inspect_old(const char *path)
     void *m;
     int fd;
 
-    fd = open(path, O_RDONLY | O_CLOEXEC);
+    fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) {
         if (errno != ENOENT) {
             kv_warn("state: cannot read existing %s: %s", path,
@@ -69,11 +70,57 @@ inspect_old(const char *path)
 }
 
 
+/*
+ * The table's directory must be one only the agent (and root) can write:
+ * whoever else can write it can replace the table nginx trusts.  A
+ * directory writable by others without the sticky bit is refused; a
+ * sticky shared one (/dev/shm, the default) is accepted with a warning.
+ */
+static int
+dir_check(const char *path)
+{
+    char dir[512], *slash;
+    struct stat sb;
+
+    snprintf(dir, sizeof(dir), "%s", path);
+    slash = strrchr(dir, '/');
+    if (slash == NULL) {
+        snprintf(dir, sizeof(dir), ".");
+    } else if (slash == dir) {
+        dir[1] = '\0';
+    } else {
+        *slash = '\0';
+    }
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+        kv_err("state: directory %s of %s: %s", dir, path,
+               errno ? strerror(errno) : "not a directory");
+        return -1;
+    }
+    if ((sb.st_mode & (S_IWOTH | S_IWGRP)) && !(sb.st_mode & S_ISVTX)) {
+        kv_err("state: directory %s is writable by %s and not sticky: "
+               "another user could replace the table; use a directory "
+               "only the agent writes", dir,
+               (sb.st_mode & S_IWOTH) ? "everyone" : "its group");
+        return -1;
+    }
+    if (sb.st_mode & S_IWOTH) {
+        kv_warn("state: directory %s is shared (world-writable, sticky); a "
+                "directory only the agent writes is safer", dir);
+    } else if (sb.st_uid != geteuid() && sb.st_uid != 0) {
+        kv_warn("state: directory %s belongs to uid %u, not to the agent",
+                dir, (unsigned) sb.st_uid);
+    }
+    return 0;
+}
+
+
 int
 kv_state_open(kv_state_t *s, const char *path, const char *self_id,
     uint32_t max_nodes, uint32_t max_reqs)
 {
     char tmp[600];
+    uint64_t rnd;
+    int tries;
     dpd_state_header_t *h;
     struct timespec ts;
     uint64_t nodes_off, reqs_off, size;
@@ -89,11 +136,31 @@ kv_state_open(kv_state_t *s, const char *path, const char *self_id,
                                    * sizeof(dpd_node_rec_t));
     size = reqs_off + (uint64_t) max_reqs * sizeof(dpd_req_rec_t);
 
-    snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int) getpid());
-    fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (dir_check(path) != 0) {
+        return -1;
+    }
+    /* a fresh file, never one someone placed there: O_EXCL with a name
+     * nobody can guess, no symlink followed; readable by nginx workers
+     * whatever our umask */
+    for (tries = 0; ; tries++) {
+        if (getrandom(&rnd, sizeof(rnd), 0) != sizeof(rnd)) {
+            rnd = kv_wall_ms() ^ ((uint64_t) getpid() << 40) ^ tries;
+        }
+        snprintf(tmp, sizeof(tmp), "%s.tmp.%016llx", path,
+                 (unsigned long long) rnd);
+        fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                  0644);
+        if (fd >= 0 || errno != EEXIST || tries >= 8) {
+            break;
+        }
+    }
     if (fd < 0) {
         kv_err("state: cannot create %s: %s", tmp, strerror(errno));
         return -1;
+    }
+    if (fchmod(fd, 0644) != 0) {
+        kv_err("state: cannot chmod %s: %s", tmp, strerror(errno));
+        goto fail;
     }
     if (ftruncate(fd, size) != 0) {
         kv_err("state: cannot size %s: %s", tmp, strerror(errno));

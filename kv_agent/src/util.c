@@ -363,6 +363,9 @@ kv_conn_consume(kv_conn_t *c, uint32_t len)
 }
 
 
+size_t kv_conn_wmax = 8u << 20;
+
+
 int
 kv_conn_queue(kv_conn_t *c, const char *data, size_t len)
 {
@@ -373,6 +376,20 @@ kv_conn_queue(kv_conn_t *c, const char *data, size_t len)
     if (c->woff && c->woff == c->wlen) {
         c->woff = c->wlen = 0;
         need = 4 + len;
+    }
+    if (need - c->woff > kv_conn_wmax && c->wlen > c->woff) {
+        /* the other side stopped reading: do not buffer without bound
+         * (one message larger than the cap still goes to a reader that
+         * keeps up) */
+        c->overflow = 1;
+        return -1;
+    }
+    if (c->woff > 0 && need > c->wcap) {
+        /* reclaim what was sent before growing */
+        memmove(c->wbuf, c->wbuf + c->woff, c->wlen - c->woff);
+        c->wlen -= c->woff;
+        c->woff = 0;
+        need = c->wlen + 4 + len;
     }
     if (need > c->wcap) {
         nb = realloc(c->wbuf, need + 4096);

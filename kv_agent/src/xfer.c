@@ -14,11 +14,27 @@
  *      receiver marks the request ready only when it arrives.
  * Receiver (decode): reservations own blocks (ctx->owner); request states
  *   go to the state table and, as events, to router peers.
+ *
+ * Aborts and quarantine: once the receiver has answered push_ok, the sender
+ * may have writes aimed at those blocks in flight until it says otherwise.
+ * A request that fails after that point keeps its blocks in quarantine
+ * (owned, not free, whoever released the request) and the receiver sends
+ * push_cancel; the sender stops posting, waits for the completions of what
+ * it posted and answers push_abort with "drained": only then are the
+ * blocks reusable.  A quarantine nobody acknowledges ends when the peer's
+ * process is gone (same host: pidfd) and its address is out of our AV, or
+ * after quarantine_ms by revocation (the pool re-registered under new keys,
+ * every peer reconnects) on providers where a new key stops old writes
+ * (not shm, whose CMA writes do not check keys at the target).
  */
 
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -27,6 +43,11 @@
 #define KV_NPUSH         32
 #define KV_NRREQ         512
 #define KV_PUSH_CAP_MAX  65536
+#define KV_CQ_TURN_MAX   64       /* CQ reads per rail per loop turn */
+
+
+static int push_active(const kv_push_t *p);
+static void rreq_quar_end(kv_ctx_t *ctx, kv_rreq_t *r, const char *why);
 
 
 static uint64_t
@@ -103,8 +124,13 @@ kv_xfer_init(kv_ctx_t *ctx)
     if (!ctx->cfg.has_pool) {
         return 0;
     }
+    if (getrandom(&ctx->inst, sizeof(ctx->inst), 0) != sizeof(ctx->inst)) {
+        ctx->inst = kv_wall_ms() ^ ((uint64_t) getpid() << 32);
+    }
+    ctx->inst |= 1;                     /* 0 means "not given" */
     ctx->owner = calloc(l->nblocks, sizeof(uint32_t));
     ctx->scratch = calloc(l->nblocks, sizeof(uint32_t));
+    ctx->dupmap = calloc((l->nblocks + 7) / 8, 1);
     ctx->free_blocks = l->nblocks;
     ctx->push_cap = l->nblocks < KV_PUSH_CAP_MAX ? l->nblocks
                                                  : KV_PUSH_CAP_MAX;
@@ -112,7 +138,9 @@ kv_xfer_init(kv_ctx_t *ctx)
     ctx->push = calloc(ctx->npush, sizeof(kv_push_t));
     ctx->nrreq = KV_NRREQ;
     ctx->rreq = calloc(ctx->nrreq, sizeof(kv_rreq_t));
-    if (!ctx->owner || !ctx->scratch || !ctx->push || !ctx->rreq) {
+    if (!ctx->owner || !ctx->scratch || !ctx->dupmap || !ctx->push
+        || !ctx->rreq)
+    {
         return -1;
     }
     for (i = 0; i < ctx->npush; i++) {
@@ -126,6 +154,10 @@ kv_xfer_init(kv_ctx_t *ctx)
     if (!ctx->fab_ok) {
         return 0;
     }
+    /* shm writes through CMA (process_vm_writev) at the virtual address,
+     * with no key check at the target: a new key does not stop them */
+    ctx->revocable = strcmp(ctx->fab.rail[0].info->fabric_attr->prov_name,
+                            "shm") != 0;
 
     /* trailing messages use rail 0: receive and send slots */
     r = &ctx->fab.rail[0];
@@ -180,12 +212,14 @@ kv_xfer_fini(kv_ctx_t *ctx)
     free(ctx->rreq);
     free(ctx->owner);
     free(ctx->scratch);
+    free(ctx->dupmap);
     free(ctx->ops);
     free(ctx->waiters);
     ctx->push = NULL;
     ctx->rreq = NULL;
     ctx->owner = NULL;
     ctx->scratch = NULL;
+    ctx->dupmap = NULL;
     ctx->ops = NULL;
     ctx->waiters = NULL;
 }
@@ -200,7 +234,8 @@ kv_rreq_find(kv_ctx_t *ctx, const char *req_id)
     uint32_t i;
 
     for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
-        if (ctx->rreq[i].used && ctx->rreq[i].hash == h
+        if (ctx->rreq[i].used && !ctx->rreq[i].detached
+            && ctx->rreq[i].hash == h
             && strcmp(ctx->rreq[i].req_id, req_id) == 0)
         {
             return &ctx->rreq[i];
@@ -275,13 +310,57 @@ rreq_publish(kv_ctx_t *ctx, kv_rreq_t *r)
 }
 
 
+/* 1 (and *dup) when ids[] names a block twice; ids >= nblocks are left to
+ * the caller's range check.  No allocation: a bitmap of the pool. */
+int
+kv_dup_check(kv_ctx_t *ctx, const uint32_t *ids, uint32_t n, uint32_t *dup)
+{
+    uint32_t i, k, b, nb = ctx->cfg.layout.nblocks;
+    int found = 0;
+
+    for (i = 0; i < n; i++) {
+        b = ids[i];
+        if (b >= nb) {
+            continue;
+        }
+        if (ctx->dupmap[b >> 3] & (1u << (b & 7))) {
+            *dup = b;
+            found = 1;
+            break;
+        }
+        ctx->dupmap[b >> 3] |= (uint8_t) (1u << (b & 7));
+    }
+    for (k = 0; k < i; k++) {
+        if (ids[k] < nb) {
+            ctx->dupmap[ids[k] >> 3] = 0;
+        }
+    }
+    return found;
+}
+
+
+/* Why block b (owned) cannot be given out. */
+static void
+block_busy_err(kv_ctx_t *ctx, uint32_t b, char *err, size_t elen)
+{
+    kv_rreq_t *o = &ctx->rreq[ctx->owner[b] - 1];
+
+    if (o->quar) {
+        snprintf(err, elen, "block %u is quarantined (a failed transfer "
+                 "from %s may still write it)", b, o->peer_id);
+    } else {
+        snprintf(err, elen, "block %u is not free", b);
+    }
+}
+
+
 int
 kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
     const uint32_t *want, int peer, char *err, size_t elen, kv_rreq_t **out)
 {
     const kv_layout_t *l = &ctx->cfg.layout;
     kv_rreq_t *r = NULL;
-    uint32_t i, b, tag, got;
+    uint32_t i, b, tag, got, dup;
 
     if (!ctx->cfg.has_pool) {
         snprintf(err, elen, "this node has no KV pool");
@@ -291,17 +370,34 @@ kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
         snprintf(err, elen, "req_id must be 1..%d bytes", KV_REQID_LEN - 1);
         return -1;
     }
-    if (kv_rreq_find(ctx, req_id)) {
-        snprintf(err, elen, "request %s already has a reservation", req_id);
-        return -1;
+    r = kv_rreq_find(ctx, req_id);
+    if (r) {
+        if (r->state != DPD_REQ_FAILED) {
+            snprintf(err, elen, "request %s already has a reservation",
+                     req_id);
+            return -1;
+        }
+        /* a retry of a failed request: the failed record goes (its
+         * blocks stay quarantined while a late write may land) */
+        kv_rreq_release(ctx, r);
+        r = NULL;
     }
     if (n == 0) {
         snprintf(err, elen, "nblocks must be > 0");
         return -1;
     }
+    if (want && kv_dup_check(ctx, want, n, &dup)) {
+        snprintf(err, elen, "block %u is listed twice", dup);
+        return -1;
+    }
     if (n > ctx->free_blocks) {
         snprintf(err, elen, "pool full: %u blocks requested, %u free of %u",
                  n, ctx->free_blocks, l->nblocks);
+        if (ctx->nquar) {
+            size_t k = strlen(err);
+            snprintf(err + k, elen - k, " (%u request(s) quarantined)",
+                     ctx->nquar);
+        }
         return -1;
     }
     for (i = 0; i < ctx->nrreq; i++) {
@@ -319,15 +415,15 @@ kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
         for (i = 0; i < n; i++) {
             b = want[i];
             if (b >= l->nblocks || ctx->owner[b] != 0) {
-                /* roll back what this call claimed */
-                while (i-- > 0) {
-                    ctx->owner[want[i]] = 0;
-                }
                 if (b >= l->nblocks) {
                     snprintf(err, elen, "block %u out of range (pool has %u "
                              "blocks)", b, l->nblocks);
                 } else {
-                    snprintf(err, elen, "block %u is not free", b);
+                    block_busy_err(ctx, b, err, elen);
+                }
+                /* roll back what this call claimed */
+                while (i-- > 0) {
+                    ctx->owner[want[i]] = 0;
                 }
                 return -1;
             }
@@ -357,9 +453,73 @@ kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
 }
 
 
-void
-kv_rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error)
+/* Tell the sender to stop writing into r's blocks and to say when its
+ * writes have drained: on the connection its push came on, else ours. */
+static void
+send_cancel(kv_ctx_t *ctx, kv_rreq_t *r)
 {
+    kv_peer_t *pe = &ctx->peers[r->peer];
+    char num[32];
+    cJSON *j;
+
+    j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "type", "push_cancel");
+    cJSON_AddStringToObject(j, "req_id", r->req_id);
+    cJSON_AddNumberToObject(j, "id", (double) r->begin_id);
+    snprintf(num, sizeof(num), "%llu", (unsigned long long) r->begin_inst);
+    cJSON_AddStringToObject(j, "inst", num);
+    cJSON_AddStringToObject(j, "error", r->error);
+    if (pe->in_conn >= 0 && !ctx->clients[pe->in_conn].conn.closing) {
+        kv_client_send(ctx, pe->in_conn, j);
+    } else {
+        kv_ctrl_send(ctx, r->peer, j);
+    }
+}
+
+
+static void
+rreq_quar_start(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    r->quar = 1;
+    r->quar_since_ms = kv_now_ms();
+    r->quar_warn_ms = r->quar_since_ms;
+    ctx->nquar++;
+    kv_info("xfer: %u block(s) of %s quarantined until %s confirms that no "
+            "write to them is in flight", r->n, r->req_id, r->peer_id);
+    if (!ctx->stop) {
+        send_cancel(ctx, r);
+    }
+}
+
+
+static void
+rreq_quar_end(kv_ctx_t *ctx, kv_rreq_t *r, const char *why)
+{
+    if (!r->quar) {
+        return;
+    }
+    r->quar = 0;
+    ctx->nquar--;
+    kv_info("xfer: quarantine of %s (%u block(s)) lifted: %s", r->req_id,
+            r->n, why);
+    if (r->auto_res || r->detached) {
+        /* nobody local holds these blocks any more */
+        rreq_free_blocks(ctx, r);
+        kv_ctrl_update_self(ctx);
+    }
+    if (r->detached) {
+        r->used = 0;
+    }
+}
+
+
+/* drained: the sender said nothing of its push is in flight any more */
+static void
+rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error,
+    int drained)
+{
+    uint32_t was = r->state;
+
     r->state = state;
     if (state == DPD_REQ_READY || state == DPD_REQ_FAILED) {
         r->t_done_ms = kv_wall_ms();
@@ -376,7 +536,10 @@ kv_rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error)
         snprintf(r->error, sizeof(r->error), "%s", error ? error : "failed");
         ctx->stat_reqs_failed++;
         kv_warn("xfer: request %s failed: %s", r->req_id, r->error);
-        if (r->auto_res) {
+        if (was == DPD_REQ_TRANSFERRING && r->peer >= 0 && !drained) {
+            /* the sender was told these blocks: it may still write */
+            rreq_quar_start(ctx, r);
+        } else if (r->auto_res) {
             /* nobody local asked for these blocks: give them back */
             rreq_free_blocks(ctx, r);
         }
@@ -389,18 +552,35 @@ kv_rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error)
 
 
 void
+kv_rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error)
+{
+    rreq_set(ctx, r, state, error, 0);
+}
+
+
+void
 kv_rreq_release(kv_ctx_t *ctx, kv_rreq_t *r)
 {
     dpd_req_rec_t *rec;
+    uint32_t st = r->state;
 
-    rreq_free_blocks(ctx, r);
+    if (!r->quar) {
+        rreq_free_blocks(ctx, r);
+    }
     r->state = DPD_REQ_FREE;            /* routers drop their copy */
     kv_ctrl_req_event(ctx, r);
+    r->state = st;
     rec = kv_state_req(&ctx->st, r->req_id, 0);
     if (rec) {
         kv_state_req_delete(&ctx->st, rec);
     }
-    r->used = 0;
+    if (r->quar) {
+        /* the request id is free again; the slot keeps its blocks until
+         * the quarantine ends */
+        r->detached = 1;
+    } else {
+        r->used = 0;
+    }
     kv_ctrl_update_self(ctx);
 }
 
@@ -420,6 +600,173 @@ kv_rreq_peer_down(kv_ctx_t *ctx, int peer, const char *why)
 }
 
 
+/* The peer (re)connected: ask again for the acknowledgements we miss. */
+void
+kv_rreq_peer_up(kv_ctx_t *ctx, int peer)
+{
+    uint32_t i;
+
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        if (ctx->rreq[i].used && ctx->rreq[i].quar
+            && ctx->rreq[i].peer == peer)
+        {
+            send_cancel(ctx, &ctx->rreq[i]);
+        }
+    }
+}
+
+
+static uint64_t
+inst_of(cJSON *j)
+{
+    cJSON *v = cJSON_GetObjectItemCaseSensitive(j, "inst");
+
+    return cJSON_IsString(v) ? strtoull(v->valuestring, NULL, 10) : 0;
+}
+
+
+/* push_abort from the sender: it failed the push ("drained": and nothing
+ * it posted is in flight any more). */
+void
+kv_rreq_abort_msg(kv_ctx_t *ctx, int peer, cJSON *j)
+{
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+    cJSON *jid = cJSON_GetObjectItemCaseSensitive(j, "id");
+    cJSON *je = cJSON_GetObjectItemCaseSensitive(j, "error");
+    int drained = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j,
+                                                                "drained"));
+    uint64_t id = cJSON_IsNumber(jid) ? (uint64_t) jid->valuedouble : 0;
+    uint64_t inst = inst_of(j);
+    kv_rreq_t *r = NULL;
+    char why[200];
+    uint32_t i;
+
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        kv_rreq_t *q = &ctx->rreq[i];
+        if (q->used && q->peer == peer && id != 0 && q->begin_id == id
+            && (inst == 0 || q->begin_inst == inst))
+        {
+            r = q;
+            break;
+        }
+    }
+    if (r == NULL && id == 0 && cJSON_IsString(jr)) {
+        /* a sender that does not number its pushes */
+        r = kv_rreq_find(ctx, jr->valuestring);
+        if (r && r->peer != peer) {
+            r = NULL;
+        }
+        drained = 0;
+    }
+    if (r == NULL) {
+        kv_debug("ctrl: push_abort from %s matches no request",
+                 ctx->peers[peer].conf.id);
+        return;
+    }
+    if (r->state == DPD_REQ_TRANSFERRING) {
+        snprintf(why, sizeof(why), "aborted by %s: %s",
+                 ctx->peers[peer].conf.id,
+                 cJSON_IsString(je) ? je->valuestring : "?");
+        rreq_set(ctx, r, DPD_REQ_FAILED, why, drained);
+    }
+    if (drained) {
+        rreq_quar_end(ctx, r, "the sender's writes drained");
+    }
+}
+
+
+/* Has the incarnation of the peer that r's push came from exited, with
+ * its address out of our AV (so nothing it sent can still complete)? */
+static int
+sender_gone(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    kv_peer_t *pe = &ctx->peers[r->peer];
+    struct pollfd pf;
+    uint64_t start;
+    int fd, i, pid;
+
+    if (r->begin_inst != 0 && r->begin_inst == pe->inst) {
+        fd = pe->pidfd;
+        pid = pe->pid;
+        start = pe->pid_start;
+        if (pe->out_state == KV_LINK_UP || pe->in_conn >= 0) {
+            return 0;
+        }
+        for (i = 0; i < KV_MAX_RAILS; i++) {
+            if (pe->remote.av_ok[i]) {
+                return 0;
+            }
+        }
+    } else if (r->begin_inst != 0 && r->begin_inst == pe->old_inst) {
+        fd = pe->old_pidfd;         /* its successor's hello re-keyed AV */
+        pid = pe->old_pid;
+        start = pe->old_pid_start;
+    } else {
+        return 0;
+    }
+    if (fd < 0) {
+        /* no pidfd: the same pid with the same start time is the same
+         * process; anything else means it is gone */
+        return pid > 0 && start != 0 && kv_proc_start(pid) != start;
+    }
+    pf.fd = fd;
+    pf.events = POLLIN;
+    pf.revents = 0;
+    return poll(&pf, 1, 0) == 1 && (pf.revents & POLLIN);
+}
+
+
+void
+kv_quar_lift_all(kv_ctx_t *ctx, const char *why)
+{
+    uint32_t i;
+
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        if (ctx->rreq[i].used && ctx->rreq[i].quar) {
+            rreq_quar_end(ctx, &ctx->rreq[i], why);
+        }
+    }
+}
+
+
+void
+kv_quar_tick(kv_ctx_t *ctx, uint64_t now)
+{
+    uint64_t lim = (uint64_t) ctx->cfg.quarantine_ms;
+    kv_rreq_t *r;
+    int revoke = 0;
+    uint32_t i;
+
+    for (i = 0; ctx->nquar && ctx->rreq && i < ctx->nrreq; i++) {
+        r = &ctx->rreq[i];
+        if (!r->used || !r->quar) {
+            continue;
+        }
+        if (sender_gone(ctx, r)) {
+            rreq_quar_end(ctx, r, "the sender's process exited");
+            continue;
+        }
+        if (now < r->quar_since_ms + lim) {
+            continue;
+        }
+        if (ctx->revocable) {
+            revoke = 1;
+        } else if (now >= r->quar_warn_ms + lim) {
+            r->quar_warn_ms = now;
+            kv_warn("xfer: %u block(s) of %s quarantined for %llu ms: %s has "
+                    "not confirmed that its writes stopped, and on %s a new "
+                    "memory key does not stop them; waiting", r->n,
+                    r->req_id, (unsigned long long) (now - r->quar_since_ms),
+                    r->peer_id, ctx->fab.rail[0].info->fabric_attr->prov_name);
+        }
+    }
+    if (revoke) {
+        kv_pool_revoke(ctx, "a quarantine was not acknowledged within "
+                       "quarantine_ms");
+    }
+}
+
+
 /* push_begin from peer: validate, reserve or match the reservation, and
  * answer with the destination blocks.  Returns 0 (reply filled) or -1
  * (reply holds the error). */
@@ -431,9 +778,10 @@ kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
     cJSON *jn = cJSON_GetObjectItemCaseSensitive(j, "nblocks");
     cJSON *jd = cJSON_GetObjectItemCaseSensitive(j, "dst_runs");
     cJSON *jg = cJSON_GetObjectItemCaseSensitive(j, "geometry");
+    cJSON *jid = cJSON_GetObjectItemCaseSensitive(j, "id");
     kv_rreq_t *r;
     char err[200];
-    uint32_t n, nd = 0, i, tag, *want = NULL;
+    uint32_t n, nd = 0, i, tag, dup, *want = NULL;
     const char *req_id;
 
     err[0] = '\0';
@@ -498,10 +846,20 @@ kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
                 goto fail;
             }
         }
+        if (kv_dup_check(ctx, ctx->scratch, nd, &dup)) {
+            snprintf(err, sizeof(err), "dst block %u is listed twice", dup);
+            goto fail;
+        }
         want = ctx->scratch;
     }
 
     r = kv_rreq_find(ctx, req_id);
+    if (r && r->state == DPD_REQ_FAILED) {
+        /* a retry: the failed attempt's record goes, its blocks stay in
+         * quarantine while a late write of it may still land */
+        kv_rreq_release(ctx, r);
+        r = NULL;
+    }
     if (r) {
         if (r->state == DPD_REQ_TRANSFERRING || r->state == DPD_REQ_READY) {
             snprintf(err, sizeof(err), "request %s is already %s", req_id,
@@ -539,6 +897,9 @@ kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
     }
     /* ctx->scratch now holds the destination blocks in push order */
     snprintf(r->peer_id, sizeof(r->peer_id), "%s", ctx->peers[peer].conf.id);
+    r->begin_id = cJSON_IsNumber(jid) && jid->valuedouble > 0
+                  ? (uint64_t) jid->valuedouble : 0;
+    r->begin_inst = inst_of(j);
     r->bytes_done = 0;
     r->error[0] = '\0';
     r->t_start_ms = kv_wall_ms();
@@ -585,11 +946,12 @@ handle_done_msg(kv_ctx_t *ctx, const char *buf, size_t len)
         return;
     }
     if (m.status != 0) {
-        kv_rreq_set(ctx, r, DPD_REQ_FAILED, "sender reported a failure");
+        /* the done message follows the last write's completion */
+        rreq_set(ctx, r, DPD_REQ_FAILED, "sender reported a failure", 1);
         return;
     }
     if (m.bytes != r->bytes_total) {
-        kv_rreq_set(ctx, r, DPD_REQ_FAILED, "size mismatch");
+        rreq_set(ctx, r, DPD_REQ_FAILED, "size mismatch", 1);
         return;
     }
     if (ctx->pool.mirror) {
@@ -601,8 +963,8 @@ handle_done_msg(kv_ctx_t *ctx, const char *buf, size_t len)
                 if (kv_pool_stage(ctx, kv_layout_off(l, lr,
                                   ctx->scratch[i]), l->block_bytes, 1) != 0)
                 {
-                    kv_rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy "
-                                "to GPU failed");
+                    rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy to GPU "
+                             "failed", 1);
                     return;
                 }
             }
@@ -660,10 +1022,40 @@ kv_push_release(kv_ctx_t *ctx, kv_push_t *p)
 }
 
 
+/* push_abort to the receiver: the push failed; "drained" once nothing
+ * we posted for it is in flight (the receiver then frees its blocks). */
+static void
+send_abort(kv_ctx_t *ctx, int peer, const char *req_id, uint64_t begin_id,
+    int drained, const char *why)
+{
+    char num[32];
+    cJSON *j;
+
+    j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "type", "push_abort");
+    cJSON_AddStringToObject(j, "req_id", req_id);
+    cJSON_AddNumberToObject(j, "id", (double) begin_id);
+    snprintf(num, sizeof(num), "%llu", (unsigned long long) ctx->inst);
+    cJSON_AddStringToObject(j, "inst", num);
+    cJSON_AddBoolToObject(j, "drained", drained);
+    cJSON_AddStringToObject(j, "error", why);
+    kv_ctrl_send(ctx, peer, j);
+}
+
+
+static void
+push_abort_check(kv_ctx_t *ctx, kv_push_t *p)
+{
+    if (p->abort_pending && p->inflight == 0) {
+        p->abort_pending = 0;
+        send_abort(ctx, p->peer, p->req_id, p->begin_id, 1, p->error);
+    }
+}
+
+
 static void
 push_finish(kv_ctx_t *ctx, kv_push_t *p, int ok, const char *why)
 {
-    cJSON *j;
 
     p->t_done_ms = kv_wall_ms();
     p->t_final_ms = kv_now_ms();
@@ -683,11 +1075,11 @@ push_finish(kv_ctx_t *ctx, kv_push_t *p, int ok, const char *why)
         kv_warn("xfer: push %s -> %s failed: %s", p->req_id,
                 ctx->peers[p->peer].conf.id, why);
         if (was_active && ctx->peers[p->peer].out_state == KV_LINK_UP) {
-            j = cJSON_CreateObject();
-            cJSON_AddStringToObject(j, "type", "push_abort");
-            cJSON_AddStringToObject(j, "req_id", p->req_id);
-            cJSON_AddStringToObject(j, "error", why);
-            kv_ctrl_send(ctx, p->peer, j);
+            /* no write is posted for it from now on; writes in flight
+             * are waited for, then "drained" frees the receiver's blocks */
+            send_abort(ctx, p->peer, p->req_id, p->begin_id,
+                       p->inflight == 0, why);
+            p->abort_pending = p->inflight > 0;
         }
     }
     kv_api_notify(ctx, p->req_id);
@@ -794,6 +1186,7 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
     p->dst_given = dst_given;
     p->cur_valid = p->segs_done = p->done_sent = 0;
     p->release_pending = 0;
+    p->abort_pending = 0;
     p->bytes_total = (uint64_t) n * block_total_bytes(l);
     p->bytes_posted = p->bytes_done = 0;
     p->inflight = 0;
@@ -808,6 +1201,11 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
     j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "type", "push_begin");
     cJSON_AddNumberToObject(j, "id", (double) p->begin_id);
+    {
+        char num[32];
+        snprintf(num, sizeof(num), "%llu", (unsigned long long) ctx->inst);
+        cJSON_AddStringToObject(j, "inst", num);
+    }
     cJSON_AddStringToObject(j, "req_id", req_id);
     cJSON_AddNumberToObject(j, "nblocks", n);
     if (dst_given) {
@@ -879,6 +1277,60 @@ kv_push_begin_reply(kv_ctx_t *ctx, int peer, cJSON *j)
     kv_segiter_init(&p->it, &ctx->cfg.layout, &ctx->peers[peer].remote.layout,
                     p->src, p->dst, p->n, ctx->cfg.coalesce);
     p->state = KV_PUSH_WRITING;
+}
+
+
+/* push_cancel from the receiver: it failed the request.  Stop writing,
+ * and answer "drained" once our writes for it completed. */
+void
+kv_push_cancel_msg(kv_ctx_t *ctx, int peer, cJSON *j)
+{
+    cJSON *jid = cJSON_GetObjectItemCaseSensitive(j, "id");
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "req_id");
+    cJSON *je = cJSON_GetObjectItemCaseSensitive(j, "error");
+    uint64_t id = cJSON_IsNumber(jid) ? (uint64_t) jid->valuedouble : 0;
+    uint64_t inst = inst_of(j);
+    kv_push_t *p = NULL;
+    char why[160];
+    uint32_t i;
+
+    if (id == 0 || !cJSON_IsString(jr) || (inst != 0 && inst != ctx->inst)) {
+        /* meant for an earlier incarnation of this node: not ours to
+         * answer (the receiver waits for that one to be gone) */
+        return;
+    }
+    for (i = 0; ctx->push && i < ctx->npush; i++) {
+        if (ctx->push[i].state != KV_PUSH_FREE && ctx->push[i].peer == peer
+            && ctx->push[i].begin_id == id)
+        {
+            p = &ctx->push[i];
+            break;
+        }
+    }
+    if (p == NULL) {
+        /* no slot holds it: nothing of it can be in flight */
+        send_abort(ctx, peer, jr->valuestring, id, 1, "no such push");
+        return;
+    }
+    snprintf(why, sizeof(why), "cancelled by %s: %s",
+             ctx->peers[peer].conf.id,
+             cJSON_IsString(je) ? je->valuestring : "?");
+    if (push_active(p)) {
+        push_finish(ctx, p, 0, why);    /* answers when drained */
+        return;
+    }
+    if (p->state == KV_PUSH_DONE) {
+        /* our done message crossed its failure: the KV is not there */
+        p->state = KV_PUSH_FAILED;
+        snprintf(p->error, sizeof(p->error), "%s", why);
+        ctx->stat_pushes_ok--;
+        ctx->stat_pushes_failed++;
+        kv_warn("xfer: push %s -> %s failed after completing: %s",
+                p->req_id, ctx->peers[peer].conf.id, why);
+        kv_api_notify(ctx, p->req_id);
+    }
+    p->abort_pending = 1;
+    push_abort_check(ctx, p);
 }
 
 
@@ -1035,6 +1487,7 @@ on_completion(kv_ctx_t *ctx, kv_op_t *op, int err, size_t len)
                          ctx->peers[p->peer].conf.id, kv_fi_err(err));
                 push_finish(ctx, p, 0, why);
             }
+            push_abort_check(ctx, p);
             if (p->release_pending && p->inflight == 0) {
                 push_free(ctx, p);
             }
@@ -1082,7 +1535,7 @@ kv_xfer_progress(kv_ctx_t *ctx)
 {
     struct fi_cq_data_entry ce[64];
     struct fi_cq_err_entry ee;
-    uint32_t i, k;
+    uint32_t i, k, budget;
     ssize_t n;
     int rail;
 
@@ -1090,8 +1543,10 @@ kv_xfer_progress(kv_ctx_t *ctx)
         return 0;
     }
     for (rail = 0; rail < ctx->fab.nrails; rail++) {
-        for ( ;; ) {
-            n = fi_cq_read(ctx->fab.rail[rail].cq, ce, 64);
+        /* bounded: a CQ that keeps producing (or an error entry that
+         * cannot be read) must not keep the loop from the sockets */
+        for (budget = 0; budget < KV_CQ_TURN_MAX; budget++) {
+            n = kv_rail_cq_read(&ctx->fab.rail[rail], ce, 64);
             if (n > 0) {
                 for (k = 0; k < (uint32_t) n; k++) {
                     on_completion(ctx, (kv_op_t *) ce[k].op_context, 0,
@@ -1101,12 +1556,17 @@ kv_xfer_progress(kv_ctx_t *ctx)
                     continue;
                 }
             } else if (n == -FI_EAVAIL) {
-                kv_rail_cq_error(&ctx->fab.rail[rail], &ee);
+                if (kv_rail_cq_error(&ctx->fab.rail[rail], &ee) < 0) {
+                    break;
+                }
                 if (ee.op_context) {
                     on_completion(ctx, (kv_op_t *) ee.op_context,
                                   ee.err ? ee.err : FI_EIO, 0);
                 }
                 continue;
+            } else if (n < 0 && n != -FI_EAGAIN) {
+                kv_warn("fabric: rail %d: fi_cq_read: %s", rail,
+                        kv_fi_err((int) n));
             }
             break;
         }
@@ -1171,12 +1631,13 @@ kv_xfer_timeouts(kv_ctx_t *ctx, uint64_t now)
         }
         if (r->state == DPD_REQ_TRANSFERRING && now > r->deadline_ms) {
             kv_rreq_set(ctx, r, DPD_REQ_FAILED, why);
-        } else if (r->state == DPD_REQ_FAILED && r->n == 0
+        } else if (r->state == DPD_REQ_FAILED && r->n == 0 && !r->quar
                    && now > r->t_final_ms + keep)
         {
             r->used = 0;
         }
     }
+    kv_quar_tick(ctx, now);
 }
 
 

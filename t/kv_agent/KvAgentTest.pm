@@ -122,7 +122,9 @@ sub agent_config {
     return \%c;
 }
 
-# start_agent($cfg, wrap => [...], wait => 1)
+# start_agent($cfg, wrap => [...], wait => 1, env => {K => V},
+#             pre_exec => sub { ... })   (pre_exec runs in the child, whose
+#                                         pid the agent keeps)
 sub start_agent {
     my ($cfg, %o) = @_;
     my $dir = kv_tmpdir();
@@ -135,11 +137,22 @@ sub start_agent {
     my $log = "$dir/$name.log";
     my $skip = -s $log // 0;        # a node started again appends to it
     unlink $cfg->{api_socket} if $cfg->{api_socket};
+    if ($ENV{KV_TEST_VALGRIND} && !$o{wrap}) {
+        # KV_TEST_VALGRIND=1: every agent under memcheck, one log per
+        # process in the test's directory (KV_TEST_KEEP=1 keeps it)
+        $o{wrap} = ["valgrind", "--leak-check=full",
+                    "--show-leak-kinds=definite",
+                    "--errors-for-leak-kinds=definite",
+                    "--error-exitcode=99", "--log-file=$dir/$name.vg.%p"];
+        $o{timeout} //= 90;
+    }
     my $pid = fork();
     die "fork: $!" unless defined $pid;
     if ($pid == 0) {
         open STDERR, '>>', $log or die;
         open STDOUT, '>&', \*STDERR or die;
+        $ENV{$_} = $o{env}{$_} for keys %{ $o{env} // {} };
+        $o{pre_exec}->() if $o{pre_exec};   # runs in the agent's process
         # KV_TEST_WRAP="valgrind --log-file=DIR/vg.%p ..." wraps every
         # agent a test starts (when it does not wrap it itself)
         my @wrap = @{ $o{wrap} // [split ' ', $ENV{KV_TEST_WRAP} // ""] };
