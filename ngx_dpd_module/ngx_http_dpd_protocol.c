@@ -1056,6 +1056,22 @@ ngx_http_dpd_proto_parse_reply(const char *data, size_t len, int protocol,
 
     bad = dpd_nixl_check(ktp);
 
+    /*
+     * The decoder's json keeps the last of a repeated key, dpd_nixl_check()
+     * saw the first: a reply that repeats one (remote_port, remote_block_ids
+     * ...) is not passed on, whatever the copies say.
+     */
+
+    if (bad == NULL && cJSON_IsObject(ktp)) {
+        ngx_http_dpd_req_t  scratch;
+
+        memset(&scratch, 0, sizeof(scratch));
+
+        if (dpd_check_keys(&scratch, ktp, 0) != 0) {
+            bad = "prefill reply repeats a key in kv_transfer_params";
+        }
+    }
+
     if (bad) {
         cJSON_Delete(reply);
         *why = bad;

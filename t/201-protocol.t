@@ -256,6 +256,21 @@ for my $case (
     ok length $why, "  ... with a reason ($why)";
 }
 
+# a repeated key inside the reply's params: the decoder would keep the last
+# copy, which the checks never saw
+for my $case (
+    ['"remote_port":5600,"remote_port":22', 'remote_port'],
+    ['"remote_block_ids":[1],"remote_block_ids":[-1]', 'remote_block_ids'],
+    ['"x":{"a":1,"a":2}', 'a nested key'],
+) {
+    my $base = $json->encode($ktp);
+    $base =~ s/^\{/{$case->[0],/;
+    ($kind, $why) = split /\t/,
+        run_driver("{\"kv_transfer_params\":$base}", 'reply', 'nixl');
+    is $kind, 1, "reply repeating $case->[1]: decode without its params";
+    like $why, qr/repeats a key/, '  ... with that reason';
+}
+
 ($kind, $why) = split /\t/, run_driver('{"id":"x"}', 'reply', 'nixl');
 is $kind, 1, 'reply without kv_transfer_params: decode without';
 ($kind) = split /\t/, run_driver('{"kv_transfer_params":null}', 'reply', 'nixl');
