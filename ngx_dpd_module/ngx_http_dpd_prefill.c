@@ -71,6 +71,9 @@ static ngx_int_t ngx_http_dpd_set_body_text(ngx_http_request_t *r,
 static u_char *ngx_http_dpd_cstr(ngx_pool_t *pool, ngx_str_t *s);
 static ngx_int_t ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name,
     ngx_str_t *host);
+static const char *ngx_http_dpd_nixl_host(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf,
+    cJSON *params, ngx_str_t *peer);
 static ngx_int_t ngx_http_dpd_prefill_variable(ngx_http_request_t *r,
     ngx_http_variable_value_t *v, uintptr_t data);
 static ngx_int_t ngx_http_dpd_kv_choose(ngx_http_request_t *r,
@@ -166,6 +169,7 @@ ngx_http_dpd_prefill_init_conf(ngx_http_dpd_prefill_conf_t *conf)
     conf->timeout = NGX_CONF_UNSET_MSEC;
     conf->fallback = NGX_CONF_UNSET_UINT;
     conf->kv_wait = NGX_CONF_UNSET_MSEC;
+    conf->nixl_hosts = NGX_CONF_UNSET_PTR;
 }
 
 
@@ -192,6 +196,7 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
                               NGX_HTTP_DPD_FALLBACK_DECODE);
     ngx_conf_merge_str_value(conf->decode_name, prev->decode_name, "");
     ngx_conf_merge_msec_value(conf->kv_wait, prev->kv_wait, 2000);
+    ngx_conf_merge_ptr_value(conf->nixl_hosts, prev->nixl_hosts, NULL);
 
     /* directives the protocol of a disaggregating block does not use */
 
@@ -804,7 +809,7 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     cJSON                       *params;
     ngx_int_t                    rc;
     ngx_str_t                    host;
-    const char                  *why;
+    const char                  *why, *pull;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
@@ -874,19 +879,26 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     host.len = 0;
     host.data = NULL;
+    pull = NULL;
 
     if (params) {
-        /* the decoder may pull only from the peer that answered */
+        /* the decoder may pull from the peer that answered or the list */
 
         if (ngx_http_dpd_peer_host(r->pool, &p->peer, &host) != NGX_OK) {
             cJSON_Delete(params);
             params = NULL;
             why = "the prefill peer's address is unknown";
+
+        } else {
+            pull = ngx_http_dpd_nixl_host(r, ctx, pcf, params, &host);
+            if (pull == NULL) {
+                cJSON_Delete(params);
+                return NGX_ERROR;
+            }
         }
     }
 
-    rc = ngx_http_dpd_decode_body(r, ctx, params,
-                                  host.len ? (char *) host.data : NULL);
+    rc = ngx_http_dpd_decode_body(r, ctx, params, pull);
 
     if (params) {
         cJSON_Delete(params);
@@ -896,16 +908,22 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         return NGX_ERROR;
     }
 
-    if (pcf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE || host.len) {
+    if (pcf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE || pull) {
         p->params = 1;
         ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS);
 
     } else {
+        /* no KV reuse: reported as such, not as a disaggregated request */
+
         ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS);
+
+        ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
+        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
 
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "dpd: request \"%V\" decodes without KV transfer "
-                      "params (%s), the decoder recomputes the prompt",
+                      "params (%s), the decoder recomputes the prompt "
+                      "(route fallback)",
                       &ctx->request_id, why ? why : "none in the reply");
     }
 
@@ -1086,6 +1104,149 @@ ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name, ngx_str_t *host)
     host->data = p;
 
     return NGX_OK;
+}
+
+
+/*
+ * The remote_host the decoder pulls from: the reply's own when it is an IP
+ * literal that is the prefill peer's address or lies in
+ * dpd_nixl_remote_hosts (a side channel on another NIC), else the peer's
+ * (a hostname, "localhost", a foreign address: never where a reply says).
+ * Returns a NUL-terminated host, or NULL when out of memory.
+ */
+
+static const char *
+ngx_http_dpd_nixl_host(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefill_conf_t *pcf, cJSON *params, ngx_str_t *peer)
+{
+    u_char        *s, c, shown[NGX_HTTP_DPD_NIXL_HOST_SHOWN + 1];
+    size_t         len, i;
+    ngx_addr_t     want, peer_addr;
+    const cJSON   *v;
+    const char    *why;
+
+    v = cJSON_GetObjectItemCaseSensitive(params, "remote_host");
+
+    if (v == NULL || cJSON_IsNull(v)) {
+        /* vLLM always names one: nothing to vet, nothing to warn about */
+        return (char *) peer->data;
+    }
+
+    why = "is not an IP address";
+
+    if (!cJSON_IsString(v)) {
+        why = "is not a string";
+        s = (u_char *) "";
+        len = 0;
+        goto replace;
+    }
+
+    s = (u_char *) v->valuestring;
+    len = ngx_strlen(s);
+
+    if (len > 2 && s[0] == '[' && s[len - 1] == ']') {
+        s++;
+        len -= 2;
+    }
+
+    ngx_memzero(&want, sizeof(ngx_addr_t));
+    ngx_memzero(&peer_addr, sizeof(ngx_addr_t));
+
+    if (len == 0 || len > NGX_SOCKADDR_STRLEN
+        || ngx_parse_addr(r->pool, &want, s, len) != NGX_OK)
+    {
+        goto replace;
+    }
+
+    if (ngx_parse_addr(r->pool, &peer_addr, peer->data, peer->len) == NGX_OK
+        && ngx_cmp_sockaddr(want.sockaddr, want.socklen,
+                            peer_addr.sockaddr, peer_addr.socklen, 0)
+           == NGX_OK)
+    {
+        return v->valuestring;
+    }
+
+    if (pcf->nixl_hosts != NULL
+        && ngx_cidr_match(want.sockaddr, pcf->nixl_hosts) == NGX_OK)
+    {
+        return v->valuestring;
+    }
+
+    why = pcf->nixl_hosts ? "is neither the prefill peer nor in "
+                            "dpd_nixl_remote_hosts"
+                          : "is not the prefill peer";
+
+replace:
+
+    /* the engine's text goes to the log: bounded, printable */
+
+    s = (u_char *) (cJSON_IsString(v) ? v->valuestring : "");
+
+    for (i = 0; i < NGX_HTTP_DPD_NIXL_HOST_SHOWN && s[i] != '\0'; i++) {
+        c = s[i];
+        shown[i] = (c >= 0x20 && c < 0x7f && c != '"') ? c : '?';
+    }
+
+    shown[i] = '\0';
+
+    ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                  "dpd: request \"%V\": the prefill reply's remote_host "
+                  "\"%s\"%s %s, the decoder pulls from %V instead",
+                  &ctx->request_id, shown, s[i] != '\0' ? "..." : "", why,
+                  peer);
+
+    return (char *) peer->data;
+}
+
+
+char *
+ngx_http_dpd_nixl_remote_hosts(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf)
+{
+    char  *p = conf;
+
+    ngx_int_t     rc;
+    ngx_str_t    *value;
+    ngx_uint_t    i;
+    ngx_cidr_t   *cidr;
+    ngx_array_t **a;
+
+    a = (ngx_array_t **) (p + cmd->offset);
+
+    if (*a != NGX_CONF_UNSET_PTR) {
+        return "is duplicate";
+    }
+
+    *a = ngx_array_create(cf->pool, cf->args->nelts - 1, sizeof(ngx_cidr_t));
+    if (*a == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    value = cf->args->elts;
+
+    for (i = 1; i < cf->args->nelts; i++) {
+        cidr = ngx_array_push(*a);
+        if (cidr == NULL) {
+            return NGX_CONF_ERROR;
+        }
+
+        rc = ngx_ptocidr(&value[i], cidr);
+
+        if (rc == NGX_ERROR || cidr->family == AF_UNIX) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "invalid address or network \"%V\" in "
+                               "\"dpd_nixl_remote_hosts\"", &value[i]);
+            return NGX_CONF_ERROR;
+        }
+
+        if (rc == NGX_DONE) {
+            ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                               "low address bits of %V are meaningless",
+                               &value[i]);
+        }
+    }
+
+    return NGX_CONF_OK;
 }
 
 

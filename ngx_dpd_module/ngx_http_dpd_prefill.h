@@ -19,6 +19,10 @@
  *   dpd_kv_wait TIME;                 kv_agent: how long to wait after the
  *                                     prefill for the state table to say the
  *                                     KV is ready on the decoder; default 2s
+ *   dpd_nixl_remote_hosts CIDR ...;   nixl: where else than the prefill
+ *                                     peer's own address a reply's
+ *                                     remote_host may point (side channel
+ *                                     on another NIC); default none
  * Variables: $dpd_prefill_peer $dpd_decode_peer $dpd_prefill_time (ms)
  *            $dpd_prefill_status $dpd_kv_wait_time (ms)
  */
@@ -74,7 +78,13 @@ typedef struct {
     ngx_str_t                    decode_name;   /* dpd_decode_upstream */
     ngx_http_upstream_srv_conf_t *decode_upstream; /* lmcache, kv_agent */
     ngx_msec_t                   kv_wait;       /* dpd_kv_wait */
+    ngx_array_t                 *nixl_hosts;    /* dpd_nixl_remote_hosts,
+                                                   of ngx_cidr_t */
 } ngx_http_dpd_prefill_conf_t;
+
+
+/* how much of a refused remote_host the warning shows */
+#define NGX_HTTP_DPD_NIXL_HOST_SHOWN   64
 
 
 /* per-request state of the disaggregated path */
@@ -113,6 +123,8 @@ extern ngx_conf_enum_t  ngx_http_dpd_prefill_protocols[];
 extern ngx_conf_enum_t  ngx_http_dpd_prefill_fallbacks[];
 
 char *ngx_http_dpd_prefill_pass(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
+char *ngx_http_dpd_nixl_remote_hosts(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
 
 
@@ -159,6 +171,13 @@ char *ngx_http_dpd_prefill_pass(ngx_conf_t *cf, ngx_command_t *cmd,
       ngx_conf_set_msec_slot,                                                 \
       NGX_HTTP_LOC_CONF_OFFSET,                                               \
       offsetof(ngx_http_dpd_loc_conf_t, prefill.kv_wait),                     \
+      NULL },                                                                 \
+                                                                              \
+    { ngx_string("dpd_nixl_remote_hosts"),                                    \
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_1MORE,  \
+      ngx_http_dpd_nixl_remote_hosts,                                         \
+      NGX_HTTP_LOC_CONF_OFFSET,                                               \
+      offsetof(ngx_http_dpd_loc_conf_t, prefill.nixl_hosts),                  \
       NULL },
 
 void ngx_http_dpd_prefill_init_conf(ngx_http_dpd_prefill_conf_t *conf);

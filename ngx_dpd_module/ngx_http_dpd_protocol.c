@@ -969,15 +969,20 @@ dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp, size_t *len)
 
 
 /*
- * vLLM NixlConnector reply params: do_remote_prefill true, the engine id,
- * block ids, and the side channel port.  remote_host is not checked: it is
- * replaced by the prefill peer's host anyway.
+ * vLLM NixlConnector reply params (nixl/pull_scheduler.py request_finished:
+ * do_remote_prefill, remote_block_ids (one list per KV cache group),
+ * remote_engine_id, remote_request_id, remote_host, remote_port, tp_size,
+ * dcp_size, pp_size, remote_num_tokens, remote_blocks_expiry_time,
+ * transfer_mode).  The decoder gets them unchanged but for remote_host, so
+ * only what decides where it pulls from and what is checked here: the
+ * rest (block ids of any shape, sizes, fields we do not know) is the
+ * engines' business.  remote_host is the caller's (the allowlist).
  */
 
 static const char *
 dpd_nixl_check(const cJSON *p)
 {
-    const cJSON  *v, *id;
+    const cJSON  *v;
 
     if (!cJSON_IsObject(p)) {
         return "kv_transfer_params is not an object";
@@ -993,25 +998,14 @@ dpd_nixl_check(const cJSON *p)
         return "remote_engine_id missing";
     }
 
-    v = cJSON_GetObjectItemCaseSensitive(p, "remote_block_ids");
-    if (!cJSON_IsArray(v)) {
-        return "remote_block_ids is not an array";
-    }
-
-    cJSON_ArrayForEach(id, v) {
-        if (!dpd_json_is_uint(id, 4294967295.0)) {
-            return "remote_block_ids holds a non block id";
-        }
+    v = cJSON_GetObjectItemCaseSensitive(p, "remote_request_id");
+    if (!cJSON_IsString(v) || v->valuestring[0] == '\0') {
+        return "remote_request_id missing";
     }
 
     v = cJSON_GetObjectItemCaseSensitive(p, "remote_port");
     if (!dpd_json_is_uint(v, 65535) || v->valuedouble < 1) {
         return "remote_port missing or out of range";
-    }
-
-    v = cJSON_GetObjectItemCaseSensitive(p, "tp_size");
-    if (v != NULL && !cJSON_IsNull(v) && !dpd_json_is_uint(v, 65535)) {
-        return "tp_size is not a count";
     }
 
     return NULL;
@@ -1090,7 +1084,8 @@ char *
 ngx_http_dpd_proto_decode_body(const ngx_http_dpd_req_t *req,
     const cJSON *params, const char *prefill_host, size_t *len)
 {
-    cJSON  *ktp;
+    cJSON        *ktp;
+    const cJSON  *v;
 
     if (req == NULL || req->members == NULL) {
         return NULL;
@@ -1105,10 +1100,14 @@ ngx_http_dpd_proto_decode_body(const ngx_http_dpd_req_t *req,
             return NULL;
         }
 
-        /* the decoder pulls from the peer we asked, from nowhere else */
+        /* the decoder pulls from the host the caller vetted, nowhere else */
 
-        if (dpd_json_set(ktp, "remote_host", cJSON_CreateString(prefill_host))
-            != 0)
+        v = cJSON_GetObjectItemCaseSensitive(ktp, "remote_host");
+
+        if (!(cJSON_IsString(v) && strcmp(v->valuestring, prefill_host) == 0)
+            && dpd_json_set(ktp, "remote_host",
+                            cJSON_CreateString(prefill_host))
+               != 0)
         {
             cJSON_Delete(ktp);
             return NULL;

@@ -21,8 +21,11 @@
  *   prefill reply  must be a JSON object; for nixl its kv_transfer_params
  *                  are validated and kept, or dropped with a reason
  *   decode body    the client's members without kv_transfer_params; for
- *                  nixl plus the reply's params with remote_host forced to
- *                  the prefill peer that answered
+ *                  nixl plus the reply's params unchanged (any shape of
+ *                  remote_block_ids, fields unknown here) but remote_host,
+ *                  which is the one the caller vetted (the prefill peer
+ *                  that answered, or the reply's own inside
+ *                  dpd_nixl_remote_hosts)
  *
  * Every body is linear in the client's body: one pass to size it, one to
  * write it, one allocation through req->alloc (malloc() when NULL: release
@@ -146,8 +149,9 @@ int ngx_http_dpd_proto_parse_reply(const char *data, size_t len,
 
 /*
  * The decode body: the request without client kv_transfer_params, plus
- * "params" (may be NULL) with remote_host set to prefill_host.  params
- * without a prefill_host are dropped (the peer that answered is unknown).
+ * "params" (may be NULL) with remote_host set to prefill_host (left as it
+ * is, in place, when it already says that).  params without a
+ * prefill_host are dropped (no host was vetted).
  * With neither, this is the body of the direct path and of a fallback.
  */
 char *ngx_http_dpd_proto_decode_body(const ngx_http_dpd_req_t *req,

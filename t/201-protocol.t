@@ -235,15 +235,33 @@ is $kind, 0, 'nixl reply with params: usable';
 is_deeply $json->decode($out), $ktp, 'params kept as sent (host replaced later)';
 
 my %old = %$ktp;
-delete @old{qw(remote_request_id tp_size)};
+delete @old{qw(tp_size)};
 ($kind) = split /\t/, run_driver($json->encode({kv_transfer_params => \%old}), 'reply', 'nixl');
-is $kind, 0, 'older vLLM params (first six only) are usable';
+is $kind, 0, 'params without tp_size are usable';
+
+# current vLLM (nixl/pull_scheduler.py request_finished): one block list
+# per KV cache group, and fields the gateway does not know: all kept as sent
+for my $case (
+    [[[11, 12, 13], [40]], 'per-group block ids'],
+    [[], 'no block ids (full prefix hit)'],
+    ['all', 'block ids of a shape unknown here'],
+    [[1.5, -2], 'block ids that are not ids'],
+) {
+    my $cur = {%$ktp, remote_block_ids => $case->[0], remote_num_tokens => 600,
+               dcp_size => 1, pp_size => 1, remote_blocks_expiry_time => undef,
+               transfer_mode => 'pull', future_field => {a => [1, {b => 2}]}};
+    ($kind, $why, $out) = split /\t/,
+        run_driver($json->encode({kv_transfer_params => $cur}), 'reply', 'nixl'), 3;
+    is $kind, 0, "reply with $case->[1]: usable";
+    is_deeply $json->decode($out), $cur, "  ... every field kept as sent";
+}
 
 for my $case (
     [{%$ktp, do_remote_prefill => JSON::PP::false}, 'do_remote_prefill false'],
-    [{%$ktp, remote_block_ids => 'all'}, 'block ids not an array'],
-    [{%$ktp, remote_block_ids => [1, -2]}, 'negative block id'],
-    [{%$ktp, remote_block_ids => [1.5]}, 'fractional block id'],
+    [do { my %h = %$ktp; delete $h{remote_request_id}; \%h }, 'no request id'],
+    [{%$ktp, remote_request_id => 7}, 'request id not a string'],
+    [do { my %h = %$ktp; delete $h{remote_port}; \%h }, 'no port'],
+    [{%$ktp, remote_port => 0}, 'port 0'],
     [{%$ktp, remote_port => 70000}, 'port out of range'],
     [{%$ktp, remote_port => '5600'}, 'port as a string'],
     [{%$ktp, remote_engine_id => ''}, 'empty engine id'],
@@ -303,6 +321,22 @@ ok !exists $dec->{kv_transfer_params}, 'decode body without params: client param
 $dec = $json->decode(run_driver(dec_input($chat, $ktp), 'decode'));
 ok !exists $dec->{kv_transfer_params},
     'params without a known prefill host are dropped, never passed through';
+
+{
+    # a vetted remote_host equal to the reply's: the params go on as sent,
+    # byte for byte (same order, per-group block ids, unknown fields)
+    my $raw = '{"remote_engine_id":"e","remote_request_id":"r-0",'
+            . '"remote_block_ids":[[11,12,13],[40]],"remote_host":"10.1.2.3",'
+            . '"remote_port":5600,"tp_size":2,"x_new":{"k":[1,null]}}';
+    my $body = run_driver("$raw\n" . $json->encode($cmpl), 'decode', '10.1.2.3');
+    like $body, qr/"kv_transfer_params":\Q$raw\E[,}]/,
+        'decode params byte-identical when remote_host stands';
+    $body = run_driver("$raw\n" . $json->encode($cmpl), 'decode', '10.0.0.9');
+    my $d = $json->decode($body)->{kv_transfer_params};
+    is $d->{remote_host}, '10.0.0.9', 'an overruled remote_host is replaced';
+    is_deeply $d->{remote_block_ids}, [[11, 12, 13], [40]], '  ... the rest kept';
+    is_deeply $d->{x_new}, {k => [1, undef]}, '  ... unknown fields too';
+}
 
 my $noh = {%$ktp};
 delete $noh->{remote_host};

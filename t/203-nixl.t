@@ -347,7 +347,7 @@ Content-Type: application/json
 X-Request-Id: nixl-noparams
 --- response_body_like: "choices"
 --- response_headers_like
-X-Route: disaggregated
+X-Route: fallback
 --- error_log
 decodes without KV transfer params (prefill reply has no kv_transfer_params)
 
