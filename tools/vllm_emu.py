@@ -68,7 +68,7 @@ EMULATOR ENDPOINTS (tests)
         prefill_tokens_computed_total, decode_tokens_total,
         cached_tokens_total, prefill_requests_total, nixl_held_total,
         nixl_served_total, nixl_pull_{ok,failed,mismatch}_total,
-        nixl_expired_total, nixl_replaced_total,
+        nixl_expired_total, nixl_replaced_total, nixl_invalid_params_total,
         lmcache_push_{ok,failed}_total,
         lmcache_inits_total, lmcache_received_chunks_total,
         lmcache_hit_tokens_total, lmcache_expired_chunks_total,
@@ -125,10 +125,21 @@ PREFILL PROTOCOLS
     prefill/both instance is prefilled, answers with kv_transfer_params
     {do_remote_prefill:true, do_remote_decode:false, remote_block_ids,
     remote_engine_id, remote_request_id, remote_host, remote_port (side
-    channel), tp_size:1} and holds its full prompt blocks until pulled or
-    --kv-hold-timeout.  A decode/both instance given do_remote_prefill=true
-    pulls from remote_host:remote_port (line JSON over TCP); the side channel
-    answers with the prompt's token hash and block list; tokens must match.
+    channel), tp_size:1, dcp_size:1, pp_size:1, remote_num_tokens (the
+    prompt), remote_blocks_expiry_time:null, transfer_mode:"pull"} as
+    current vLLM does (--nixl-reply-shape groups: remote_block_ids is one
+    list per KV cache group, --kv-cache-groups of them; group 0 the
+    prompt's blocks, the others a one-block tail with ids g*--kv-blocks+id;
+    --nixl-reply-shape flat: one flat list, only the fields up to tp_size)
+    and holds its full prompt blocks until pulled or --kv-lease-duration
+    (= --kv-hold-timeout) passes.  A decode/both instance given
+    do_remote_prefill=true checks the params as vLLM's
+    update_state_after_alloc does (remote_block_ids non-empty and
+    remote_engine_id, remote_request_id, remote_host, remote_port present,
+    else it logs "Got invalid KVTransferParams" and recomputes, counted in
+    nixl_invalid_params_total) and pulls from remote_host:remote_port (line
+    JSON over TCP); the side channel answers with the prompt's token hash
+    and the block ids as published; both must match what the decoder got.
     cached_tokens = block_size * floor((prompt_tokens-1)/block_size), capped
     by the blocks pulled (the last token is always recomputed).  A failed or
     mismatching pull recomputes (cached_tokens 0), counted.  Wire: one
@@ -190,6 +201,12 @@ WORDS = (
     "over only city some world would where later up such used many can "
     "state about national out known university united then made"
 ).split()
+
+
+# what vLLM's NIXL consumer needs besides remote_block_ids
+# (NixlPullConnectorScheduler.update_state_after_alloc)
+NIXL_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host",
+                 "remote_port")
 
 
 def now_ms():
@@ -597,8 +614,9 @@ class KvState(object):
         self.nixl = {}      # request_id -> entry
         self.lmc = {}       # chunk key -> entry
 
-    def nixl_hold(self, rid, blocks, prompt_ids):
+    def nixl_hold(self, rid, blocks, prompt_ids, published=None):
         e = {"request_id": rid, "blocks": blocks,
+             "published": blocks if published is None else published,
              "tokens": len(blocks) * self.emu.args.block_size,
              "n_prompt": len(prompt_ids),
              "token_hash": token_hash(prompt_ids,
@@ -1367,6 +1385,8 @@ class Emu(object):
              "NIXL pulls with other prompt tokens (recompute)."),
             ("nixl_served_total", "NIXL side-channel pulls answered."),
             ("nixl_expired_total", "Held NIXL blocks freed by timeout."),
+            ("nixl_invalid_params_total",
+             "NIXL consumer params missing a required field (recompute)."),
             ("lmcache_push_ok_total", "LMCache pushes to a decoder."),
             ("lmcache_push_failed_total", "LMCache pushes that failed."),
             ("lmcache_received_chunks_total", "LMCache chunks received."),
@@ -1416,7 +1436,7 @@ class Emu(object):
         self.sched.free_blocks(e["blocks"])
         self.counter_add("nixl_served_total", 1)
         return {"ok": True, "engine_id": self.engine_id,
-                "request_id": e["request_id"], "block_ids": e["blocks"],
+                "request_id": e["request_id"], "block_ids": e["published"],
                 "n_blocks": len(e["blocks"]), "tokens": e["tokens"],
                 "n_prompt": e["n_prompt"], "token_hash": e["token_hash"],
                 "block_size": self.args.block_size}
@@ -2186,6 +2206,23 @@ class Conn(socketserver.BaseRequestHandler):
             return info
         host, port = kvp.get("remote_host"), kvp.get("remote_port")
         blocks = kvp.get("remote_block_ids")
+        # vLLM NixlPullConnectorScheduler.update_state_after_alloc: no block
+        # ids: nothing to pull; block ids without all of the four fields:
+        # "Got invalid KVTransferParams", recompute
+        if not blocks:
+            info["outcome"] = "failed: no remote_block_ids"
+            emu.counter_add("nixl_pull_failed_total", 1)
+            return info
+        missing = [k for k in NIXL_REQUIRED if k not in kvp]
+        if missing:
+            sys.stderr.write("vllm_emu: WARNING Got invalid KVTransferParams:"
+                             " %s. This request will not utilize KVTransfer"
+                             "\n" % jdump(kvp))
+            info["outcome"] = "failed: invalid KVTransferParams (no %s)" % \
+                ", ".join(missing)
+            emu.counter_add("nixl_pull_failed_total", 1)
+            emu.counter_add("nixl_invalid_params_total", 1)
+            return info
         if not isinstance(host, str) or not isinstance(port, int) or \
                 not isinstance(blocks, list):
             info["outcome"] = "failed: incomplete kv_transfer_params"
@@ -2241,13 +2278,36 @@ class Conn(socketserver.BaseRequestHandler):
         emu = self.emu
         a = emu.args
         blocks = s.held_blocks or []
-        emu.kv.nixl_hold(eid, blocks, s.prompt_ids)
-        kv_out = {"do_remote_prefill": True, "do_remote_decode": False,
-                  "remote_block_ids": [b for b in blocks],
-                  "remote_engine_id": emu.engine_id,
-                  "remote_request_id": eid,
-                  "remote_host": a.side_channel_host or a.host,
-                  "remote_port": a.side_channel_port, "tp_size": 1}
+        if a.nixl_reply_shape == "flat":
+            # vLLM before the hybrid KV cache manager: one flat list
+            published = [b for b in blocks]
+            kv_out = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_block_ids": published,
+                      "remote_engine_id": emu.engine_id,
+                      "remote_request_id": eid,
+                      "remote_host": a.side_channel_host or a.host,
+                      "remote_port": a.side_channel_port, "tp_size": 1}
+        else:
+            # current vLLM (nixl/pull_scheduler.py request_finished): one
+            # list per KV cache group; group 0 holds the prompt's blocks,
+            # groups 1.. a sliding-window-like tail of one block each, ids in
+            # their own range (g * --kv-blocks + id)
+            published = [[b for b in blocks]] + [
+                [g * a.kv_blocks + b for b in blocks[-1:]]
+                for g in range(1, a.kv_cache_groups)]
+            kv_out = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_block_ids": published,
+                      "remote_engine_id": emu.engine_id,
+                      "remote_request_id": eid,
+                      "remote_host": a.side_channel_host or a.host,
+                      "remote_port": a.side_channel_port,
+                      "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+                      "remote_num_tokens": len(s.prompt_ids),
+                      # set by vLLM on a decode node only (turn-2 readback);
+                      # the prefill side's lease is --kv-lease-duration
+                      "remote_blocks_expiry_time": None,
+                      "transfer_mode": "pull"}
+        emu.kv.nixl_hold(eid, blocks, s.prompt_ids, published)
         info = {"protocol": "nixl", "side": "producer", "outcome": "held",
                 "request_id": eid, "blocks": len(blocks),
                 "tokens": len(blocks) * a.block_size}
@@ -2440,8 +2500,18 @@ def parse_args(argv):
                    help="decode/both: do not listen on the LMCache ports")
     g.add_argument("--lmcache-chunk-size", type=int, default=256,
                    help="tokens per LMCache chunk")
-    g.add_argument("--kv-hold-timeout", type=float, default=120.0,
-                   help="seconds (real time) held KV waits for its user")
+    g.add_argument("--kv-hold-timeout", "--kv-lease-duration",
+                   dest="kv_hold_timeout", type=float, default=120.0,
+                   help="seconds (real time) held KV waits for its user "
+                   "(NIXL: vLLM's kv_lease_duration, without heartbeats)")
+    g.add_argument("--nixl-reply-shape", choices=("groups", "flat"),
+                   default="groups",
+                   help="NIXL prefill reply: current vLLM (remote_block_ids "
+                   "per KV cache group, remote_num_tokens, tp/dcp/pp_size, "
+                   "remote_blocks_expiry_time, transfer_mode) or the older "
+                   "flat block list")
+    g.add_argument("--kv-cache-groups", type=int, default=1,
+                   help="KV cache groups in a groups-shaped NIXL reply")
     g.add_argument("--kv-connect-timeout", type=float, default=5.0,
                    help="seconds for a side-channel / LMCache connection")
     g.add_argument("--kv-transfer-gbps", type=float, default=0.0,

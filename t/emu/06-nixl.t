@@ -1,5 +1,6 @@
 # vLLM emulator: NIXL (pull) prefill/decode handoff between two instances,
-# without nginx: prefill on 127.0.0.2, decode on 127.0.0.3.
+# without nginx: prefill on 127.0.0.2, decode on 127.0.0.3, the older
+# vLLM reply shape (--nixl-reply-shape flat).
 use strict;
 use warnings;
 use FindBin;
@@ -18,7 +19,9 @@ my %ports = (port => $base, side_channel_port => $base + 100,
              lmcache_alloc_port => $base + 300);
 my %common = (%ports, time_scale => 0.02, kv_hold_timeout => 1.5);
 
-my $p = DPD::Emu->start(host => '127.0.0.2', role => 'prefill', %common);
+# the older flat reply (t/emu/11-nixl-groups.t: the current one)
+my $p = DPD::Emu->start(host => '127.0.0.2', role => 'prefill', %common,
+                        args => ['--nixl-reply-shape', 'flat']);
 my $d = DPD::Emu->start(host => '127.0.0.3', role => 'decode', %common);
 my $bs = $p->block_size;
 
