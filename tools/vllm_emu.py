@@ -82,7 +82,10 @@ EMULATOR ENDPOINTS (tests)
         "headers" (lower-case names),"body" (parsed JSON, or null and
         "body_raw"),"status","fault","stream","prompt_tokens",
         "cached_tokens","completion_tokens","finish_reason","text",
-        "aborted","kv":{..protocol outcome..},"ttft_ms","duration_ms"};
+        "aborted","kv":{..protocol outcome..},"ttft_ms","duration_ms"},
+        plus "body_text" (the body as received, first 64 KiB) when it
+        names kv_transfer_params and "kv_reply_raw" (the reply's
+        kv_transfer_params as sent) when it answered some;
         status 0 = connection closed before a full answer.  kv, e.g.
         {"protocol":"nixl","side":"consumer","outcome":"ok"|"mismatch"|
         "failed: ..","cached_tokens":N,"remote_host",..} or
@@ -99,11 +102,13 @@ EMULATOR ENDPOINTS (tests)
 FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
   rules at run time with one rule object, {"rules":[...]}, or {} to clear)
   A rule: {"status":N, "delay_ms":N, "hang":true, "disconnect_after":N,
-  "malformed_json":true, "kv_override":{..}, "kv_drop":true,
+  "malformed_json":true, "kv_override":{..}, "kv_remove":[names],
+  "kv_drop":true,
   "pad_bytes":N, "path":"/v1/completions", "role":"prefill"|"decode"|"any",
   "count":K}.  kv_override merges its fields into the reply's
   kv_transfer_params (e.g. a foreign remote_host; objects one level deep,
-  so {"dpd":{"state":"failed"}} keeps dpd.req_id); kv_drop answers without
+  so {"dpd":{"state":"failed"}} keeps dpd.req_id); kv_remove drops those
+  fields from them (a reply without remote_port); kv_drop answers without
   them (blocks stay held until they expire); pad_bytes adds a field of N
   bytes to a non-streaming JSON reply (oversized reply).  path/role scope
   a rule (role = the request's: "prefill" when it carries do_remote_decode,
@@ -1154,7 +1159,8 @@ def serve_lines(host, port, handler, name):
 
 GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
 FAULT_KEYS = ("status", "delay_ms", "hang", "disconnect_after",
-              "malformed_json", "kv_override", "kv_drop", "pad_bytes",
+              "malformed_json", "kv_override", "kv_remove", "kv_drop",
+              "pad_bytes",
               "path", "role", "count")
 
 
@@ -1173,6 +1179,10 @@ def check_rule(r):
     if r.get("kv_override") is not None and \
             not isinstance(r["kv_override"], dict):
         raise ValueError("kv_override must be an object")
+    if r.get("kv_remove") is not None and \
+            (not isinstance(r["kv_remove"], list) or
+             not all(isinstance(k, str) for k in r["kv_remove"])):
+        raise ValueError("kv_remove must be a list of field names")
     return dict(r)
 
 
@@ -1283,6 +1293,9 @@ class Emu(object):
             rec["body"] = json.loads(body_raw.decode("utf-8"))
         except (ValueError, UnicodeDecodeError):
             rec["body_raw"] = body_raw[:4096].decode("utf-8", "replace")
+        if b'"kv_transfer_params"' in body_raw:
+            # a KV hand-off: its bytes as received (a gateway's copy)
+            rec["body_text"] = body_raw[:65536].decode("utf-8", "replace")
         with self.lock:
             rec["n"] = self.next_n
             rec["t"] = round(time.time() - self.t0, 6)
@@ -1995,8 +2008,14 @@ class Conn(socketserver.BaseRequestHandler):
                         kv_out[k] = dict(kv_out[k], **v)
                     else:
                         kv_out[k] = v
+            if fault and fault.get("kv_remove") and kv_out:
+                kv_out = dict((k, v) for k, v in kv_out.items()
+                              if k not in fault["kv_remove"])
             if fault and fault.get("kv_drop"):
                 kv_out = None
+            if kv_out is not None:
+                # what the reply carries, as its bytes (jdump is the wire)
+                rec["kv_reply_raw"] = jdump(kv_out)
             self.prom_account(seqs, reasons)
             if p["stream"]:
                 if disc is not None and sent >= disc:
