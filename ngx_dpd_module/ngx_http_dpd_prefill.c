@@ -1205,11 +1205,11 @@ ngx_http_dpd_nixl_remote_hosts(ngx_conf_t *cf, ngx_command_t *cmd,
 {
     char  *p = conf;
 
-    ngx_int_t     rc;
-    ngx_str_t    *value;
-    ngx_uint_t    i;
-    ngx_cidr_t   *cidr;
-    ngx_array_t **a;
+    ngx_int_t      rc;
+    ngx_str_t     *value;
+    ngx_uint_t     i;
+    ngx_cidr_t    *cidr;
+    ngx_array_t  **a;
 
     a = (ngx_array_t **) (p + cmd->offset);
 
