@@ -1108,10 +1108,11 @@ ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name, ngx_str_t *host)
 
 
 /*
- * The remote_host the decoder pulls from: the reply's own when it is an IP
- * literal that is the prefill peer's address or lies in
- * dpd_nixl_remote_hosts (a side channel on another NIC), else the peer's
- * (a hostname, "localhost", a foreign address: never where a reply says).
+ * The remote_host the decoder pulls from: the reply's own (as canonical
+ * text) when it is an IP literal that is the prefill peer's address or
+ * lies in dpd_nixl_remote_hosts (a side channel on another NIC), else the
+ * peer's (a hostname, "localhost", a foreign address: never where a reply
+ * says).
  * Returns a NUL-terminated host, or NULL when out of memory.
  */
 
@@ -1119,7 +1120,7 @@ static const char *
 ngx_http_dpd_nixl_host(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_prefill_conf_t *pcf, cJSON *params, ngx_str_t *peer)
 {
-    u_char        *s, c, shown[NGX_HTTP_DPD_NIXL_HOST_SHOWN + 1];
+    u_char        *s, *text, c, shown[NGX_HTTP_DPD_NIXL_HOST_SHOWN + 1];
     size_t         len, i;
     ngx_addr_t     want, peer_addr;
     const cJSON   *v;
@@ -1158,18 +1159,33 @@ ngx_http_dpd_nixl_host(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         goto replace;
     }
 
+    /*
+     * kept, it goes on in its canonical text (the same bytes when it was
+     * already): "127.0.0.010" is 127.0.0.10 here but 127.0.0.8 to
+     * inet_aton(), "[::1]" is "::1" (vLLM adds the brackets itself)
+     */
+
+    text = ngx_pnalloc(r->pool, NGX_SOCKADDR_STRLEN + 1);
+    if (text == NULL) {
+        return NULL;
+    }
+
+    len = ngx_sock_ntop(want.sockaddr, want.socklen, text,
+                        NGX_SOCKADDR_STRLEN, 0);
+    text[len] = '\0';
+
     if (ngx_parse_addr(r->pool, &peer_addr, peer->data, peer->len) == NGX_OK
         && ngx_cmp_sockaddr(want.sockaddr, want.socklen,
                             peer_addr.sockaddr, peer_addr.socklen, 0)
            == NGX_OK)
     {
-        return v->valuestring;
+        return (char *) text;
     }
 
     if (pcf->nixl_hosts != NULL
         && ngx_cidr_match(want.sockaddr, pcf->nixl_hosts) == NGX_OK)
     {
-        return v->valuestring;
+        return (char *) text;
     }
 
     why = pcf->nixl_hosts ? "is neither the prefill peer nor in "

@@ -32,6 +32,9 @@ my $named = DPD::Emu->start(host => '127.0.0.8', role => 'prefill', %o,
 my $unk = DPD::Emu->start(host => '127.0.0.9', role => 'prefill', %o);
 my $noport = DPD::Emu->start(host => '127.0.0.10', role => 'prefill', %o);
 my $v6 = DPD::Emu->start(host => '127.0.0.11', role => 'prefill', %o);
+my $v6b = DPD::Emu->start(host => '127.0.0.13', role => 'prefill', %o);
+# the peer's own address, spelt so that inet_aton() reads 127.0.0.10
+my $odd = DPD::Emu->start(host => '127.0.0.12', role => 'prefill', %o);
 
 my %future = (future_field => {nested => [1, {x => "y\x{e9}"}, undef]},
               tp_size => 2, remote_blocks_expiry_time => 123.5,
@@ -39,11 +42,14 @@ my %future = (future_field => {nested => [1, {x => "y\x{e9}"}, undef]},
 $unk->fault(role => 'prefill', kv_override => {%future});
 $noport->fault(role => 'prefill', kv_remove => ['remote_port']);
 $v6->fault(role => 'prefill', kv_override => {remote_host => '::1'});
+$v6b->fault(role => 'prefill', kv_override => {remote_host => '[::1]'});
+$odd->fault(role => 'prefill', kv_override => {remote_host => '127.000.000.012'});
 
 my $http_config = $pools->http_config . join '', map {
     "    upstream $_->[0] { server $_->[1]:\$TEST_NGINX_EMU_PORT; }\n"
 } [flat => '127.0.0.6'], [nic => '127.0.0.7'], [named => '127.0.0.8'],
-  [unk => '127.0.0.9'], [noport => '127.0.0.10'], [v6 => '127.0.0.11'];
+  [unk => '127.0.0.9'], [noport => '127.0.0.10'], [v6 => '127.0.0.11'],
+  [v6b => '127.0.0.13'], [odd => '127.0.0.12'];
 
 my $config = <<'_EOC_';
     dpd on;
@@ -80,6 +86,12 @@ my $config = <<'_EOC_';
         dpd_nixl_remote_hosts ::1/128;
         proxy_pass http://decode/;
     }
+    location /v6b/ {
+        dpd_prefill_pass /_p/v6b;
+        dpd_nixl_remote_hosts ::1;
+        proxy_pass http://decode/;
+    }
+    location /odd/ { dpd_prefill_pass /_p/odd; proxy_pass http://decode/; }
 
     location ~ ^/_p/(\w+)(/.*)$ {
         internal;
@@ -180,6 +192,15 @@ for my $case ([cur => \@prefill, 3], [flat => [$flat], 0]) {
 }
 
 {
+    my ($p, $d) = pair('v6b', $v6b);
+    is $d->{body}{kv_transfer_params}{remote_host}, '::1',
+        'a bracketed IPv6 remote_host goes on as canonical text';
+    ($p, $d) = pair('odd', $odd);
+    is $d->{body}{kv_transfer_params}{remote_host}, '127.0.0.12',
+        'the peer spelt with leading zeros goes on as canonical text';
+}
+
+{
     my ($p, $d) = pair('noport', $noport);
     ok !exists JSON::PP->new->decode($p->{kv_reply_raw})->{remote_port},
         'noport: the prefill reply lacked remote_port';
@@ -269,7 +290,23 @@ X-Route: disaggregated
 
 
 
-=== TEST 9: noport: a reply without remote_port is a fallback
+=== TEST 9: v6b: bracketed IPv6
+--- request eval: main::body("/v6b/")
+--- response_body_like: "choices"
+--- no_error_log
+[warn]
+
+
+
+=== TEST 10: odd: leading zeros
+--- request eval: main::body("/odd/")
+--- response_body_like: "choices"
+--- no_error_log
+[warn]
+
+
+
+=== TEST 11: noport: a reply without remote_port is a fallback
 --- request eval: main::body("/noport/")
 --- response_body_like: "choices"
 --- response_headers
@@ -279,7 +316,7 @@ decodes without KV transfer params (remote_port missing or out of range)
 
 
 
-=== TEST 10: metrics: the fallback counted as such
+=== TEST 12: metrics: the fallback counted as such
 --- request eval
 [main::body("/noport/"), "GET /metrics"]
 --- more_headers
