@@ -323,3 +323,35 @@ decodes without KV transfer params (remote_port missing or out of range)
 Content-Type: application/json
 --- response_body_like eval
 ["choices", qr/dpd_requests_total\{route="disaggregated",status="2xx"\} 0\n.*dpd_requests_total\{route="fallback",status="2xx"\} 1\n.*dpd_fallbacks_total 1\n/s]
+
+
+
+=== TEST 13: dpd_nixl_remote_hosts: not an address
+--- config
+    location /v1/ { dpd on; dpd_nixl_remote_hosts 10.0.0.0/8 pod-a.local; }
+--- must_die
+--- error_log
+invalid address or network "pod-a.local" in "dpd_nixl_remote_hosts"
+
+
+
+=== TEST 14: dpd_nixl_remote_hosts: once per block
+--- config
+    location /v1/ {
+        dpd on;
+        dpd_nixl_remote_hosts 10.0.0.0/8;
+        dpd_nixl_remote_hosts fd00::/8;
+    }
+--- must_die
+--- error_log
+"dpd_nixl_remote_hosts" directive is duplicate
+
+
+
+=== TEST 15: dpd_nixl_remote_hosts: low bits set warn; unix: is refused
+--- config
+    location /v1/ { dpd on; dpd_nixl_remote_hosts 10.1.2.3/8 ::1 unix:; }
+--- must_die
+--- error_log
+low address bits of 10.1.2.3/8 are meaningless
+invalid address or network "unix:" in "dpd_nixl_remote_hosts"
