@@ -45,10 +45,18 @@ static void *ngx_http_dpd_pool_alloc(void *pool, size_t size);
 static void *ngx_http_dpd_tree_alloc(size_t size);
 static void ngx_http_dpd_tree_free(void *p);
 static void ngx_http_dpd_tree_release(void *data);
+#if defined(__GLIBC__)
+static void ngx_http_dpd_trim_handler(ngx_event_t *ev);
+#endif
 
 
 /* cJSON's allocator while a request is parsed and counted (see below) */
 static ngx_pool_t  *ngx_http_dpd_tree_pool;
+
+#if defined(__GLIBC__)
+/* malloc_trim() once the current event is done with a big request */
+static ngx_event_t  ngx_http_dpd_trim_event;
+#endif
 
 
 /*
@@ -85,15 +93,18 @@ ngx_http_dpd_count_bound_init(ngx_http_dpd_main_conf_t *dmcf)
  * instead of one free() per node (node by node through malloc(), 80 bytes
  * a node and 32 a key).
  *
- * A request's big scratch (the tree's blocks, a long prompt's copies and
- * the tokenizer's 20 bytes per byte of its longest word: tens of MB for a
- * body of a few MB) is freed once counted, but malloc() keeps freed pages:
- * the worker's heap starts with a large free hole (the master's parse of
- * tokenizer.json) that such buffers fill first, so the pages they touched
- * stayed resident (t/260: two workers grew from 19 to 90 MB in a run and
- * never shrank).  After a body of NGX_HTTP_DPD_TRIM_BODY or more,
- * malloc_trim() hands every free page back (t/260: 0.1 to 1.4 ms a call,
- * median 0.55 ms, for requests that take tens to hundreds of ms).
+ * A request's big buffers (the body's copy, the tree's blocks, a long
+ * prompt's copies, the tokenizer's 20 bytes per byte of its longest word:
+ * tens of MB for a body of a few MB) are freed, but malloc() keeps freed
+ * pages: the worker's heap starts with a large free hole (the master's
+ * parse of tokenizer.json) that such buffers fill first, so the pages they
+ * touched stayed resident (t/260: two workers grew from 19 to 90 MB in a
+ * run and never shrank).  For a body of NGX_HTTP_DPD_TRIM_BODY or more,
+ * malloc_trim() hands every free page back, once counted (the tree and the
+ * scratch, before a possibly long stream) and once the request is freed
+ * (the copies: from an event posted by the request pool's cleanup, which
+ * runs before the pool's large allocations are freed).  t/260: 0.1 to
+ * 1.4 ms a call, median 0.55 ms, for requests of tens to hundreds of ms.
  */
 
 ngx_int_t
@@ -156,6 +167,22 @@ ngx_http_dpd_openai_process(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 #endif
 
     return rc;
+}
+
+
+void
+ngx_http_dpd_openai_cleanup(ngx_http_dpd_ctx_t *ctx)
+{
+    ngx_http_dpd_proto_drop_tree(&ctx->req);
+
+#if defined(__GLIBC__)
+    if (ctx->body.len >= NGX_HTTP_DPD_TRIM_BODY) {
+        ngx_http_dpd_trim_event.handler = ngx_http_dpd_trim_handler;
+        ngx_http_dpd_trim_event.log = ngx_cycle->log;
+
+        ngx_post_event(&ngx_http_dpd_trim_event, &ngx_posted_events);
+    }
+#endif
 }
 
 
@@ -331,3 +358,14 @@ ngx_http_dpd_tree_release(void *data)
 {
     ngx_destroy_pool(data);
 }
+
+
+#if defined(__GLIBC__)
+
+static void
+ngx_http_dpd_trim_handler(ngx_event_t *ev)
+{
+    malloc_trim(0);
+}
+
+#endif
