@@ -3,7 +3,8 @@
 # one per body and path, RSS and peak RSS (VmHWM) after one request of
 # each body on the direct and the disaggregated path (the prefill and the
 # decoder are instant nginx locations).  MODULE=... compares builds.
-#   bench/body_memory.sh          (PORT=18997: three ports from there)
+#   bench/body_memory.sh          (PORT=18997: three ports from there;
+#                                  BODIES="ids-8M ...": some bodies only)
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 bench_require "$MODULE" "$TOK/tokenizer.json"
@@ -17,9 +18,11 @@ open(w + '/ids-8M.json', 'w').write('{"model":"m","prompt":[' + ','.join(['1'] *
 open(w + '/ids-262144.json', 'w').write('{"model":"m","prompt":[' + ','.join(['1'] * 262144) + ']}')
 open(w + '/members-524000.json', 'w').write('{"model":"m","prompt":"x","b":[' + ','.join(['1'] * 524000) + ']}')
 open(w + '/text-16M.json', 'w').write('{"model":"m","prompt":"' + 'word ' * 3200000 + '"}')
+# one 16 MB word: the tokenizer's BPE scratch is per byte of a word
+open(w + '/word-16M.json', 'w').write('{"model":"m","prompt":"' + 'x' * 16000000 + '"}')
 PY
 
-for body in ids-8M ids-262144 members-524000 text-16M; do
+for body in ${BODIES:-ids-8M ids-262144 members-524000 text-16M word-16M}; do
   for path in direct disagg; do
     mkdir -p "$WORK/logs"
     cat > "$WORK/nginx.conf" <<EOC

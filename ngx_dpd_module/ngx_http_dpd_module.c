@@ -654,7 +654,7 @@ ngx_http_dpd_cleanup(void *data)
 {
     ngx_http_dpd_ctx_t  *ctx = data;
 
-    ngx_http_dpd_proto_drop_tree(&ctx->req);
+    ngx_http_dpd_openai_cleanup(ctx);
 }
 
 

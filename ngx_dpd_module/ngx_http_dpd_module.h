@@ -219,6 +219,7 @@ ngx_int_t ngx_http_dpd_read_body(ngx_http_request_t *r,
 ngx_int_t ngx_http_dpd_body_bytes(ngx_http_request_t *r, ngx_str_t *body);
 
 void ngx_http_dpd_count_bound_init(ngx_http_dpd_main_conf_t *dmcf);
+void ngx_http_dpd_openai_cleanup(ngx_http_dpd_ctx_t *ctx);
 ngx_int_t ngx_http_dpd_openai_process(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_main_conf_t *dmcf,
     ngx_http_dpd_loc_conf_t *dlcf);

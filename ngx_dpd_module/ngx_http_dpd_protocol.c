@@ -608,7 +608,15 @@ ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req, const char *data,
 void
 ngx_http_dpd_proto_drop_tree(ngx_http_dpd_req_t *req)
 {
-    cJSON_Delete(req->json);
+    if (req->tree_release) {
+        req->tree_release(req->tree_data);
+        req->tree_release = NULL;
+        req->tree_data = NULL;
+
+    } else {
+        cJSON_Delete(req->json);
+    }
+
     req->json = NULL;
 }
 

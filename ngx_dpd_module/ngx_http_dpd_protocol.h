@@ -94,6 +94,15 @@ typedef struct {
     void                  *(*alloc)(void *data, size_t size);
     void                    *alloc_data;
 
+    /*
+     * optional, set by the caller before parsing: the tree lives in the
+     * caller's arena (cJSON's hooks point into it while the caller parses
+     * and counts), and _drop_tree() hands the whole arena back with
+     * tree_release(tree_data) instead of freeing node by node
+     */
+    void                   (*tree_release)(void *data);
+    void                    *tree_data;
+
     /* the client's bytes (not copied: they must outlive the bodies) */
     const char              *data;
     size_t                   len;

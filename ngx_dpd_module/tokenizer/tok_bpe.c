@@ -2,7 +2,8 @@
  * Byte-level BPE on one pre-token, merge for merge as Hugging Face's
  * Word::merge_all: a min-heap of candidate pairs ordered by (rank, left
  * position); a popped candidate is applied if the pair now at that
- * position still produces the same merged id.
+ * position still produces the same merged id, that is still has the same
+ * rank (one rank, one pair of the merges table).
  *
  * Pieces of up to TOK_BPE_SMALL bytes take a simpler path with the same
  * result: keep the rank of every adjacent pair, apply the lowest (the
@@ -84,17 +85,22 @@ tok_cache_get(void)
 }
 
 
+/*
+ * The scratch of a long piece is per byte of the piece: one symbol (12
+ * bytes) and, at first, one candidate (8 bytes) per byte, 20 bytes in all
+ * (a 2 MB word: 40 MB for the call).  A candidate keeps no merged id: the
+ * rank names one pair of the merges table, and a symbol only ever grows,
+ * so the pair now at pos with the same rank is the pair it was pushed for.
+ */
 typedef struct {
-    uint32_t  id;
+    uint32_t  id;       /* TOK_NO_ID once merged into its left neighbour */
     int32_t   prev;
     int32_t   next;
-    uint32_t  len;      /* 0 once merged into its left neighbour */
 } tok_sym_t;
 
 typedef struct {
     uint32_t  rank;
     uint32_t  pos;
-    uint32_t  merged;
 } tok_cand_t;
 
 
@@ -323,7 +329,6 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
         sym[n].id = id;
         sym[n].prev = n - 1;
         sym[n].next = n + 1;
-        sym[n].len = 1;
         n++;
     }
     if (n == 0) {
@@ -337,7 +342,6 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
         {
             c.rank = rank;
             c.pos = (uint32_t) i;
-            c.merged = merged;
             tok_heap_push(heap, &nh, c);
         }
     }
@@ -345,19 +349,18 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
     while (nh > 0) {
         c = tok_heap_pop(heap, &nh);
         tok_sym_t *l = &sym[c.pos];
-        if (l->len == 0 || l->next < 0) {
+        if (l->id == TOK_NO_ID || l->next < 0) {
             continue;
         }
         nx = l->next;
         if (!tok_pairmap_get(&tok->merges, l->id, sym[nx].id, &rank, &merged)
-            || merged != c.merged)
+            || rank != c.rank)
         {
             continue;
         }
-        l->id = c.merged;
-        l->len += sym[nx].len;
+        l->id = merged;
         l->next = sym[nx].next;
-        sym[nx].len = 0;
+        sym[nx].id = TOK_NO_ID;
         if (l->next >= 0) {
             sym[l->next].prev = (int32_t) c.pos;
         }
@@ -368,7 +371,6 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
         {
             c.rank = rank;
             c.pos = (uint32_t) prev;
-            c.merged = merged;
             if (nh < w->heap_cap) {
                 tok_heap_push(heap, &nh, c);
             }
@@ -379,7 +381,6 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
         {
             c.rank = rank;
             c.pos = (uint32_t) (l - sym);
-            c.merged = merged;
             if (nh < w->heap_cap) {
                 tok_heap_push(heap, &nh, c);
             }
