@@ -2,9 +2,12 @@
  * dpd_state.h - the kv_agent readiness state table ABI (docs/state.md).
  *
  * One fixed-size file (normally under /dev/shm) written by exactly one
- * kv_agent process and mapped read-only by any number of readers (nginx
- * workers, `kv_agent status`).  Self-contained C: stdint/stddef/string only,
- * no pointers inside the mapping, every offset relative to the file start.
+ * kv_agent process and read by any number of readers (nginx workers,
+ * `kv_agent status`).  Readers should pread() it into a private copy
+ * rather than map it: a mapping faults (SIGBUS) where a truncation or a
+ * copy over the file removed pages; a short read is just a bad table.
+ * Self-contained C: stdint/stddef/string only, no pointers inside the
+ * file, every offset relative to the file start.
  *
  * Layout:  [dpd_state_header_t][dpd_node_rec_t x max_nodes]
  *          [dpd_req_rec_t x max_reqs]
@@ -19,14 +22,16 @@
  *   record as UNKNOWN (never as ready).  The helpers below implement this.
  *
  * File replacement: the agent (re)creates the file with write-to-temp +
- * rename, so an old mapping stays valid but stale.  Readers should stat()
- * the path now and then (e.g. once a second) and remap when st_ino changes
- * or when header.generation differs; header.writer_alive == 0 means the
- * writer stopped cleanly (records are then final, nodes not alive).
+ * rename, so an open descriptor stays valid but stale.  Readers should
+ * stat() the path now and then (nginx: every check= interval) and reopen
+ * when st_ino changes or when header.generation differs;
+ * header.writer_alive == 0 means the writer stopped cleanly (records are
+ * then final, nodes not alive).
  *
  * Request records are an open-addressing hash table keyed by
- * dpd_state_hash() of the X-Request-Id string: FNV-1a 64 over its bytes
- * (offset basis 0xcbf29ce484222325, prime 0x100000001b3), 0 mapped to 1.
+ * dpd_state_hash() of the gateway's KV request id string: FNV-1a 64 over
+ * its bytes (offset basis 0xcbf29ce484222325, prime 0x100000001b3), 0
+ * mapped to 1.
  * Home slot = hash % max_reqs, linear probing over at most
  * DPD_STATE_MAX_PROBE slots; a slot whose id_hash is 0 was never used and
  * ends the probe; a deleted slot keeps its hash with state DPD_REQ_FREE
