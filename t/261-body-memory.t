@@ -12,7 +12,7 @@ use warnings;
 
 use Test::Nginx::Socket;
 use DPD::Pools;
-use File::Spec ();
+use DPD::FuzzNginx;
 
 plan(skip_all => $_) for DPD::Pools->unavailable;
 plan(skip_all => 'RSS says nothing under the sanitizers')
@@ -24,90 +24,18 @@ my $pools = DPD::Pools->start(offset => 94, time_scale => 0.001);
 our @engines = ($pools->prefill, $pools->decode);
 our (@Findings, $Summary, $Rc);
 
+# the same prefixes in the same order as t/260: they pick the cases
 sub replay {
-    my $root = $ENV{DPD_ROOT} // '.';
-    my $logs = File::Spec->catdir(server_root(), 'logs');
-    # the same prefixes in the same order as t/260: they pick the cases
-    my @cmd = ('python3', "$root/tools/fuzz_nginx.py",
-               '--port', server_port(),
-               (map { ('--prefix', $_) }
-                qw(/direct /observe /nixl /lmcache /kv /bound)),
-               '--seed', 1, (map { ('--only', $_) } 1, 16, 112, 175, 957),
-               '--error-log', "$logs/error.log",
-               '--pid-file', "$logs/nginx.pid",
-               '--rss-growth-mb', 8, '--peak-mb', 64, '--peak-factor', 0,
-               (map { ('--engine', $_->url) } @engines));
-    open my $out, '-|', @cmd or die "fuzz_nginx.py: $!";
-    while (my $line = <$out>) {
-        chomp $line;
-        push @Findings, $1 if $line =~ /^FINDING (.*)/;
-        $Summary = $line if $line =~ /^\{/;
-    }
-    close $out;
-    $Rc = $? >> 8;
+    my ($f, $sum, $rc) = DPD::FuzzNginx::run(\@engines, '--seed', 1,
+        (map { ('--only', $_) } 1, 16, 112, 175, 957),
+        '--rss-growth-mb', 8, '--peak-mb', 64, '--peak-factor', 0);
+    @Findings = @$f;
+    ($Summary, $Rc) = ($sum, $rc);
 }
 
 our $http_config = $pools->http_config(lmcache => 1);
 
-our $config = <<'_EOC_';
-    proxy_http_version 1.1;
-    proxy_buffering off;
-    dpd_prefill_timeout 5s;
-    dpd_kv_wait 200ms;
-
-    location /direct/ {
-        dpd on;
-        dpd_threshold 1000000;
-        proxy_pass http://decode/;
-    }
-
-    location /observe/ {
-        dpd on;
-        dpd_threshold 256;
-        proxy_pass http://decode/;
-    }
-
-    location /nixl/ {
-        dpd on;
-        dpd_threshold 256;
-        dpd_protocol nixl;
-        dpd_prefill_pass /_dpd_prefill;
-        proxy_pass http://decode/;
-    }
-
-    location /lmcache/ {
-        dpd on;
-        dpd_threshold 256;
-        dpd_protocol lmcache;
-        dpd_prefill_pass /_dpd_prefill;
-        proxy_pass http://decode/;
-    }
-
-    location /kv/ {
-        dpd on;
-        dpd_threshold 0;
-        dpd_protocol kv_agent;
-        dpd_decode_upstream decode;
-        dpd_prefill_pass /_dpd_prefill;
-        proxy_pass http://decode/;
-    }
-
-    location /bound/ {
-        dpd on;
-        dpd_threshold 256;
-        dpd_count bound;
-        dpd_prefill_pass /_dpd_prefill;
-        proxy_pass http://decode/;
-    }
-
-    location /_dpd_prefill/ {
-        internal;
-        subrequest_output_buffer_size 64k;
-        proxy_pass http://prefill/;
-    }
-
-    location = /ping { return 200 "pong\n"; }
-_EOC_
+our $config = $DPD::FuzzNginx::Config;
 
 master_on();
 workers(1);
