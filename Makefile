@@ -17,13 +17,14 @@ NGINX_BIN  ?= /usr/sbin/nginx
 CUDA_HOME  ?= /usr/local/cuda
 PROVE      ?= prove
 
-.PHONY: all deps test test-quick test-valgrind test-valgrind-ci test-asan \
-        module-asan fuzz-nginx demo bench clean module programs fuzz
+.PHONY: all deps test test-quick test-real test-valgrind test-valgrind-ci test-asan \
+        module-asan fuzz-nginx demo bench clean module programs fuzz image
 all: module programs
 
 include ngx_dpd_module/tokenizer/build.mk
 include kv_agent/build.mk
 include ngx_dpd_module/build.mk
+include ngx_dpd_module/nginx-1.30.mk
 
 deps:
 	@bash tools/deps.sh
@@ -36,6 +37,16 @@ test: deps
 # Same, without the dependency step (for a machine already set up).
 test-quick: all
 	@bash tools/run-tests.sh
+
+# The module's tests (t/*.t) under openresty's real Test::Nginx instead of
+# the clean-room t/lib (tools/run-tests.sh, DPD_HARNESS=real: its lib/
+# from DPD_TEST_NGINX_LIB or ../shared/vendor/test-nginx.tar.gz); every
+# file, t/260's mutation run included (CI runs 3 files at a time:
+# DPD_TEST_JOBS, see .ci/run).
+REAL_TESTS ?= $(sort $(wildcard t/*.t))
+
+test-real: all
+	@DPD_HARNESS=real bash tools/run-tests.sh $(REAL_TESTS)
 
 # The module's tests with nginx under valgrind memcheck (fails on any
 # invalid access or definite leak).
@@ -91,6 +102,15 @@ test-asan: all module-asan
 	@DPD_SAN_RUNTIME=$(SAN_RUNTIME) SAN_BUILD=$(SAN_BUILD) \
 	    bash tools/run-sanitized.sh $(SAN_TESTS)
 
+# Container images without a registry (tools/image.sh, docker/README.md):
+# a Debian 12 base made here with debootstrap, the gateway image (nginx
+# 1.30.4 from ../shared/vendor built in its build stage) run and
+# smoke-tested (nginx -t, a short and a long request against the emulator
+# on loopback), the kv_agent image with $(CUDA_HOME) mounted into its build.
+image:
+	@bash tools/deps.sh image
+	@bash tools/image.sh all
+
 demo: deps
 	@$(MAKE) --no-print-directory all
 	@bash tools/demo.sh
@@ -99,4 +119,4 @@ bench: all
 	@bash bench/run-all.sh
 
 clean:
-	rm -rf $(BUILD) $(SAN_BUILD) t/servroot*
+	rm -rf $(BUILD) $(SAN_BUILD) $(NGX130_BUILD) t/servroot*

@@ -1,29 +1,50 @@
 #!/usr/bin/env bash
-# Routing overhead of ngx_http_dpd_module on the direct path.
+# Routing overhead of ngx_http_dpd_module, and the stall a long prompt
+# causes, against plain proxy_pass measured in the same run.
 #
-# One nginx, one worker, four servers:
-#   backend  a location returning a canned SSE answer (the "fast backend")
+# One nginx, one worker, servers:
+#   backend  a location returning a canned SSE answer (the "fast backend";
+#            its NIXL twin answers prefill requests)
 #   plain    proxy_pass to the backend
 #   exact    the same proxy_pass with "dpd on" and "dpd_count exact" (the
 #            default): body read, JSON parse, chat template, exact token
 #            count, decision
 #   bound    the same with "dpd_count bound": the BPE count is skipped when
 #            the rendered prompt's byte bound is below the threshold
-# Both dpd servers use dpd_threshold $THRESHOLD (default 4096, the module's
-# default) and no prefill pool, so every request is proxied to the backend
-# (observe mode).  wrk POSTs the same chat request to the three servers,
-# for prompts of ~100 and ~4096 tokens, in turn ROUNDS times; the median
-# requests/s of each is compared with plain.  The module's own decision
-# time ($dpd_decision_time, read + parse + count) is measured in separate,
-# logged passes.  Target (README.md, Benchmarks): dpd >= 0.9x plain at 100 tokens.
+#   disagg   "dpd on", dpd_threshold 0, dpd_protocol nixl: every request
+#            prefilled (subrequest to the NIXL twin) then decoded
+#   thread   "dpd on" with dpd_count_thread_pool (bodies of 32k or more)
+# The dpd servers use dpd_threshold $THRESHOLD (default 4096, the module's
+# default) unless said; exact and bound have no prefill pool (observe
+# mode).  wrk POSTs the same chat request, for prompts of ~100, ~1000 and
+# ~4096 tokens, in turn ROUNDS times; the median requests/s of each is
+# compared with plain.  The module's own decision time ($dpd_decision_time,
+# read + parse + count) is measured in separate, logged passes.
+#
+# Stall: a client posts ~100k-token prompts (words no cache has seen) one
+# after the other to the inline server (exact) or to the thread server,
+# while wrk measures the latency of short requests (1 connection) on the
+# same worker; "added p99" is their p99 minus the p99 without the stream.
+# nginx is not pinned for that part (the pool's thread needs a core).
+#
+# Soak: SOAK seconds of mixed requests (short, 4096-token, 100k-token in
+# the thread pool, disaggregated, malformed) after WARM_SOAK seconds of
+# warm-up; the worker's VmRSS sampled every 5 s, its spread printed.
+#
+# Targets (issue 14): direct >= 0.9x plain at 100 tokens, disaggregated
+# >= 0.45x, decision for a 4096-token chat <= 120 us p50, added p99 <= 2 ms
+# with the thread pool, RSS within +-5 %.
 #
 # Usage: bench/routing_overhead.sh          (after `make`)
-# Printed per size: median req/s of plain, exact and bound and the ratios
-# to plain, and the same ratios from the nginx worker's CPU time per request
-# (plain CPU / dpd CPU: what the throughput ratio is when nginx is the
-# bottleneck; steadier than req/s when other jobs share the machine).
-# Knobs (env): DURATION=8 ROUNDS=3 CONNS=16 THRESHOLD=4096
-#              BENCH_PORT_BASE=18690 (uses BASE .. BASE+5)
+# Printed per size: median req/s of plain, exact and bound (and of the
+# backend alone and disagg at 100 tokens) and the ratios to plain, and the
+# same ratios from the nginx worker's CPU time per request (plain CPU / dpd
+# CPU: what the throughput ratio is when nginx is the bottleneck; steadier
+# than req/s when other jobs share the machine).  Instruction counts per
+# request (repeatable on a shared machine): bench/request_cost.sh.
+# Knobs (env): DURATION=8 ROUNDS=3 CONNS=16 THRESHOLD=4096 STALL=10
+#              SOAK=60 WARM_SOAK=10 (SOAK=0: skip)
+#              BENCH_PORT_BASE=18690 (uses BASE .. BASE+9)
 set -euo pipefail
 
 . "$(dirname "$0")/lib.sh"
@@ -38,6 +59,13 @@ EXACT=$((BASE + 2))
 BOUND=$((BASE + 3))
 EXACTLOG=$((BASE + 4))
 BOUNDLOG=$((BASE + 5))
+DISAGG=$((BASE + 6))
+PREF=$((BASE + 7))
+THREAD=$((BASE + 8))
+SHORT=$((BASE + 9))
+STALL=${STALL:-10}
+SOAK=${SOAK:-60}
+WARM_SOAK=${WARM_SOAK:-10}
 
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
 bench_require "$MODULE" "$TOK/tokenizer.json"
@@ -51,9 +79,12 @@ fi
 
 SSE='data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"Hello"},"finish_reason":null}]}\n\ndata: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" world"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
 
+NIXL='{"id":"p","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"H"},"finish_reason":"length"}],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"engine-0","remote_request_id":"r-0","remote_block_ids":[1,2,3,4],"remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
+
 cat >"$WORK/nginx.conf" <<EOF
 load_module $MODULE;
 worker_processes 1;
+thread_pool dpdcount threads=1;
 pid $WORK/nginx.pid;
 error_log $WORK/error.log warn;
 events { worker_connections 4096; }
@@ -62,12 +93,15 @@ http {
     proxy_temp_path $WORK/proxy;
     access_log off;
     keepalive_requests 100000;
-    client_body_buffer_size 128k;
+    client_body_buffer_size 256k;
     dpd_tokenizer $TOK/tokenizer.json config=$TOK/tokenizer_config.json;
 
     log_format decision '\$dpd_prompt_tokens \$dpd_decision_time';
 
+    client_max_body_size 16m;
+
     upstream back { server 127.0.0.1:$BACK; keepalive 64; }
+    upstream pref { server 127.0.0.1:$PREF; keepalive 64; }
 
     proxy_http_version 1.1;
     proxy_set_header Connection "";
@@ -78,6 +112,46 @@ http {
         location / {
             default_type text/event-stream;
             return 200 '$SSE';
+        }
+    }
+    server {
+        listen 127.0.0.1:$PREF;
+        location / {
+            default_type application/json;
+            return 200 '$NIXL';
+        }
+    }
+    server {
+        listen 127.0.0.1:$DISAGG;
+        location /v1/ {
+            dpd on;
+            dpd_threshold 0;
+            dpd_protocol nixl;
+            dpd_prefill_pass /_dpd_prefill;
+            proxy_pass http://back;
+        }
+        location /_dpd_prefill/ {
+            internal;
+            proxy_set_header Accept-Encoding "";
+            proxy_set_header Connection "";
+            proxy_pass http://pref/;
+        }
+    }
+    server {
+        listen 127.0.0.1:$THREAD;
+        location /v1/ {
+            dpd on;
+            dpd_threshold $THRESHOLD;
+            dpd_count_thread_pool dpdcount;
+            proxy_pass http://back;
+        }
+    }
+    server {
+        listen 127.0.0.1:$SHORT;
+        location /v1/ {
+            dpd on;
+            dpd_threshold $THRESHOLD;
+            proxy_pass http://back;
         }
     }
     server {
@@ -157,7 +231,27 @@ EOF
 }
 
 T100=$(make_body 100)
+T1000=$(make_body 1000)
 T4096=$(make_body 4096)
+
+# ~100k tokens of words no cache has seen (the pre-token cache would make
+# a repeated vocabulary cheap): the stall's long prompt
+python3 - "$WORK/body-long.json" <<'EOF'
+import json, random, sys
+rng = random.Random(7)
+text = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
+                        for _ in range(rng.randint(3, 9)))
+                for _ in range(29500))
+with open(sys.argv[1], "w") as f:
+    f.write(json.dumps({"model": "m", "stream": True, "max_tokens": 16,
+                        "messages": [{"role": "user", "content": text}]}))
+EOF
+TLONG=$(curl -s -o /dev/null -D - -H 'Content-Type: application/json' \
+          --data-binary @"$WORK/body-long.json" \
+          "http://127.0.0.1:$EXACTLOG/v1/chat/completions" \
+        | tr -d '\r' | awk -F': ' 'tolower($1)=="x-tokens"{print $2}')
+printf '{"model":"m","messages":[{"role":"user","content":"hi"}' \
+    >"$WORK/body-bad.json"
 
 cat >"$WORK/post.lua" <<'EOF'
 local f = io.open(os.getenv("BODY_FILE"), "rb")
@@ -196,14 +290,18 @@ run_wrk() {
 median() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
 
 echo "# nginx 1 worker, wrk 1 thread x $CONNS connections, ${DURATION}s x $ROUNDS rounds each, dpd_threshold $THRESHOLD"
-for t in 100 4096; do
-    tok=$([[ $t == 100 ]] && echo "$T100" || echo "$T4096")
-    for s in PLAIN EXACT BOUND; do      # warm up every path
+for t in 100 1000 4096; do
+    case $t in
+    100)  tok=$T100;  servers="BACK PLAIN EXACT BOUND DISAGG" ;;
+    1000) tok=$T1000; servers="PLAIN EXACT BOUND" ;;
+    *)    tok=$T4096; servers="PLAIN EXACT BOUND" ;;
+    esac
+    for s in $servers; do      # warm up every path
         run_wrk "${!s}" "$t" >/dev/null
         : >"$WORK/$s-$t"
     done
     for _ in $(seq 1 "$ROUNDS"); do
-        for s in PLAIN EXACT BOUND; do
+        for s in $servers; do
             run_wrk "${!s}" "$t" >>"$WORK/$s-$t"
         done
     done
@@ -213,6 +311,12 @@ for t in 100 4096; do
     printf "prompt %5s tokens: plain %9.0f req/s  exact %9.0f req/s (ratio %.3f)  bound %9.0f req/s (ratio %.3f)\n" \
         "$tok" "$p" "$e" "$(echo "$e / $p" | bc -l)" \
         "$b" "$(echo "$b / $p" | bc -l)"
+    if [[ $t == 100 ]]; then
+        k=$(cut -d' ' -f1 "$WORK/BACK-$t" | median)
+        g=$(cut -d' ' -f1 "$WORK/DISAGG-$t" | median)
+        printf "                    backend alone %9.0f req/s (plain/backend %.3f)  disaggregated %9.0f req/s (ratio %.3f)\n" \
+            "$k" "$(echo "$p / $k" | bc -l)" "$g" "$(echo "$g / $p" | bc -l)"
+    fi
     # the same ratios from the worker's CPU time per request
     p=$(cut -d' ' -f3 "$WORK/PLAIN-$t" | median)
     e=$(cut -d' ' -f3 "$WORK/EXACT-$t" | median)
@@ -220,8 +324,13 @@ for t in 100 4096; do
     printf "      worker CPU/request: plain %7.2f us  exact %7.2f us (ratio %.3f)  bound %7.2f us (ratio %.3f)\n" \
         "$p" "$e" "$(echo "$p / $e" | bc -l)" \
         "$b" "$(echo "$p / $b" | bc -l)"
-    for s in PLAIN EXACT BOUND; do
-        printf "    latency avg %-5s: %s\n" "$s" \
+    if [[ $t == 100 ]]; then
+        g=$(cut -d' ' -f3 "$WORK/DISAGG-$t" | median)
+        printf "      worker CPU/request: disaggregated %7.2f us (ratio %.3f)\n" \
+            "$g" "$(echo "$p / $g" | bc -l)"
+    fi
+    for s in $servers; do
+        printf "    latency avg %-6s: %s\n" "$s" \
             "$(awk '{print $2}' "$WORK/$s-$t" | tr '\n' ' ')"
     done
 done
@@ -245,3 +354,86 @@ for mode in exact bound; do
                          m, t, s / NR, a[i50], a[i99], NR }'
     done
 done
+
+# --- stall: short requests while ~100k-token prompts are counted ---------
+
+# p99 of short requests (ms) on one connection for STALL seconds, while
+# $1 (a port, or "none") gets the long prompts one after the other
+stall_p99() {
+    local feeder=
+    if [[ $1 != none ]]; then
+        python3 - "$1" "$WORK/body-long.json" "$STALL" <<'EOF' &
+import http.client, sys, time
+port, body, end = int(sys.argv[1]), open(sys.argv[2], "rb").read(), \
+    time.time() + float(sys.argv[3]) + 1
+c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+while time.time() < end:
+    c.request("POST", "/v1/chat/completions", body,
+              {"Content-Type": "application/json"})
+    c.getresponse().read()
+EOF
+        feeder=$!
+        sleep 0.5
+    fi
+    BODY_FILE="$WORK/body-100.json" wrk -t1 -c1 -d"${STALL}s" --latency \
+        -s "$WORK/post.lua" "http://127.0.0.1:$SHORT/v1/chat/completions" \
+        >"$WORK/stall.out" 2>&1
+    [[ -n $feeder ]] && wait "$feeder"
+    awk '$1 == "99%" { v = $2
+            if (v ~ /us$/) { sub(/us$/, "", v); v /= 1000 }
+            else if (v ~ /ms$/) { sub(/ms$/, "", v) }
+            else if (v ~ /s$/) { sub(/s$/, "", v); v *= 1000 }
+            printf "%.3f\n", v }' "$WORK/stall.out"
+}
+
+taskset -apc 0-$(($(nproc) - 1)) "$WORKER" >/dev/null 2>&1 || true
+base=$(stall_p99 none)
+inl=$(stall_p99 "$EXACT")
+thr=$(stall_p99 "$THREAD")
+printf "stall, %s-token prompts streamed: short-request p99 %.3f ms alone; inline count %.3f ms (added %.3f ms); dpd_count_thread_pool %.3f ms (added %.3f ms)\n" \
+    "$TLONG" "$base" "$inl" "$(echo "$inl - $base" | bc -l)" \
+    "$thr" "$(echo "$thr - $base" | bc -l)"
+
+# --- soak: RSS over mixed requests --------------------------------------
+
+if (( SOAK > 0 )); then
+    cat >"$WORK/mixed.lua" <<EOF
+local files = { "$WORK/body-100.json", "$WORK/body-4096.json",
+                "$WORK/body-long.json", "$WORK/body-100.json",
+                "$WORK/body-bad.json", "$WORK/body-1000.json" }
+local reqs, i = {}, 0
+for k, f in ipairs(files) do
+    local h = io.open(f, "rb")
+    reqs[k] = wrk.format("POST", "/v1/chat/completions",
+        { ["Content-Type"] = "application/json" }, h:read("*a"))
+    h:close()
+end
+request = function() i = i % #reqs + 1; return reqs[i] end
+EOF
+    # the mix to four servers at once (inline, thread pool, disaggregated,
+    # the bench's exact server)
+    soak_run() {
+        local port
+        for port in $SHORT $THREAD $DISAGG $EXACT; do
+            wrk -t1 -c4 -d"$1s" -s "$WORK/mixed.lua" \
+                "http://127.0.0.1:$port/v1/chat/completions" \
+                >"$WORK/soak-$port.out" 2>&1 &
+        done
+        wait
+    }
+    rss() { awk '/^VmRSS/{print $2}' "/proc/$WORKER/status"; }
+    soak_run "$WARM_SOAK"
+    : >"$WORK/rss"
+    soak_run "$SOAK" &
+    soaker=$!
+    for _ in $(seq 0 5 "$SOAK"); do rss >>"$WORK/rss"; sleep 5; done
+    wait "$soaker"
+    rss >>"$WORK/rss"
+    n=$(cat "$WORK"/soak-*.out | awk '/ requests in /{n += $1} END{print n + 0}')
+    echo "soak: $n requests"
+    awk 'NR == 1 {f = $1; lo = $1; hi = $1}
+         {if ($1 < lo) lo = $1; if ($1 > hi) hi = $1; last = $1}
+         END {printf "soak %ss of mixed requests after %ss: worker VmRSS first %d kB, min %d, max %d, last %d (spread %+.1f%% .. %+.1f%% of the first)\n",
+                     '"$SOAK"', '"$WARM_SOAK"', f, lo, hi, last,
+                     (lo - f) * 100 / f, (hi - f) * 100 / f}' "$WORK/rss"
+fi

@@ -23,7 +23,7 @@ export DPD_NPM=$NPM RAYON_NUM_THREADS=1
 
 [ -f "$BUILD/libdpdtok.a" ] || make --no-print-directory "$BUILD/libdpdtok.a"
 cc -O2 -std=c11 -D_GNU_SOURCE -I ngx_dpd_module/tokenizer bench/tokenizer_bench.c \
-   "$BUILD/libdpdtok.a" -lpcre2-8 -lcjson -lutf8proc -lpthread -o "$BUILD/tokenizer_bench"
+   "$BUILD/libdpdtok.a" -lpcre2-8 -lcjson -lutf8proc -lpthread -lm -o "$BUILD/tokenizer_bench"
 CORPUS=${BENCH_CORPUS:-$BUILD/corpus/corpus.jsonl}
 [ -s "$CORPUS" ] || python3 tools/corpus/build-corpus.py --out "$BUILD/corpus" >/dev/null
 

@@ -9,7 +9,9 @@
 KVA_DIR    := kv_agent
 KVA_OBJDIR := $(BUILD)/obj/kv_agent
 KVA_SRCS   := util.c layout.c config.c auth.c state.c status.c fabric.c \
-              bench.c pool.c ctrl.c xfer.c api.c loop.c main.c
+              topo.c copy.c stage.c \
+              bench.c pool.c ctrl.c xfer.c api.c loop.c main.c \
+              lmcache_notify.c
 KVA_OBJS   := $(addprefix $(KVA_OBJDIR)/,$(KVA_SRCS:.c=.o))
 KVA_CLI_OBJS := $(KVA_OBJDIR)/client.o
 KVA_HDRS   := $(wildcard $(KVA_DIR)/src/*.h $(KVA_DIR)/include/*.h)
@@ -18,7 +20,7 @@ KVA_CRYPTO_CFLAGS := $(shell pkg-config --cflags libcrypto 2>/dev/null)
 KVA_CRYPTO_LIBS   := $(shell pkg-config --libs libcrypto 2>/dev/null \
                        || echo -lcrypto)
 KVA_CFLAGS += $(KVA_CRYPTO_CFLAGS)
-KVA_LIBS   := -lfabric -lcjson $(KVA_CRYPTO_LIBS) -lpthread
+KVA_LIBS   := -lfabric -lcjson $(KVA_CRYPTO_LIBS) -lpthread -lzmq -lmsgpackc
 
 KVA_PROGS  := $(BUILD)/kv_agent $(BUILD)/libkvagent_client.a \
               $(BUILD)/kv_agent_ctl

@@ -12,6 +12,15 @@
  *                                  LMCache receiver ports of every decoder
  *                                  of this pool, one per TP rank
  *
+ * In a location (http, server, location):
+ *
+ *     dpd_decode_retry on | off | error timeout http_502 ...;
+ *                                  the decode leg of a request dpd routed
+ *                                  is sent to another decoder when the
+ *                                  chosen one fails before answering
+ *                                  (default on: error timeout http_502
+ *                                  http_503), POST or not
+ *
  * With a kv_agent state table (dpd_state_table), peers whose node record
  * says not alive are skipped (unless that leaves none) and, among peers
  * with equally many outstanding requests, the one with more free KV blocks
@@ -21,8 +30,16 @@
  * kv_agent) with
  * ngx_http_dpd_balancer_pin(): the choice is reserved at once (it counts as
  * an outstanding request on that peer, so concurrent choices spread) and the
- * decode request of the same client request then goes to exactly that peer,
- * with no second try on another one.
+ * decode request of the same client request then goes to exactly that peer
+ * first.  When that peer fails before answering (or left the upstream, nginx
+ * 1.27.3+ "resolve") and dpd_decode_retry allows it, the decode goes to
+ * another peer without the KV: the pin's "moved" handler rebuilds the body
+ * for it, the route becomes "fallback".
+ *
+ * nginx 1.27.3+ re-resolves "server NAME resolve" in a zoned upstream: peers
+ * are then taken and dropped by reference, the peers' configuration
+ * generation is checked before the tried bitmap is used, and a pin holds a
+ * reference of its peer so the peer's memory outlives its removal.
  */
 
 #ifndef _NGX_HTTP_DPD_BALANCER_H_INCLUDED_
@@ -46,18 +63,50 @@ typedef struct {
 } ngx_http_dpd_balancer_srv_conf_t;
 
 
-/* a decoder chosen for one client request */
 typedef struct {
+    ngx_uint_t                      retry;       /* dpd_decode_retry:
+                                                    NGX_HTTP_UPSTREAM_FT_*
+                                                    mask, 0: off */
+} ngx_http_dpd_balancer_loc_conf_t;
+
+
+typedef struct ngx_http_dpd_pin_s  ngx_http_dpd_pin_t;
+
+
+/*
+ * The decode of a pinned request goes to another peer than the one its KV
+ * went to: "name" and "host" are the new peer's ("127.0.0.5:8000",
+ * "127.0.0.5").  The handler makes the request's body right for a decoder
+ * that holds none of its KV (e.g. no kv_agent "dpd" params) and returns
+ * NGX_OK when it replaced the body (ngx_http_dpd_replace_body()), NGX_DECLINED
+ * when the body stands as it is, NGX_ERROR to fail the request (500).  It
+ * runs inside the upstream's peer choice: no I/O, no subrequest, nothing
+ * that waits.  The balancer then rebuilds the upstream request from the new
+ * body, sets the route to "fallback" and counts it.
+ */
+typedef ngx_int_t (*ngx_http_dpd_pin_moved_pt)(ngx_http_request_t *r,
+    ngx_http_dpd_pin_t *pin, ngx_str_t *name, ngx_str_t *host);
+
+
+/* a decoder chosen for one client request */
+struct ngx_http_dpd_pin_s {
     ngx_http_upstream_srv_conf_t   *upstream;
     ngx_http_upstream_rr_peers_t   *peers;       /* list holding the peer */
-    ngx_http_upstream_rr_peer_t    *peer;
+    ngx_http_upstream_rr_peer_t    *peer;        /* referenced while
+                                                    reserved (1.27.3+) */
     ngx_str_t                       name;        /* "127.0.0.4:8000" */
     ngx_str_t                       host;        /* "127.0.0.4" */
     unsigned                        reserved:1;  /* holds a conns count */
     unsigned                        handed:1;    /* count now owned by the
                                                     decode connection */
     unsigned                        used:1;      /* get_peer took it */
-} ngx_http_dpd_pin_t;
+    unsigned                        moved:1;     /* decoded elsewhere */
+
+    ngx_http_dpd_pin_moved_pt       moved_handler; /* set by the caller of
+                                                    ngx_http_dpd_balancer_pin;
+                                                    NULL: body unchanged */
+    void                           *data;        /* for the handler */
+};
 
 
 extern ngx_module_t  ngx_http_dpd_balancer_module;

@@ -29,7 +29,6 @@ static int dpd_count_ids(const cJSON *arr, uint32_t vocab, long outer,
     size_t max, size_t *total, ngx_http_dpd_count_t *out);
 static int dpd_count_chat(const cJSON *req,
     const ngx_http_dpd_count_conf_t *cf, ngx_http_dpd_count_t *out);
-static cJSON *dpd_chat_text_only(const cJSON *messages);
 static int dpd_check_messages(const cJSON *messages, size_t max,
     ngx_http_dpd_count_t *out);
 
@@ -346,9 +345,8 @@ dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
 {
     int               estimated;
     long              n;
-    char              err[256], err2[256], *text;
+    char              err[256], *text;
     size_t            len;
-    cJSON            *copy;
     const cJSON      *messages;
     const dpd_tok_t  *tok;
 
@@ -391,7 +389,9 @@ dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
         text = NULL;
         len = 0;
 
-        if (dpd_chat_render_json(tok, cf->tmpl, messages, &text, &len, err,
+        /* the whole request: tools, chat_template_kwargs, documents */
+
+        if (dpd_chat_render_json(tok, cf->tmpl, req, &text, &len, err,
                                  sizeof(err))
             == 0)
         {
@@ -417,105 +417,25 @@ dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
         err[0] = '\0';
     }
 
-    n = dpd_chat_count_json(tok, cf->tmpl, messages, &estimated, err,
+    n = dpd_chat_count_json(tok, cf->tmpl, req, &estimated, err,
                             sizeof(err));
 
     if (n < 0) {
-        /*
-         * The request has OpenAI's shape (checked above) but the counter
-         * is stricter than vLLM (custom roles, image or audio parts): count
-         * the text of a normalized copy rather than refuse what the
-         * decoder accepts.
-         */
+        /* what vLLM answers with 400: bad fields, the template raised */
+        return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD, "%s",
+                          err[0] ? err : "invalid messages");
+    }
 
-        copy = dpd_chat_text_only(messages);
-        if (copy == NULL) {
-            return -1;
-        }
-
-        n = dpd_chat_count_json(tok, cf->tmpl, copy, &estimated, err2,
-                                sizeof(err2));
-        cJSON_Delete(copy);
-
-        if (n < 0) {
-            return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD, "%s",
-                              err[0] ? err : "invalid messages");
-        }
-
+    if (estimated && err[0]) {
+        /* image, audio parts: the text is counted */
         snprintf(out->note, sizeof(out->note), "text counted only (%s)",
                  err);
-
-        estimated = 1;
     }
 
     out->tokens = n;
     out->estimated = estimated ? 1 : 0;
 
     return 0;
-}
-
-
-/*
- * A copy of messages the counter accepts: roles other than system, user,
- * assistant and tool become "system" (OpenAI's "developer") or "user", and
- * only the text parts of array contents are kept.  NULL: out of memory.
- */
-
-static cJSON *
-dpd_chat_text_only(const cJSON *messages)
-{
-    cJSON       *copy, *m, *role, *content, *part, *next, *type, *calls;
-    const char  *name;
-
-    copy = cJSON_Duplicate(messages, 1);
-    if (copy == NULL) {
-        return NULL;
-    }
-
-    cJSON_ArrayForEach(m, copy) {
-        role = cJSON_GetObjectItemCaseSensitive(m, "role");
-
-        if (cJSON_IsString(role)
-            && strcmp(role->valuestring, "system") != 0
-            && strcmp(role->valuestring, "user") != 0
-            && strcmp(role->valuestring, "assistant") != 0
-            && strcmp(role->valuestring, "tool") != 0)
-        {
-            name = strcmp(role->valuestring, "developer") == 0
-                   ? "system" : "user";
-
-            if (cJSON_ReplaceItemInObjectCaseSensitive(m, "role",
-                                               cJSON_CreateString(name))
-                == 0)
-            {
-                cJSON_Delete(copy);
-                return NULL;
-            }
-        }
-
-        calls = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
-        if (calls && !cJSON_IsArray(calls)) {
-            cJSON_DeleteItemFromObjectCaseSensitive(m, "tool_calls");
-        }
-
-        content = cJSON_GetObjectItemCaseSensitive(m, "content");
-        if (!cJSON_IsArray(content)) {
-            continue;
-        }
-
-        for (part = content->child; part; part = next) {
-            next = part->next;
-            type = cJSON_GetObjectItemCaseSensitive(part, "type");
-
-            if (!cJSON_IsString(type)
-                || strcmp(type->valuestring, "text") != 0)
-            {
-                cJSON_Delete(cJSON_DetachItemViaPointer(content, part));
-            }
-        }
-    }
-
-    return copy;
 }
 
 

@@ -113,7 +113,12 @@ static const char  *ngx_http_dpd_status_labels[NGX_HTTP_DPD_STATUS_N] = {
 static const char  *ngx_http_dpd_error_labels[NGX_HTTP_DPD_E_N] = {
     "none", "empty_body", "malformed_json", "invalid_utf8", "too_deep",
     "invalid_field", "token_out_of_range", "body_too_large", "body_read",
-    "internal", "duplicate_key", "nul_character", "over_limit"
+    "internal", "duplicate_key", "nul_character", "over_limit",
+    "unknown_model"
+};
+
+static const char  *ngx_http_dpd_retry_labels[] = {
+    "ok", "failed", "no_decoder", "client_closed"
 };
 
 static const char  *ngx_http_dpd_failure_labels[] = {
@@ -528,6 +533,18 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
             m->counters[NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS],
             m->counters[NGX_HTTP_DPD_M_KV_STRIPPED],
             m->counters[NGX_HTTP_DPD_M_COUNT_SKIPPED]);
+
+    p = ngx_sprintf(p,
+            "# HELP dpd_decode_retries_total Decode requests sent to another "
+            "decoder after one failed before answering, by how that try "
+            "ended.\n"
+            "# TYPE dpd_decode_retries_total counter\n");
+
+    for (i = 0; i < 4; i++) {
+        p = ngx_sprintf(p, "dpd_decode_retries_total{outcome=\"%s\"} %uA\n",
+                        ngx_http_dpd_retry_labels[i],
+                        m->counters[NGX_HTTP_DPD_M_DECODE_RETRY_OK + i]);
+    }
 
     p = ngx_sprintf(p,
             "# HELP dpd_kv_wait_total kv_agent handoffs, by how the wait "

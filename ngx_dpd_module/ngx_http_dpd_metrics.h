@@ -31,6 +31,7 @@ typedef enum {
     NGX_HTTP_DPD_E_DUPLICATE_KEY,       /* duplicate_key: repeated key */
     NGX_HTTP_DPD_E_NUL_CHAR,            /* nul_character: "\u0000" */
     NGX_HTTP_DPD_E_OVER_LIMIT,          /* over_limit: dpd_max_* caps */
+    NGX_HTTP_DPD_E_UNKNOWN_MODEL,       /* unknown_model: no dpd_model (404) */
     NGX_HTTP_DPD_E_N
 } ngx_http_dpd_error_reason_e;
 
@@ -48,6 +49,10 @@ typedef enum {
     NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS, /* prefill reply had none */
     NGX_HTTP_DPD_M_KV_STRIPPED,          /* client kv_transfer_params cut */
     NGX_HTTP_DPD_M_COUNT_SKIPPED,        /* dpd_count bound: no BPE */
+    NGX_HTTP_DPD_M_DECODE_RETRY_OK,      /* decode retries, by outcome: */
+    NGX_HTTP_DPD_M_DECODE_RETRY_FAILED,  /* ok, failed, no_decoder, */
+    NGX_HTTP_DPD_M_DECODE_RETRY_NO_PEER, /* client_closed */
+    NGX_HTTP_DPD_M_DECODE_RETRY_ABORTED,
     NGX_HTTP_DPD_M_N
 } ngx_http_dpd_counter_e;
 

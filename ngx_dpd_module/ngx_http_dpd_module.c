@@ -88,8 +88,13 @@ static char *ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd,
 static void ngx_http_dpd_tokenizer_cleanup(void *data);
 static char *ngx_http_dpd_chat_template(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
+static char *ngx_http_dpd_merge_chat_template(ngx_conf_t *cf,
+    ngx_http_dpd_loc_conf_t *prev, ngx_http_dpd_loc_conf_t *conf);
 static char *ngx_http_dpd_metrics(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
+static char *ngx_http_dpd_count_thread_pool(ngx_conf_t *cf,
+    ngx_command_t *cmd, void *conf);
+static ngx_int_t ngx_http_dpd_init_process(ngx_cycle_t *cycle);
 
 
 static ngx_conf_num_bounds_t  ngx_http_dpd_json_depth_bounds = {
@@ -119,9 +124,16 @@ static ngx_command_t  ngx_http_dpd_commands[] = {
       NULL },
 
     { ngx_string("dpd_tokenizer"),
-      NGX_HTTP_MAIN_CONF|NGX_CONF_TAKE12,
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE12,
       ngx_http_dpd_tokenizer,
-      NGX_HTTP_MAIN_CONF_OFFSET,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
+    { ngx_string("dpd_model"),
+      NGX_HTTP_LOC_CONF|NGX_CONF_TAKE2,
+      ngx_http_dpd_model,
+      NGX_HTTP_LOC_CONF_OFFSET,
       0,
       NULL },
 
@@ -145,6 +157,13 @@ static ngx_command_t  ngx_http_dpd_commands[] = {
       NGX_HTTP_LOC_CONF_OFFSET,
       offsetof(ngx_http_dpd_loc_conf_t, count),
       &ngx_http_dpd_count_modes },
+
+    { ngx_string("dpd_count_thread_pool"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE12,
+      ngx_http_dpd_count_thread_pool,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
 
     { ngx_string("dpd_max_json_depth"),
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
@@ -209,7 +228,7 @@ ngx_module_t  ngx_http_dpd_module = {
     NGX_HTTP_MODULE,                       /* module type */
     NULL,                                  /* init master */
     NULL,                                  /* init module */
-    NULL,                                  /* init process */
+    ngx_http_dpd_init_process,             /* init process */
     NULL,                                  /* init thread */
     NULL,                                  /* exit thread */
     NULL,                                  /* exit process */
@@ -224,6 +243,7 @@ ngx_module_t  ngx_http_dpd_module = {
 #define NGX_HTTP_DPD_VAR_DECISION_TIME   3
 #define NGX_HTTP_DPD_VAR_TOKENS_BOUND    4
 #define NGX_HTTP_DPD_VAR_KV_REQUEST_ID   5
+#define NGX_HTTP_DPD_VAR_MODEL           6
 
 
 static ngx_http_variable_t  ngx_http_dpd_vars[] = {
@@ -245,6 +265,9 @@ static ngx_http_variable_t  ngx_http_dpd_vars[] = {
 
     { ngx_string("dpd_kv_request_id"), NULL, ngx_http_dpd_variable,
       NGX_HTTP_DPD_VAR_KV_REQUEST_ID, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_model"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_MODEL, NGX_HTTP_VAR_NOCACHEABLE, 0 },
 
       ngx_http_null_variable
 };
@@ -327,12 +350,12 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
     switch (ctx->state) {
 
     case NGX_HTTP_DPD_STATE_READING:
-        /* not resumed before the body handler runs; wait */
+    case NGX_HTTP_DPD_STATE_COUNTING:
+        /* not resumed before the body handler (the thread's completion)
+         * runs; wait */
         return NGX_AGAIN;
 
     case NGX_HTTP_DPD_STATE_BODY:
-
-        dmcf = ngx_http_get_module_main_conf(r, ngx_http_dpd_module);
 
         /* first, so that even a rejected request is logged with its id */
 
@@ -341,7 +364,25 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
             return NGX_HTTP_INTERNAL_SERVER_ERROR;
         }
 
+        /* fall through */
+
+    case NGX_HTTP_DPD_STATE_COUNTED:
+
+        dmcf = ngx_http_get_module_main_conf(r, ngx_http_dpd_module);
+
         rc = ngx_http_dpd_openai_process(r, ctx, dmcf, dlcf);
+
+        if (rc == NGX_AGAIN) {
+            /* counted in a thread: ngx_http_dpd_job_done() resumes */
+            return NGX_AGAIN;
+        }
+
+        if (rc == NGX_OK && ctx->err_status == 0 && ctx->model
+            && !ctx->model_done)
+        {
+            /* dpd_model: decided and answered in the model's location */
+            return ngx_http_dpd_model_pass(r, ctx);
+        }
 
         ctx->decision_usec = ngx_http_dpd_now_usec() - ctx->start_usec;
         ctx->timed = 1;
@@ -1148,6 +1189,15 @@ ngx_http_dpd_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
         v->data = ctx->request_id.data;
         break;
 
+    case NGX_HTTP_DPD_VAR_MODEL:
+        if (ctx->model_name.len == 0) {
+            return NGX_OK;
+        }
+
+        v->len = ctx->model_name.len;
+        v->data = ctx->model_name.data;
+        break;
+
     case NGX_HTTP_DPD_VAR_KV_REQUEST_ID:
         if (ctx->kv_id.len == 0) {
             return NGX_OK;
@@ -1248,8 +1298,16 @@ ngx_http_dpd_postconfiguration(ngx_conf_t *cf)
         return NGX_ERROR;
     }
 
+    if (ngx_http_dpd_prefill_init(cf) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
     ngx_http_next_header_filter = ngx_http_top_header_filter;
     ngx_http_top_header_filter = ngx_http_dpd_header_filter;
+
+    if (ngx_http_dpd_model_init(cf) != NGX_OK) {
+        return NGX_ERROR;
+    }
 
     return ngx_http_dpd_metrics_init_zone_conf(cf, dmcf);
 }
@@ -1268,14 +1326,24 @@ ngx_http_dpd_create_main_conf(ngx_conf_t *cf)
     /*
      * set by ngx_pcalloc():
      *
-     *     dmcf->tok = NULL;
-     *     dmcf->tok_path = { 0, NULL };
-     *     dmcf->tok_config = { 0, NULL };
      *     dmcf->metrics_zone = NULL;
      *     dmcf->used = 0;
      */
 
-    dmcf->tok_template = DPD_CHAT_NONE;
+    if (ngx_array_init(&dmcf->tokenizers, cf->pool, 2,
+                       sizeof(ngx_http_dpd_tokenizer_t *))
+        != NGX_OK)
+    {
+        return NULL;
+    }
+
+    if (ngx_array_init(&dmcf->model_locs, cf->pool, 2,
+                       sizeof(ngx_http_dpd_loc_conf_t *))
+        != NGX_OK)
+    {
+        return NULL;
+    }
+
     dmcf->request_id_index = NGX_ERROR;
 
     return dmcf;
@@ -1292,6 +1360,7 @@ ngx_http_dpd_create_loc_conf(ngx_conf_t *cf)
         return NULL;
     }
 
+    dlcf->tokenizer = NGX_CONF_UNSET_PTR;
     dlcf->enable = NGX_CONF_UNSET;
     dlcf->threshold = NGX_CONF_UNSET;
     dlcf->chat_template = NGX_CONF_UNSET;
@@ -1300,7 +1369,9 @@ ngx_http_dpd_create_loc_conf(ngx_conf_t *cf)
     dlcf->max_prompt_ids = NGX_CONF_UNSET;
     dlcf->max_messages = NGX_CONF_UNSET;
     dlcf->count = NGX_CONF_UNSET_UINT;
+    dlcf->count_min_size = NGX_CONF_UNSET_SIZE;
     dlcf->metrics = NGX_CONF_UNSET;
+    dlcf->model_default = NGX_CONF_UNSET_UINT;
 
     ngx_http_dpd_prefill_init_conf(&dlcf->prefill);
 
@@ -1314,13 +1385,10 @@ ngx_http_dpd_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
     ngx_http_dpd_loc_conf_t *prev = parent;
     ngx_http_dpd_loc_conf_t *conf = child;
 
-    ngx_http_dpd_main_conf_t  *dmcf;
-
+    ngx_conf_merge_ptr_value(conf->tokenizer, prev->tokenizer, NULL);
     ngx_conf_merge_value(conf->enable, prev->enable, 0);
     ngx_conf_merge_value(conf->threshold, prev->threshold,
                          NGX_HTTP_DPD_DEFAULT_THRESHOLD);
-    ngx_conf_merge_value(conf->chat_template, prev->chat_template,
-                         DPD_CHAT_AUTO);
     ngx_conf_merge_value(conf->max_json_depth, prev->max_json_depth,
                          NGX_HTTP_DPD_DEFAULT_JSON_DEPTH);
     ngx_conf_merge_value(conf->max_json_members, prev->max_json_members,
@@ -1333,12 +1401,29 @@ ngx_http_dpd_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
     ngx_conf_merge_uint_value(conf->count, prev->count,
                               NGX_HTTP_DPD_COUNT_EXACT);
 
-    dmcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_dpd_module);
+    if (conf->count_min_size == NGX_CONF_UNSET_SIZE) {
+        /* dpd_count_thread_pool: the pool and its size go together */
+#if (NGX_THREADS)
+        conf->count_pool = prev->count_pool;
+#endif
+        conf->count_min_size = (prev->count_min_size == NGX_CONF_UNSET_SIZE)
+                               ? 0 : prev->count_min_size;
+    }
 
-    if (conf->enable && dmcf->tok == NULL) {
+    if (ngx_http_dpd_merge_chat_template(cf, prev, conf) != NGX_CONF_OK) {
+        return NGX_CONF_ERROR;
+    }
+
+    if (conf->models == NULL) {
+        /* a nested location routes by the same entries */
+        conf->models = prev->models;
+        conf->model_default = prev->model_default;
+    }
+
+    if (conf->enable && conf->tokenizer == NULL && conf->models == NULL) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "\"dpd on\" requires \"dpd_tokenizer\" "
-                           "in the http block");
+                           "in this location or a block around it");
         return NGX_CONF_ERROR;
     }
 
@@ -1347,24 +1432,37 @@ ngx_http_dpd_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
 }
 
 
+/*
+ * dpd_tokenizer FILE [config=FILE]: in http, server or location (a block
+ * without one inherits its parent's).  Each pair of files is loaded once,
+ * however many blocks name it (by path or through another name for the
+ * same files: compared by device and inode): the tokenizers live in the
+ * master from configuration time and the workers share them.
+ */
 static char *
 ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
-    ngx_http_dpd_main_conf_t *dmcf = conf;
+    ngx_http_dpd_loc_conf_t *dlcf = conf;
 
-    char                 err[512];
-    u_char              *p;
-    ngx_str_t           *value, dir, sibling;
-    ngx_file_info_t      fi;
-    ngx_pool_cleanup_t  *cln;
+    char                        err[512];
+    u_char                     *p;
+    ngx_str_t                  *value, path, config, dir, sibling;
+    ngx_uint_t                  i;
+    ngx_file_info_t             fi, cfi;
+    ngx_pool_cleanup_t         *cln;
+    ngx_http_dpd_tokenizer_t   *t, **tp;
+    ngx_http_dpd_main_conf_t   *dmcf;
 
-    if (dmcf->tok) {
+    if (dlcf->tokenizer != NGX_CONF_UNSET_PTR) {
         return "is duplicate";
     }
 
+    dmcf = ngx_http_conf_get_module_main_conf(cf, ngx_http_dpd_module);
+
     value = cf->args->elts;
 
-    dmcf->tok_path = value[1];
+    path = value[1];
+    ngx_str_null(&config);
 
     if (cf->args->nelts == 3) {
         if (value[2].len <= sizeof("config=") - 1
@@ -1377,25 +1475,25 @@ ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             return NGX_CONF_ERROR;
         }
 
-        dmcf->tok_config.data = value[2].data + sizeof("config=") - 1;
-        dmcf->tok_config.len = value[2].len - (sizeof("config=") - 1);
+        config.data = value[2].data + sizeof("config=") - 1;
+        config.len = value[2].len - (sizeof("config=") - 1);
     }
 
     /* relative paths are relative to the configuration prefix */
 
-    if (ngx_conf_full_name(cf->cycle, &dmcf->tok_path, 1) != NGX_OK) {
+    if (ngx_conf_full_name(cf->cycle, &path, 1) != NGX_OK) {
         return NGX_CONF_ERROR;
     }
 
-    if (dmcf->tok_config.len) {
-        if (ngx_conf_full_name(cf->cycle, &dmcf->tok_config, 1) != NGX_OK) {
+    if (config.len) {
+        if (ngx_conf_full_name(cf->cycle, &config, 1) != NGX_OK) {
             return NGX_CONF_ERROR;
         }
 
     } else {
         /* tokenizer_config.json next to tokenizer.json, if it is there */
 
-        dir = dmcf->tok_path;
+        dir = path;
         while (dir.len && dir.data[dir.len - 1] != '/') {
             dir.len--;
         }
@@ -1414,26 +1512,77 @@ ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         if (ngx_file_info(sibling.data, &fi) != NGX_FILE_ERROR
             && ngx_is_file(&fi))
         {
-            dmcf->tok_config = sibling;
+            config = sibling;
         }
     }
 
     /* ngx_conf_full_name() results are NUL-terminated */
 
+    if (ngx_file_info(path.data, &fi) == NGX_FILE_ERROR) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, ngx_errno,
+                           "dpd_tokenizer \"%V\": "
+                           ngx_file_info_n " failed", &path);
+        return NGX_CONF_ERROR;
+    }
+
+    if (config.len && ngx_file_info(config.data, &cfi) == NGX_FILE_ERROR) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, ngx_errno,
+                           "dpd_tokenizer \"%V\" (config \"%V\"): "
+                           ngx_file_info_n " failed", &path, &config);
+        return NGX_CONF_ERROR;
+    }
+
+    /* the same files again: the tokenizer already loaded */
+
+    tp = dmcf->tokenizers.elts;
+
+    for (i = 0; i < dmcf->tokenizers.nelts; i++) {
+        t = tp[i];
+
+        if (t->uniq == ngx_file_uniq(&fi) && t->dev == fi.st_dev
+            && (config.len == 0) == (t->config.len == 0)
+            && (config.len == 0
+                || (t->config_uniq == ngx_file_uniq(&cfi)
+                    && t->config_dev == cfi.st_dev)))
+        {
+            dlcf->tokenizer = t;
+
+            ngx_log_error(NGX_LOG_NOTICE, cf->log, 0,
+                          "dpd_tokenizer \"%V\": already loaded as \"%V\"",
+                          &path, &t->path);
+
+            return NGX_CONF_OK;
+        }
+    }
+
+    t = ngx_pcalloc(cf->pool, sizeof(ngx_http_dpd_tokenizer_t));
+    if (t == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    t->path = path;
+    t->config = config;
+    t->uniq = ngx_file_uniq(&fi);
+    t->dev = fi.st_dev;
+
+    if (config.len) {
+        t->config_uniq = ngx_file_uniq(&cfi);
+        t->config_dev = cfi.st_dev;
+    }
+
     err[0] = '\0';
 
-    dmcf->tok = dpd_tok_load((char *) dmcf->tok_path.data,
-                             dmcf->tok_config.len
-                             ? (char *) dmcf->tok_config.data : NULL,
-                             err, sizeof(err));
+    t->tok = dpd_tok_load((char *) path.data,
+                          config.len ? (char *) config.data : NULL,
+                          err, sizeof(err));
 
-    if (dmcf->tok == NULL) {
+    if (t->tok == NULL) {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "dpd_tokenizer \"%V\"%s%V%s: %s",
-                           &dmcf->tok_path,
-                           dmcf->tok_config.len ? " (config \"" : "",
-                           &dmcf->tok_config,
-                           dmcf->tok_config.len ? "\")" : "",
+                           &path,
+                           config.len ? " (config \"" : "",
+                           &config,
+                           config.len ? "\")" : "",
                            err[0] ? err : "load failed");
         return NGX_CONF_ERROR;
     }
@@ -1443,23 +1592,30 @@ ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     cln = ngx_pool_cleanup_add(cf->pool, 0);
     if (cln == NULL) {
-        dpd_tok_free(dmcf->tok);
-        dmcf->tok = NULL;
+        dpd_tok_free(t->tok);
         return NGX_CONF_ERROR;
     }
 
     cln->handler = ngx_http_dpd_tokenizer_cleanup;
-    cln->data = dmcf->tok;
+    cln->data = t->tok;
 
-    dmcf->tok_template = dpd_tok_chat_template(dmcf->tok);
+    tp = ngx_array_push(&dmcf->tokenizers);
+    if (tp == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    *tp = t;
+
+    t->tmpl = dpd_tok_chat_template(t->tok);
     dmcf->used = 1;
+    dlcf->tokenizer = t;
 
-    ngx_http_dpd_count_bound_init(dmcf);
+    ngx_http_dpd_count_bound_init(t);
 
     ngx_log_error(NGX_LOG_NOTICE, cf->log, 0,
                   "dpd_tokenizer \"%V\": %uD ids, chat template \"%s\"",
-                  &dmcf->tok_path, dpd_tok_vocab_size(dmcf->tok),
-                  dpd_chat_template_name(dmcf->tok_template));
+                  &t->path, dpd_tok_vocab_size(t->tok),
+                  dpd_chat_template_name(t->tmpl));
 
     return NGX_CONF_OK;
 }
@@ -1472,13 +1628,20 @@ ngx_http_dpd_tokenizer_cleanup(void *data)
 }
 
 
+/*
+ * dpd_chat_template auto | none | FILE: "auto" (and the old family names
+ * llama3, llama3.1, chatml) renders with the model's own Jinja template,
+ * "none" gives the documented estimate, anything else is a Jinja template
+ * file compiled here, at configuration time, on the loaded tokenizer.
+ */
+
 static char *
 ngx_http_dpd_chat_template(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_dpd_loc_conf_t *dlcf = conf;
 
     int         t;
-    ngx_str_t  *value;
+    ngx_str_t  *value, path;
 
     if (dlcf->chat_template != NGX_CONF_UNSET) {
         return "is duplicate";
@@ -1486,19 +1649,195 @@ ngx_http_dpd_chat_template(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
     value = cf->args->elts;
 
+    if (ngx_strlen(value[1].data) != value[1].len) {
+        return "has a NUL byte in its argument";
+    }
+
     t = dpd_chat_template_from_name((char *) value[1].data);
 
-    if (t < 0) {
-        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "invalid value \"%V\", expected \"auto\", "
-                           "\"llama3\", \"llama3.1\", \"chatml\" or \"none\"",
-                           &value[1]);
+    if (t >= 0) {
+        dlcf->chat_template = t;
+        return NGX_CONF_OK;
+    }
+
+    /*
+     * a template file: compiled when the block is merged, on the tokenizer
+     * the block ends up with (dpd_tokenizer may follow in the block or be
+     * inherited); an unreadable file or a syntax error fails nginx -t there
+     */
+
+    path = value[1];
+
+    if (ngx_conf_full_name(cf->cycle, &path, 1) != NGX_OK) {
         return NGX_CONF_ERROR;
     }
 
-    dlcf->chat_template = t;
+    dlcf->chat_template = NGX_HTTP_DPD_CHAT_FILE_PENDING;
+    dlcf->chat_template_file = path;
+    dlcf->chat_template_name = value[1];
 
     return NGX_CONF_OK;
+}
+
+
+/*
+ * dpd_chat_template is inherited with its file; a file is compiled (once
+ * per tokenizer it is used with: the result is inherited too) on the
+ * tokenizer of the block, where its template handle belongs
+ */
+
+static char *
+ngx_http_dpd_merge_chat_template(ngx_conf_t *cf, ngx_http_dpd_loc_conf_t *prev,
+    ngx_http_dpd_loc_conf_t *conf)
+{
+    int   t;
+    char  err[512];
+
+    if (conf->chat_template == NGX_CONF_UNSET) {
+        conf->chat_template = (prev->chat_template == NGX_CONF_UNSET)
+                              ? DPD_CHAT_AUTO : prev->chat_template;
+        conf->chat_template_file = prev->chat_template_file;
+        conf->chat_template_name = prev->chat_template_name;
+        conf->chat_template_tok = prev->chat_template_tok;
+    }
+
+    if (conf->chat_template_file.len == 0
+        || (conf->chat_template_tok == conf->tokenizer
+            && conf->chat_template != NGX_HTTP_DPD_CHAT_FILE_PENDING))
+    {
+        return NGX_CONF_OK;
+    }
+
+    if (conf->tokenizer == NULL) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "dpd_chat_template \"%V\": a template file "
+                           "needs \"dpd_tokenizer\" in the block or a block "
+                           "around it (or use \"auto\" or \"none\")",
+                           &conf->chat_template_name);
+        return NGX_CONF_ERROR;
+    }
+
+    err[0] = '\0';
+
+    t = dpd_tok_chat_template_file(conf->tokenizer->tok,
+                                   (char *) conf->chat_template_file.data,
+                                   err, sizeof(err));
+
+    if (t < 0) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "dpd_chat_template \"%V\": %s",
+                           &conf->chat_template_name,
+                           err[0] ? err : "invalid template");
+        return NGX_CONF_ERROR;
+    }
+
+    conf->chat_template = t;
+    conf->chat_template_tok = conf->tokenizer;
+
+    return NGX_CONF_OK;
+}
+
+
+/*
+ * dpd_count_thread_pool NAME [min_size=SIZE] | off: bodies of min_size
+ * (default 32k) or more are parsed and counted in a thread of pool NAME
+ * (a thread_pool, or "default"), as "aio threads=NAME" reads files; an
+ * unknown pool fails the configuration (nginx's thread pool module
+ * checks, naming it).
+ */
+
+static char *
+ngx_http_dpd_count_thread_pool(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf)
+{
+    ngx_http_dpd_loc_conf_t *dlcf = conf;
+
+    ssize_t     size;
+    ngx_str_t  *value, s;
+
+    if (dlcf->count_min_size != NGX_CONF_UNSET_SIZE) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    if (ngx_strcmp(value[1].data, "off") == 0) {
+        if (cf->args->nelts > 2) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "invalid parameter \"%V\": \"off\" takes "
+                               "none", &value[2]);
+            return NGX_CONF_ERROR;
+        }
+
+#if (NGX_THREADS)
+        dlcf->count_pool = NULL;
+#endif
+        dlcf->count_min_size = 0;
+
+        return NGX_CONF_OK;
+    }
+
+#if (NGX_THREADS)
+
+    if (value[1].len == 0) {
+        return "has an empty thread pool name";
+    }
+
+    size = NGX_HTTP_DPD_DEFAULT_COUNT_MIN_SIZE;
+
+    if (cf->args->nelts > 2) {
+        if (value[2].len <= sizeof("min_size=") - 1
+            || ngx_strncmp(value[2].data, "min_size=",
+                           sizeof("min_size=") - 1) != 0)
+        {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "invalid parameter \"%V\", expected "
+                               "\"min_size=SIZE\"", &value[2]);
+            return NGX_CONF_ERROR;
+        }
+
+        s.data = value[2].data + sizeof("min_size=") - 1;
+        s.len = value[2].len - (sizeof("min_size=") - 1);
+
+        size = ngx_parse_size(&s);
+
+        if (size == NGX_ERROR) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "invalid min_size \"%V\"", &s);
+            return NGX_CONF_ERROR;
+        }
+    }
+
+    dlcf->count_pool = ngx_thread_pool_add(cf, &value[1]);
+    if (dlcf->count_pool == NULL) {
+        return NGX_CONF_ERROR;
+    }
+
+    dlcf->count_min_size = (size_t) size;
+
+    return NGX_CONF_OK;
+
+#else
+
+    (void) size;
+    (void) s;
+
+    ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                       "\"dpd_count_thread_pool\" needs an nginx built "
+                       "with threads (--with-threads); use "
+                       "\"dpd_count_thread_pool off\"");
+    return NGX_CONF_ERROR;
+
+#endif
+}
+
+
+static ngx_int_t
+ngx_http_dpd_init_process(ngx_cycle_t *cycle)
+{
+    ngx_http_dpd_openai_init_process();
+
+    return NGX_OK;
 }
 
 

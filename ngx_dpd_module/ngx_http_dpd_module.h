@@ -42,6 +42,8 @@
 #define NGX_HTTP_DPD_STATE_BODY           2   /* body read, not parsed */
 #define NGX_HTTP_DPD_STATE_DECIDED        3   /* parsed, counted, routed */
 #define NGX_HTTP_DPD_STATE_DONE           4   /* phases continue */
+#define NGX_HTTP_DPD_STATE_COUNTING       5   /* parse + count in a thread */
+#define NGX_HTTP_DPD_STATE_COUNTED        6   /* the thread's result is in */
 
 /* ctx->answer: what the core's content handler sends (nothing else in the
  * module sends a response from the phase handler or finalizes there) */
@@ -60,43 +62,95 @@
 #define NGX_HTTP_DPD_DEFAULT_PROMPT_IDS   262144
 #define NGX_HTTP_DPD_DEFAULT_MESSAGES     16384
 
+/* dpd_chat_template FILE until the block's merge compiles it */
+#define NGX_HTTP_DPD_CHAT_FILE_PENDING    (-2)
+
+/* dpd_count_thread_pool NAME: bodies from this size on, by default */
+#define NGX_HTTP_DPD_DEFAULT_COUNT_MIN_SIZE  (32 * 1024)
+
 /* dpd_count: how a text prompt is measured against dpd_threshold */
 #define NGX_HTTP_DPD_COUNT_EXACT          0   /* always the exact BPE count */
 #define NGX_HTTP_DPD_COUNT_BOUND          1   /* skip BPE when a byte bound
                                                  is below the threshold */
 
 
-/* http{}-level settings */
+/*
+ * A loaded tokenizer (dpd_tokenizer): one per pair of files, whatever the
+ * number of blocks naming it, loaded at configuration time in the master
+ * and shared copy-on-write by the workers; freed with the cycle.
+ */
 typedef struct {
-    dpd_tok_t                   *tok;          /* dpd_tokenizer, shared */
-    ngx_str_t                    tok_path;
-    ngx_str_t                    tok_config;
-    dpd_chat_template_t          tok_template; /* detected from config */
-    ngx_shm_zone_t              *metrics_zone;
-    ngx_uint_t                   used;         /* any dpd directive seen */
-    ngx_int_t                    request_id_index; /* $request_id */
+    dpd_tok_t                   *tok;
+    ngx_str_t                    path;         /* tokenizer.json, full */
+    ngx_str_t                    config;       /* tokenizer_config.json */
+    ngx_file_uniq_t              uniq;         /* the files' identity */
+    ngx_file_uniq_t              config_uniq;
+    dev_t                        dev;
+    dev_t                        config_dev;
+    dpd_chat_template_t          tmpl;         /* detected from config */
 
     /* dpd_count bound: ids <= (ascii + other * bound_other)
      * * bound_prefix + specials; see ngx_http_dpd_count_bound_init() */
     ngx_uint_t                   bound_other;   /* non-ASCII byte factor */
     ngx_uint_t                   bound_prefix;  /* prefix-space factor */
     ngx_uint_t                   bound_specials; /* post-processor ids */
+} ngx_http_dpd_tokenizer_t;
+
+
+/* the model names $dpd_model keeps (longer ones are cut, for logs) */
+#define NGX_HTTP_DPD_MODEL_LEN  128
+
+
+/* http{}-level settings */
+typedef struct {
+    ngx_array_t                  tokenizers;   /* ngx_http_dpd_tokenizer_t *,
+                                                  each loaded once */
+    ngx_shm_zone_t              *metrics_zone;
+    ngx_uint_t                   used;         /* any dpd directive seen */
+    ngx_int_t                    request_id_index; /* $request_id */
+    ngx_array_t                  model_locs;   /* ngx_http_dpd_loc_conf_t *
+                                                  with dpd_model entries */
 } ngx_http_dpd_main_conf_t;
 
 
 /* location-level settings (the typedef name is part of the contract) */
 typedef struct {
+    ngx_http_dpd_tokenizer_t    *tokenizer;     /* dpd_tokenizer (inherited) */
     ngx_flag_t                   enable;        /* dpd on|off */
     ngx_int_t                    threshold;     /* dpd_threshold */
-    ngx_int_t                    chat_template; /* dpd_chat_template */
+    ngx_int_t                    chat_template; /* dpd_chat_template: a
+                                                   dpd_chat_template_t, for
+                                                   a FILE compiled on
+                                                   chat_template_tok */
+    ngx_str_t                    chat_template_file; /* its FILE, full */
+    ngx_str_t                    chat_template_name; /* as written */
+    ngx_http_dpd_tokenizer_t    *chat_template_tok;
     ngx_int_t                    max_json_depth; /* dpd_max_json_depth */
     ngx_int_t                    max_json_members; /* dpd_max_json_members */
     ngx_int_t                    max_prompt_ids; /* dpd_max_prompt_ids */
     ngx_int_t                    max_messages;  /* dpd_max_messages */
     ngx_uint_t                   count;         /* dpd_count */
+#if (NGX_THREADS)
+    ngx_thread_pool_t           *count_pool;    /* dpd_count_thread_pool */
+#endif
+    size_t                       count_min_size; /* its min_size= */
     ngx_flag_t                   metrics;       /* dpd_metrics handler */
+    ngx_array_t                 *models;        /* dpd_model entries
+                                                   (ngx_http_dpd_model_t) */
+    ngx_uint_t                   model_default; /* index of "*", else
+                                                   NGX_CONF_UNSET_UINT */
     ngx_http_dpd_prefill_conf_t  prefill;       /* owned by prefill code */
 } ngx_http_dpd_loc_conf_t;
+
+
+/* one "dpd_model NAME @location" (ngx_http_dpd_model.c) */
+typedef struct {
+    ngx_str_t                    name;          /* as clients send it; "*" */
+    ngx_str_t                    location;      /* "@name" */
+    ngx_http_core_srv_conf_t    *cscf;          /* whose named locations */
+    ngx_http_dpd_loc_conf_t     *target;        /* its settings (resolved at
+                                                   postconfiguration) */
+} ngx_http_dpd_model_t;
 
 
 /* per-request state (typedef ngx_http_dpd_ctx_t is in prefill.h) */
@@ -140,6 +194,16 @@ struct ngx_http_dpd_ctx_s {
     ngx_str_t                    answer_body;   /* BODY */
     ngx_str_t                    answer_content_type; /* BODY */
 
+    ngx_http_dpd_model_t        *model;         /* dpd_model entry chosen */
+    ngx_str_t                    model_name;    /* the request's "model"
+                                                   (in model_buf, cut) */
+    u_char                       model_buf[NGX_HTTP_DPD_MODEL_LEN];
+
+    void                        *count_job;     /* the parse + count job
+                                                   (ngx_http_dpd_openai.c) */
+    ngx_int_t                    count_rc;      /* its result, once
+                                                   COUNTED */
+
     /* CLOCK_MONOTONIC microseconds */
     uint64_t                     start_usec;    /* phase handler entry */
     uint64_t                     decision_usec; /* read + parse + count */
@@ -156,6 +220,7 @@ struct ngx_http_dpd_ctx_s {
     unsigned                     error_page:1;  /* filter rewrites body */
     unsigned                     error_sent:1;  /* filter body sent */
     unsigned                     logged:1;      /* counted in metrics */
+    unsigned                     model_done:1;  /* passed to its location */
 
     ngx_http_dpd_prefill_ctx_t   prefill;       /* owned by prefill code */
 };
@@ -218,8 +283,16 @@ ngx_int_t ngx_http_dpd_read_body(ngx_http_request_t *r,
     ngx_http_client_body_handler_pt handler);
 ngx_int_t ngx_http_dpd_body_bytes(ngx_http_request_t *r, ngx_str_t *body);
 
-void ngx_http_dpd_count_bound_init(ngx_http_dpd_main_conf_t *dmcf);
+void ngx_http_dpd_count_bound_init(ngx_http_dpd_tokenizer_t *t);
 void ngx_http_dpd_openai_cleanup(ngx_http_dpd_ctx_t *ctx);
+void ngx_http_dpd_openai_init_process(void);
+
+/*
+ * Parses, checks and counts the body.  NGX_OK (ctx->err_* set for bad
+ * input), NGX_ERROR, or NGX_AGAIN: handed to the location's
+ * dpd_count_thread_pool (ctx->state COUNTING); the thread's completion
+ * sets ctx->count_rc and state COUNTED and resumes the phases.
+ */
 ngx_int_t ngx_http_dpd_openai_process(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_main_conf_t *dmcf,
     ngx_http_dpd_loc_conf_t *dlcf);
@@ -230,6 +303,14 @@ ngx_int_t ngx_http_dpd_metrics_init_zone_conf(ngx_conf_t *cf,
     ngx_http_dpd_main_conf_t *dmcf);
 ngx_int_t ngx_http_dpd_metrics_handler(ngx_http_request_t *r);
 void ngx_http_dpd_metrics_log_request(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx);
+
+/* dpd_model (ngx_http_dpd_model.c) */
+char *ngx_http_dpd_model(ngx_conf_t *cf, ngx_command_t *cmd, void *conf);
+ngx_int_t ngx_http_dpd_model_init(ngx_conf_t *cf);
+ngx_http_dpd_model_t *ngx_http_dpd_model_pick(ngx_http_dpd_loc_conf_t *dlcf,
+    const cJSON *json, const char **name, size_t *len, int *bad);
+ngx_int_t ngx_http_dpd_model_pass(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx);
 
 

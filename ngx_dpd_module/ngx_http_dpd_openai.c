@@ -35,12 +35,52 @@
 #define NGX_HTTP_DPD_TRIM_BODY    (256 * 1024)
 
 
-static ngx_int_t ngx_http_dpd_parse_and_count(ngx_http_request_t *r,
+/*
+ * The parse and count of one body: what ngx_http_dpd_job_run() needs and
+ * what it found.  Inline, on the stack; with dpd_count_thread_pool, in a
+ * pool of its own (the job's pool also holds the index, so that the
+ * thread never allocates from the request pool), with the task.
+ */
+typedef struct {
+    ngx_http_request_t         *request;
+    ngx_http_dpd_ctx_t         *ctx;
+    ngx_pool_t                 *tree;       /* cJSON's arena */
+    ngx_http_dpd_limits_t       limits;
+    ngx_http_dpd_count_conf_t   cf;
+
+    ngx_http_dpd_loc_conf_t    *models;     /* dpd_model: whose entries
+                                               pick the count's settings */
+    int                         model_bad;  /* _model_pick()'s *bad */
+
+    int                         parse_rc;   /* _proto_parse_request() */
+    int                         count_rc;   /* ngx_http_dpd_count() */
+    unsigned                    stream:1;
+    ngx_http_dpd_count_t        count;
+} ngx_http_dpd_job_t;
+
+
+static void ngx_http_dpd_job_init(ngx_http_dpd_job_t *job,
+    ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_main_conf_t *dmcf, ngx_http_dpd_loc_conf_t *dlcf);
+static void ngx_http_dpd_job_conf(ngx_http_dpd_job_t *job,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_loc_conf_t *dlcf);
+static void ngx_http_dpd_job_run(ngx_http_dpd_job_t *job);
+static ngx_int_t ngx_http_dpd_job_finish(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_job_t *job);
+#if (NGX_THREADS)
+static ngx_int_t ngx_http_dpd_job_post(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_main_conf_t *dmcf,
     ngx_http_dpd_loc_conf_t *dlcf);
+static void ngx_http_dpd_job_thread(void *data, ngx_log_t *log);
+static void ngx_http_dpd_job_done(ngx_event_t *ev);
+static void ngx_http_dpd_job_pool_cleanup(void *data);
+#endif
 static ngx_int_t ngx_http_dpd_reject(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_uint_t reason, const char *message);
 static ngx_uint_t ngx_http_dpd_bad_reason(int bad);
+static void ngx_http_dpd_job_model(ngx_http_dpd_job_t *job);
+static ngx_int_t ngx_http_dpd_model_reject(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, int bad);
 static void *ngx_http_dpd_pool_alloc(void *pool, size_t size);
 static void *ngx_http_dpd_tree_alloc(size_t size);
 static void ngx_http_dpd_tree_free(void *p);
@@ -50,8 +90,12 @@ static void ngx_http_dpd_trim_handler(ngx_event_t *ev);
 #endif
 
 
-/* cJSON's allocator while a request is parsed and counted (see below) */
-static ngx_pool_t  *ngx_http_dpd_tree_pool;
+/*
+ * cJSON's allocator while a request is parsed and counted (see below):
+ * per thread, as a count may run in a dpd_count_thread_pool thread while
+ * the event loop parses another request or a prefill reply (malloc())
+ */
+static __thread ngx_pool_t  *ngx_http_dpd_tree_pool;
 
 #if defined(__GLIBC__)
 /* malloc_trim() once the current event is done with a big request */
@@ -67,29 +111,29 @@ static ngx_event_t  ngx_http_dpd_trim_event;
  */
 
 void
-ngx_http_dpd_count_bound_init(ngx_http_dpd_main_conf_t *dmcf)
+ngx_http_dpd_count_bound_init(ngx_http_dpd_tokenizer_t *t)
 {
     dpd_tok_bound_t  b;
 
-    if (dpd_tok_bound_params(dmcf->tok, &b) != 0) {
+    if (dpd_tok_bound_params(t->tok, &b) != 0) {
         /* a pipeline the bound cannot describe: always count exactly */
-        dmcf->bound_other = 0;
-        dmcf->bound_prefix = 0;
-        dmcf->bound_specials = 0;
+        t->bound_other = 0;
+        t->bound_prefix = 0;
+        t->bound_specials = 0;
         return;
     }
 
-    dmcf->bound_other = b.other_factor;
-    dmcf->bound_prefix = b.prefix_factor;
-    dmcf->bound_specials = b.specials;
+    t->bound_other = b.other_factor;
+    t->bound_prefix = b.prefix_factor;
+    t->bound_specials = b.specials;
 }
 
 
 /*
  * The parsed tree (64 bytes a node, up to dpd_max_json_members nodes) lives
  * in a pool of its own: cJSON's hooks point into it from the parse to the
- * end of the count (nothing else runs in between: one thread, no event),
- * and the whole tree goes back with one ngx_destroy_pool() once counted,
+ * end of the count (a per-thread pointer: the event loop, or the
+ * dpd_count_thread_pool thread that runs the job), and the whole tree goes back with one ngx_destroy_pool() once counted,
  * instead of one free() per node (node by node through malloc(), 80 bytes
  * a node and 32 a key).
  *
@@ -111,10 +155,13 @@ ngx_int_t
 ngx_http_dpd_openai_process(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_main_conf_t *dmcf, ngx_http_dpd_loc_conf_t *dlcf)
 {
-    size_t       size;
-    ngx_int_t    rc;
-    ngx_pool_t  *pool;
-    cJSON_Hooks  hooks;
+    ngx_int_t           rc;
+    ngx_http_dpd_job_t  job;
+
+    if (ctx->state == NGX_HTTP_DPD_STATE_COUNTED) {
+        /* back from the thread: ngx_http_dpd_job_done() */
+        return ctx->count_rc;
+    }
 
     if (ngx_http_dpd_body_bytes(r, &ctx->body) != NGX_OK) {
         return NGX_ERROR;
@@ -124,6 +171,92 @@ ngx_http_dpd_openai_process(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         return ngx_http_dpd_reject(r, ctx, NGX_HTTP_DPD_E_EMPTY_BODY,
                                    "the request body is empty: expected a "
                                    "JSON object");
+    }
+
+#if (NGX_THREADS)
+
+    if (dlcf->count_pool && ctx->body.len >= dlcf->count_min_size) {
+        rc = ngx_http_dpd_job_post(r, ctx, dmcf, dlcf);
+
+        if (rc != NGX_DECLINED) {
+            return rc;
+        }
+
+        /* the pool's queue is full (logged by nginx): counted here */
+    }
+
+#endif
+
+    ngx_http_dpd_job_init(&job, r, ctx, dmcf, dlcf);
+
+    if (job.tree == NULL) {
+        return NGX_ERROR;
+    }
+
+    /* the index and the bodies built from it live in the request pool */
+
+    ctx->req.alloc = ngx_http_dpd_pool_alloc;
+    ctx->req.alloc_data = r->pool;
+
+    ngx_http_dpd_job_run(&job);
+
+    rc = ngx_http_dpd_job_finish(r, ctx, &job);
+
+#if defined(__GLIBC__)
+    if (ctx->body.len >= NGX_HTTP_DPD_TRIM_BODY) {
+        malloc_trim(0);
+    }
+#endif
+
+    return rc;
+}
+
+
+/*
+ * cJSON's hooks, set once per process: the tree pool of the calling
+ * thread while it parses and counts a request, else malloc() and free()
+ * (prefill replies, the tokenizer's files at configuration time)
+ */
+
+void
+ngx_http_dpd_openai_init_process(void)
+{
+    cJSON_Hooks  hooks;
+
+    hooks.malloc_fn = ngx_http_dpd_tree_alloc;
+    hooks.free_fn = ngx_http_dpd_tree_free;
+
+    cJSON_InitHooks(&hooks);
+}
+
+
+static void
+ngx_http_dpd_job_init(ngx_http_dpd_job_t *job, ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_main_conf_t *dmcf,
+    ngx_http_dpd_loc_conf_t *dlcf)
+{
+    size_t  size;
+
+    job->request = r;
+    job->ctx = ctx;
+    job->parse_rc = -1;
+    job->count_rc = -1;
+    job->stream = 0;
+    job->model_bad = 0;
+
+    /* the parse follows this location's caps, also with dpd_model */
+
+    job->limits.max_depth = (size_t) dlcf->max_json_depth;
+    job->limits.max_elements = (size_t) dlcf->max_json_members;
+
+    if (dlcf->models && !ctx->model_done) {
+        /* the count's settings: the model's location's, once parsed */
+        job->models = dlcf;
+        ngx_memzero(&job->cf, sizeof(ngx_http_dpd_count_conf_t));
+
+    } else {
+        job->models = NULL;
+        ngx_http_dpd_job_conf(job, ctx, dlcf);
     }
 
     /*
@@ -136,29 +269,308 @@ ngx_http_dpd_openai_process(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                                                  : size * 32;
     size = ngx_align(size, ngx_pagesize);
 
-    pool = ngx_create_pool(size, r->connection->log);
-    if (pool == NULL) {
-        return NGX_ERROR;
+    /* the cycle's log: the pool may be freed in a thread, where the
+     * request's log handler must not run */
+
+    job->tree = ngx_create_pool(size, ngx_cycle->log);
+    if (job->tree == NULL) {
+        return;
     }
 
     ctx->req.tree_release = ngx_http_dpd_tree_release;
-    ctx->req.tree_data = pool;
+    ctx->req.tree_data = job->tree;
+}
 
-    hooks.malloc_fn = ngx_http_dpd_tree_alloc;
-    hooks.free_fn = ngx_http_dpd_tree_free;
 
-    ngx_http_dpd_tree_pool = pool;
-    cJSON_InitHooks(&hooks);
+/* the count's settings from a location's (any thread: reads only) */
 
-    rc = ngx_http_dpd_parse_and_count(r, ctx, dmcf, dlcf);
+static void
+ngx_http_dpd_job_conf(ngx_http_dpd_job_t *job, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_loc_conf_t *dlcf)
+{
+    ngx_http_dpd_count_conf_t  *cf;
 
-    cJSON_InitHooks(NULL);
+    cf = &job->cf;
+
+    cf->tok = dlcf->tokenizer->tok;
+    cf->tmpl = (dpd_chat_template_t) dlcf->chat_template;
+    if (cf->tmpl == DPD_CHAT_AUTO) {
+        cf->tmpl = dlcf->tokenizer->tmpl;
+    }
+
+    cf->chat = (ctx->kind == NGX_HTTP_DPD_KIND_CHAT);
+    cf->bound = (dlcf->count == NGX_HTTP_DPD_COUNT_BOUND);
+    cf->threshold = (long) dlcf->threshold;
+    cf->max_prompt_ids = (size_t) dlcf->max_prompt_ids;
+    cf->max_messages = (size_t) dlcf->max_messages;
+    cf->bound_other = dlcf->tokenizer->bound_other;
+    cf->bound_prefix = dlcf->tokenizer->bound_prefix;
+    cf->bound_specials = dlcf->tokenizer->bound_specials;
+}
+
+
+/*
+ * The parse and the count: nginx-free but for the job's own pools, so
+ * that a thread may run it (ngx_http_dpd_job_thread()); the event loop
+ * does not touch ctx->req while it runs.
+ */
+
+static void
+ngx_http_dpd_job_run(ngx_http_dpd_job_t *job)
+{
+    const cJSON         *stream;
+    ngx_http_dpd_ctx_t  *ctx;
+
+    ctx = job->ctx;
+
+    ngx_http_dpd_tree_pool = job->tree;
+
+    job->parse_rc = ngx_http_dpd_proto_parse_request(&ctx->req,
+                                              (const char *) ctx->body.data,
+                                              ctx->body.len, &job->limits);
+
+    if (job->parse_rc == 0 && job->models) {
+        ngx_http_dpd_job_model(job);
+    }
+
+    if (job->parse_rc == 0 && job->model_bad == 0) {
+        stream = cJSON_GetObjectItemCaseSensitive(ctx->req.json, "stream");
+        job->stream = cJSON_IsTrue(stream) ? 1 : 0;
+
+        job->count_rc = ngx_http_dpd_count(ctx->req.json, &job->cf,
+                                           &job->count);
+    }
+
     ngx_http_dpd_tree_pool = NULL;
 
     /* from here on the index is enough: the tree is not kept for the
      * life of a (possibly long) stream */
 
     ngx_http_dpd_proto_drop_tree(&ctx->req);
+}
+
+
+/* dpd_model: the entry for this request, whose location counts it */
+
+static void
+ngx_http_dpd_job_model(ngx_http_dpd_job_t *job)
+{
+    size_t                 len;
+    const char            *name;
+    ngx_http_dpd_ctx_t    *ctx;
+    ngx_http_dpd_model_t  *m;
+
+    ctx = job->ctx;
+
+    m = ngx_http_dpd_model_pick(job->models, ctx->req.json, &name, &len,
+                                &job->model_bad);
+
+    if (name) {
+        /* for $dpd_model and the 404's message; logs take a cut one */
+        len = ngx_min(len, NGX_HTTP_DPD_MODEL_LEN);
+        ngx_memcpy(ctx->model_buf, name, len);
+        ctx->model_name.data = ctx->model_buf;
+        ctx->model_name.len = len;
+    }
+
+    if (m == NULL) {
+        return;
+    }
+
+    ctx->model = m;
+    ngx_http_dpd_job_conf(job, ctx, m->target);
+}
+
+
+/* what the job found, in the event loop: logs, metrics, the answer */
+
+static ngx_int_t
+ngx_http_dpd_job_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_job_t *job)
+{
+    if (job->parse_rc < 0) {
+        return NGX_ERROR;
+    }
+
+    if (job->parse_rc > 0) {
+        return ngx_http_dpd_reject(r, ctx,
+                                   ngx_http_dpd_bad_reason(ctx->req.bad),
+                                   ctx->req.why);
+    }
+
+    if (job->model_bad) {
+        return ngx_http_dpd_model_reject(r, ctx, job->model_bad);
+    }
+
+    /* transfer metadata is the gateway's business, never the client's */
+
+    if (ctx->req.kv_params) {
+        ctx->kv_stripped = 1;
+        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_STRIPPED);
+
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "dpd: client \"kv_transfer_params\" removed (%uz)",
+                      ctx->req.kv_params);
+    }
+
+    ctx->stream = job->stream;
+
+    if (job->count_rc != 0) {
+        return NGX_ERROR;
+    }
+
+    if (job->count.bad) {
+        return ngx_http_dpd_reject(r, ctx,
+                                   ngx_http_dpd_bad_reason(job->count.bad),
+                                   job->count.why);
+    }
+
+    if (job->count.note[0]) {
+        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
+                      "dpd: request \"%V\": %s", &ctx->request_id,
+                      job->count.note);
+    }
+
+    ctx->prompt_tokens = job->count.tokens;
+    ctx->prompt_bound = job->count.bound;
+    ctx->count_skipped = job->count.skipped;
+    ctx->estimated = job->count.estimated;
+
+    return NGX_OK;
+}
+
+
+#if (NGX_THREADS)
+
+/*
+ * dpd_count_thread_pool: the parse and count of a big body in a thread of
+ * the pool, the event loop serving other requests meanwhile (aio threads'
+ * pattern, ngx_http_upstream_thread_handler()).  r->main->blocked keeps
+ * the request, its pool and its connection alive until the completion
+ * handler has run, even when the client goes (test_reading sees it: the
+ * request is terminated, and finalized once the job is back).  The job,
+ * the task, the index and the tree belong to the job's pools, which the
+ * request pool's cleanup frees; the thread touches nothing else but the
+ * body's bytes (r->pool or request buffer memory, live as long as r) and
+ * the shared tokenizer (read-only).
+ *
+ * NGX_AGAIN: posted; NGX_DECLINED: the queue is full, count inline;
+ * NGX_ERROR.
+ */
+
+static ngx_int_t
+ngx_http_dpd_job_post(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_main_conf_t *dmcf, ngx_http_dpd_loc_conf_t *dlcf)
+{
+    ngx_pool_t          *pool;
+    ngx_thread_task_t   *task;
+    ngx_pool_cleanup_t  *cln;
+    ngx_http_dpd_job_t  *job;
+
+    cln = ngx_pool_cleanup_add(r->pool, 0);
+    if (cln == NULL) {
+        return NGX_ERROR;
+    }
+
+    pool = ngx_create_pool(NGX_DEFAULT_POOL_SIZE, ngx_cycle->log);
+    if (pool == NULL) {
+        return NGX_ERROR;
+    }
+
+    cln->handler = ngx_http_dpd_job_pool_cleanup;
+    cln->data = pool;
+
+    task = ngx_thread_task_alloc(pool, sizeof(ngx_http_dpd_job_t));
+    if (task == NULL) {
+        return NGX_ERROR;
+    }
+
+    job = task->ctx;
+
+    ngx_http_dpd_job_init(job, r, ctx, dmcf, dlcf);
+
+    if (job->tree == NULL) {
+        return NGX_ERROR;
+    }
+
+    /* the index and the bodies built from it: the job's pool */
+
+    ctx->req.alloc = ngx_http_dpd_pool_alloc;
+    ctx->req.alloc_data = pool;
+
+    task->handler = ngx_http_dpd_job_thread;
+    task->event.data = job;
+    task->event.handler = ngx_http_dpd_job_done;
+
+    if (ngx_thread_task_post(dlcf->count_pool, task) != NGX_OK) {
+        /* counted in place, with a tree pool of its own */
+        ngx_http_dpd_proto_drop_tree(&ctx->req);
+        return NGX_DECLINED;
+    }
+
+    ngx_log_debug1(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "dpd count: %uz bytes to the thread pool",
+                   ctx->body.len);
+
+    ctx->count_job = job;
+    ctx->state = NGX_HTTP_DPD_STATE_COUNTING;
+
+    r->main->blocked++;
+
+    /* a client that goes is seen now, not after the count */
+    r->read_event_handler = ngx_http_test_reading;
+
+    return NGX_AGAIN;
+}
+
+
+static void
+ngx_http_dpd_job_thread(void *data, ngx_log_t *log)
+{
+    ngx_http_dpd_job_t  *job = data;
+
+    ngx_http_dpd_job_run(job);
+}
+
+
+static void
+ngx_http_dpd_job_done(ngx_event_t *ev)
+{
+    ngx_connection_t    *c;
+    ngx_http_request_t  *r;
+    ngx_http_dpd_job_t  *job;
+    ngx_http_dpd_ctx_t  *ctx;
+
+    job = ev->data;
+    r = job->request;
+    ctx = job->ctx;
+    c = r->connection;
+
+    ngx_http_set_log_request(c->log, r);
+
+    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, c->log, 0,
+                   "dpd count: thread done, parse %d, count %d",
+                   job->parse_rc, job->count_rc);
+
+    r->main->blocked--;
+
+    ctx->count_job = NULL;
+
+    if (c->error) {
+        /*
+         * the client went (the request was terminated while blocked): its
+         * write handler now finalizes it
+         */
+        ctx->state = NGX_HTTP_DPD_STATE_DONE;
+        r->write_event_handler(r);
+        ngx_http_run_posted_requests(c);
+        return;
+    }
+
+    r->read_event_handler = ngx_http_block_reading;
+
+    ctx->count_rc = ngx_http_dpd_job_finish(r, ctx, job);
+    ctx->state = NGX_HTTP_DPD_STATE_COUNTED;
 
 #if defined(__GLIBC__)
     if (ctx->body.len >= NGX_HTTP_DPD_TRIM_BODY) {
@@ -166,8 +578,18 @@ ngx_http_dpd_openai_process(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     }
 #endif
 
-    return rc;
+    r->write_event_handler(r);
+    ngx_http_run_posted_requests(c);
 }
+
+
+static void
+ngx_http_dpd_job_pool_cleanup(void *data)
+{
+    ngx_destroy_pool(data);
+}
+
+#endif /* NGX_THREADS */
 
 
 void
@@ -183,92 +605,6 @@ ngx_http_dpd_openai_cleanup(ngx_http_dpd_ctx_t *ctx)
         ngx_post_event(&ngx_http_dpd_trim_event, &ngx_posted_events);
     }
 #endif
-}
-
-
-static ngx_int_t
-ngx_http_dpd_parse_and_count(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
-    ngx_http_dpd_main_conf_t *dmcf, ngx_http_dpd_loc_conf_t *dlcf)
-{
-    int                         rc;
-    const cJSON                *stream;
-    ngx_http_dpd_limits_t       limits;
-    ngx_http_dpd_count_t        count;
-    ngx_http_dpd_count_conf_t   cf;
-
-    /* the index and the bodies built from it live in the request pool */
-
-    ctx->req.alloc = ngx_http_dpd_pool_alloc;
-    ctx->req.alloc_data = r->pool;
-
-    limits.max_depth = (size_t) dlcf->max_json_depth;
-    limits.max_elements = (size_t) dlcf->max_json_members;
-
-    rc = ngx_http_dpd_proto_parse_request(&ctx->req,
-                                          (const char *) ctx->body.data,
-                                          ctx->body.len, &limits);
-    if (rc < 0) {
-        return NGX_ERROR;
-    }
-
-    if (rc > 0) {
-        return ngx_http_dpd_reject(r, ctx,
-                                   ngx_http_dpd_bad_reason(ctx->req.bad),
-                                   ctx->req.why);
-    }
-
-    /* transfer metadata is the gateway's business, never the client's */
-
-    if (ctx->req.kv_params) {
-        ctx->kv_stripped = 1;
-        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_STRIPPED);
-
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "dpd: client \"kv_transfer_params\" removed (%uz)",
-                      ctx->req.kv_params);
-    }
-
-    stream = cJSON_GetObjectItemCaseSensitive(ctx->req.json, "stream");
-    ctx->stream = cJSON_IsTrue(stream) ? 1 : 0;
-
-    cf.tok = dmcf->tok;
-    cf.tmpl = (dpd_chat_template_t) dlcf->chat_template;
-    if (cf.tmpl == DPD_CHAT_AUTO) {
-        cf.tmpl = dmcf->tok_template;
-    }
-
-    cf.chat = (ctx->kind == NGX_HTTP_DPD_KIND_CHAT);
-    cf.bound = (dlcf->count == NGX_HTTP_DPD_COUNT_BOUND);
-    cf.threshold = (long) dlcf->threshold;
-    cf.max_prompt_ids = (size_t) dlcf->max_prompt_ids;
-    cf.max_messages = (size_t) dlcf->max_messages;
-    cf.bound_other = dmcf->bound_other;
-    cf.bound_prefix = dmcf->bound_prefix;
-    cf.bound_specials = dmcf->bound_specials;
-
-    rc = ngx_http_dpd_count(ctx->req.json, &cf, &count);
-
-    if (rc != 0) {
-        return NGX_ERROR;
-    }
-
-    if (count.bad) {
-        return ngx_http_dpd_reject(r, ctx, ngx_http_dpd_bad_reason(count.bad),
-                                   count.why);
-    }
-
-    if (count.note[0]) {
-        ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "dpd: request \"%V\": %s", &ctx->request_id,
-                      count.note);
-    }
-
-    ctx->prompt_tokens = count.tokens;
-    ctx->prompt_bound = count.bound;
-    ctx->count_skipped = count.skipped;
-    ctx->estimated = count.estimated;
-
-    return NGX_OK;
 }
 
 
@@ -295,6 +631,45 @@ ngx_http_dpd_reject(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ctx->err_status = NGX_HTTP_BAD_REQUEST;
     ctx->err_reason = reason;
     ctx->err_type = "invalid_request_error";
+
+    return NGX_OK;
+}
+
+
+/* as vLLM answers a model it does not serve (serving_engine.py,
+ * _check_model): 404 "The model `X` does not exist." */
+
+static ngx_int_t
+ngx_http_dpd_model_reject(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    int bad)
+{
+    u_char  msg[NGX_HTTP_DPD_MODEL_LEN + 64], *p;
+
+    if (bad == 2) {
+        return ngx_http_dpd_reject(r, ctx, NGX_HTTP_DPD_E_INVALID_FIELD,
+                                   "field \"model\" must be a string");
+    }
+
+    if (ctx->model_name.len) {
+        p = ngx_snprintf(msg, sizeof(msg) - 1,
+                         "The model `%V` does not exist.", &ctx->model_name);
+    } else {
+        p = ngx_snprintf(msg, sizeof(msg) - 1,
+                         "the request names no model, and no \"dpd_model *\" "
+                         "takes such requests");
+    }
+
+    *p = '\0';
+
+    if (ngx_http_dpd_reject(r, ctx, NGX_HTTP_DPD_E_UNKNOWN_MODEL,
+                            (const char *) msg)
+        != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    ctx->err_status = NGX_HTTP_NOT_FOUND;
+    ctx->err_type = "not_found_error";
 
     return NGX_OK;
 }
@@ -342,14 +717,22 @@ ngx_http_dpd_pool_alloc(void *pool, size_t size)
 static void *
 ngx_http_dpd_tree_alloc(size_t size)
 {
-    return ngx_palloc(ngx_http_dpd_tree_pool, size);
+    if (ngx_http_dpd_tree_pool) {
+        return ngx_palloc(ngx_http_dpd_tree_pool, size);
+    }
+
+    return malloc(size);
 }
 
 
 static void
 ngx_http_dpd_tree_free(void *p)
 {
-    /* the memory goes back with the pool: ngx_http_dpd_tree_release() */
+    if (ngx_http_dpd_tree_pool == NULL) {
+        free(p);
+    }
+
+    /* else the memory goes back with the pool: ngx_http_dpd_tree_release() */
 }
 
 

@@ -4,20 +4,20 @@
  * For a request routed "disaggregated" the core calls
  * ngx_http_dpd_prefill_handler() from its phase handler:
  *
- *   1. lmcache, kv_agent: choose the decoder now (least outstanding) and
- *      pin it; kv_agent also needs its node id from the state table;
+ *   1. protocols that push the KV (lmcache, kv_agent): choose the decoder
+ *      now (least outstanding) and pin it; the protocol's chosen() hook
+ *      may still decline (kv_agent: no node id in the state table);
  *   2. send the prefill copy of the request as a waited in-memory
  *      subrequest (auth_request pattern) with its own POST body to
  *      dpd_prefill_pass + URI, under a dpd_prefill_timeout timer;
  *   3. the post-subrequest handler records the outcome (once: it runs on
  *      every finalize of the subrequest) and the parent resumes;
- *   4. kv_agent: after the reply, poll the state table (timer, 1 ms rising
- *      to 10 ms) until the decoder's agent says the KV is ready or failed,
- *      or dpd_kv_wait passes;
- *   5. on success build the decode body (nixl: the reply's
- *      kv_transfer_params with remote_host forced to the prefill peer that
- *      answered) and replace the main request body; proxy_pass streams the
- *      decoder's answer;
+ *   4. protocols with a readiness check (lmcache, kv_agent): after the
+ *      reply, poll it (timer, 1 ms rising to 10 ms) until it says the KV
+ *      is ready or failed, or dpd_kv_wait passes;
+ *   5. the protocol builds the decode body (ngx_http_dpd_proto.h) and it
+ *      replaces the main request body; proxy_pass streams the decoder's
+ *      answer;
  *   6. on failure: a prefill 4xx goes back to the client as it came; 5xx,
  *      timeout, connection errors and unusable replies fall back to a
  *      decode-only request (dpd_fallback decode) or end in a 502/504
@@ -44,19 +44,18 @@
 
 #include "ngx_http_dpd_module.h"
 #include "ngx_http_dpd_protocol.h"
+#include "ngx_http_dpd_proto.h"
 #include "ngx_http_dpd_balancer.h"
-#include "ngx_http_dpd_state.h"
 
 
 static ngx_int_t ngx_http_dpd_prefill_start(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
-static ngx_int_t ngx_http_dpd_prefill_body(ngx_http_request_t *r,
-    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf,
-    ngx_str_t *body);
 static ngx_int_t ngx_http_dpd_prefill_done(ngx_http_request_t *sr,
     void *data, ngx_int_t rc);
 static void ngx_http_dpd_prefill_timeout(ngx_event_t *ev);
 static void ngx_http_dpd_prefill_cleanup(void *data);
+static ngx_int_t ngx_http_dpd_prefill_skip(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx);
 static ngx_int_t ngx_http_dpd_prefill_finish(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
 static ngx_int_t ngx_http_dpd_prefill_relay(ngx_http_request_t *r,
@@ -64,21 +63,11 @@ static ngx_int_t ngx_http_dpd_prefill_relay(ngx_http_request_t *r,
 static ngx_int_t ngx_http_dpd_prefill_fail(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf,
     ngx_uint_t cause, const char *why);
-static ngx_int_t ngx_http_dpd_decode_body(ngx_http_request_t *r,
-    ngx_http_dpd_ctx_t *ctx, cJSON *params, const char *host);
-static ngx_int_t ngx_http_dpd_set_body_text(ngx_http_request_t *r,
-    char *text, size_t len);
-static u_char *ngx_http_dpd_cstr(ngx_pool_t *pool, ngx_str_t *s);
-static ngx_int_t ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name,
-    ngx_str_t *host);
-static const char *ngx_http_dpd_nixl_host(ngx_http_request_t *r,
-    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf,
-    cJSON *params, ngx_str_t *peer);
+static ngx_int_t ngx_http_dpd_plain_body(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx);
 static ngx_int_t ngx_http_dpd_prefill_variable(ngx_http_request_t *r,
     ngx_http_variable_value_t *v, uintptr_t data);
-static ngx_int_t ngx_http_dpd_kv_choose(ngx_http_request_t *r,
-    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
-static ngx_int_t ngx_http_dpd_kv_reply(ngx_http_request_t *r,
+static ngx_int_t ngx_http_dpd_kv_wait(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
 static ngx_int_t ngx_http_dpd_kv_check(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
@@ -89,16 +78,20 @@ static void ngx_http_dpd_kv_reading(ngx_http_request_t *r);
 static void ngx_http_dpd_kv_client_closed(ngx_http_request_t *r,
     ngx_http_dpd_prefill_ctx_t *p);
 static ngx_int_t ngx_http_dpd_kv_client_gone(ngx_http_request_t *r);
-static ngx_int_t ngx_http_dpd_kv_handoff(ngx_http_request_t *r,
+static ngx_int_t ngx_http_dpd_prefill_moved(ngx_http_request_t *r,
+    ngx_http_dpd_pin_t *pin, ngx_str_t *name, ngx_str_t *host);
+static ngx_int_t ngx_http_dpd_prefill_handoff(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf,
     const char *why);
 
 
-ngx_conf_enum_t  ngx_http_dpd_prefill_protocols[] = {
-    { ngx_string("nixl"), NGX_HTTP_DPD_PROTO_NIXL },
-    { ngx_string("lmcache"), NGX_HTTP_DPD_PROTO_LMCACHE },
-    { ngx_string("kv_agent"), NGX_HTTP_DPD_PROTO_KV_AGENT },
-    { ngx_null_string, 0 }
+/* dpd_protocol NAME: one entry per protocol file (ngx_http_dpd_proto.h) */
+
+ngx_http_dpd_proto_t  *ngx_http_dpd_protos[] = {
+    &ngx_http_dpd_proto_nixl,
+    &ngx_http_dpd_proto_lmcache,
+    &ngx_http_dpd_proto_kv_agent,
+    NULL
 };
 
 
@@ -115,7 +108,7 @@ ngx_conf_enum_t  ngx_http_dpd_prefill_fallbacks[] = {
 #define NGX_HTTP_DPD_VAR_PREFILL_STATUS  3
 #define NGX_HTTP_DPD_VAR_KV_WAIT_TIME    4
 
-/* kv_agent: state table polls start at 1 ms and double up to this */
+/* readiness polls start at 1 ms and double up to this */
 #define NGX_HTTP_DPD_KV_POLL_MAX         10
 
 
@@ -148,7 +141,8 @@ static const char  *ngx_http_dpd_cause_names[] = {
 
 
 static const char  *ngx_http_dpd_kv_names[] = {
-    "none", "ready", "failed", "not ready after dpd_kv_wait", "not pushed"
+    "none", "ready", "failed", "not ready after dpd_kv_wait", "not pushed",
+    "not waited for (no usable dpd_state_table)"
 };
 
 
@@ -177,9 +171,9 @@ char *
 ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
     ngx_http_dpd_prefill_conf_t *prev, ngx_http_dpd_prefill_conf_t *conf)
 {
-    char        *err;
-    ngx_uint_t   set_decode, set_wait;
-    const char  *proto;
+    char                  *err;
+    ngx_uint_t             set_decode, set_wait;
+    ngx_http_dpd_proto_t  *proto;
 
     /* set in this block (before the merge fills them in) */
     set_decode = (conf->decode_name.data != NULL);
@@ -198,6 +192,8 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
     ngx_conf_merge_msec_value(conf->kv_wait, prev->kv_wait, 2000);
     ngx_conf_merge_ptr_value(conf->nixl_hosts, prev->nixl_hosts, NULL);
 
+    proto = ngx_http_dpd_proto(conf);
+
     /* directives the protocol of a disaggregating block does not use */
 
     if (conf->prefill_pass.len == 0) {
@@ -205,42 +201,39 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
         set_wait = 0;
     }
 
-    if (set_decode && conf->protocol == NGX_HTTP_DPD_PROTO_NIXL) {
+    if (set_decode && !(proto->flags & NGX_HTTP_DPD_PROTO_DECODER_FIRST)) {
         ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
                            "\"dpd_decode_upstream\" is ignored with "
-                           "\"dpd_protocol nixl\" (any decoder takes the "
-                           "request)");
+                           "\"dpd_protocol %V\" (any decoder takes the "
+                           "request)", &proto->name);
     }
 
-    if (set_wait && conf->protocol != NGX_HTTP_DPD_PROTO_KV_AGENT) {
+    if (set_wait && proto->ready == NULL) {
         ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
                            "\"dpd_kv_wait\" is ignored with "
-                           "\"dpd_protocol %s\" (only kv_agent waits for "
-                           "the state table)",
-                           conf->protocol == NGX_HTTP_DPD_PROTO_NIXL
-                           ? "nixl" : "lmcache");
+                           "\"dpd_protocol %V\" (it has no readiness wait)",
+                           &proto->name);
     }
 
-    if (conf->prefill_pass.len == 0
-        || (conf->protocol != NGX_HTTP_DPD_PROTO_LMCACHE
-            && conf->protocol != NGX_HTTP_DPD_PROTO_KV_AGENT))
-    {
+    if (conf->prefill_pass.len == 0) {
         return NGX_CONF_OK;
     }
 
-    proto = (conf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE)
-            ? "lmcache" : "kv_agent";
+    if (!(proto->flags & NGX_HTTP_DPD_PROTO_DECODER_FIRST)) {
+        return proto->conf ? proto->conf(cf, conf) : NGX_CONF_OK;
+    }
 
-    if (conf->protocol == NGX_HTTP_DPD_PROTO_KV_AGENT
+    if ((proto->flags & NGX_HTTP_DPD_PROTO_NEEDS_UPSTREAM)
         && conf->decode_name.len == 0)
     {
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "\"dpd_protocol kv_agent\" needs "
-                           "\"dpd_decode_upstream\" naming the decode pool");
+                           "\"dpd_protocol %V\" needs "
+                           "\"dpd_decode_upstream\" naming the decode pool",
+                           &proto->name);
         return NGX_CONF_ERROR;
     }
 
-    /* lmcache and kv_agent choose the decoder: find its pool now */
+    /* the protocol chooses the decoder: find its pool now */
 
     if (prev->decode_upstream
         && conf->decode_name.len == prev->decode_name.len
@@ -248,24 +241,91 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
                        conf->decode_name.len) == 0)
     {
         conf->decode_upstream = prev->decode_upstream;
-        return NGX_CONF_OK;
+
+    } else {
+        conf->decode_upstream = ngx_http_dpd_balancer_find_upstream(cf,
+                                    &conf->decode_name,
+                                    (proto->flags
+                                     & NGX_HTTP_DPD_PROTO_NEEDS_PORTS) != 0,
+                                    &err);
+
+        if (conf->decode_upstream == NULL) {
+            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                               "\"dpd_protocol %V\"%s%V%s: %s", &proto->name,
+                               conf->decode_name.len ? " with upstream \""
+                                                     : "",
+                               &conf->decode_name,
+                               conf->decode_name.len ? "\"" : "", err);
+            return NGX_CONF_ERROR;
+        }
     }
 
-    conf->decode_upstream = ngx_http_dpd_balancer_find_upstream(cf,
-                                &conf->decode_name,
-                                conf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE,
-                                &err);
+    return proto->conf ? proto->conf(cf, conf) : NGX_CONF_OK;
+}
 
-    if (conf->decode_upstream == NULL) {
-        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                           "\"dpd_protocol %s\"%s%V%s: %s", proto,
-                           conf->decode_name.len ? " with upstream \"" : "",
-                           &conf->decode_name,
-                           conf->decode_name.len ? "\"" : "", err);
-        return NGX_CONF_ERROR;
+
+ngx_http_dpd_proto_t *
+ngx_http_dpd_proto(ngx_http_dpd_prefill_conf_t *pcf)
+{
+    ngx_uint_t  i;
+
+    for (i = 0; ngx_http_dpd_protos[i]; i++) {
+        if (ngx_http_dpd_protos[i]->id == pcf->protocol) {
+            return ngx_http_dpd_protos[i];
+        }
     }
 
-    return NGX_CONF_OK;
+    return ngx_http_dpd_protos[0];
+}
+
+
+char *
+ngx_http_dpd_prefill_protocol(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
+{
+    char  *c = conf;
+
+    ngx_str_t   *value;
+    ngx_uint_t   i, *id;
+
+    id = (ngx_uint_t *) (c + cmd->offset);
+
+    if (*id != NGX_CONF_UNSET_UINT) {
+        return "is duplicate";
+    }
+
+    value = cf->args->elts;
+
+    for (i = 0; ngx_http_dpd_protos[i]; i++) {
+        if (ngx_http_dpd_protos[i]->name.len == value[1].len
+            && ngx_strcmp(ngx_http_dpd_protos[i]->name.data, value[1].data)
+               == 0)
+        {
+            *id = ngx_http_dpd_protos[i]->id;
+            return NGX_CONF_OK;
+        }
+    }
+
+    ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                       "invalid value \"%V\"", &value[1]);
+
+    return NGX_CONF_ERROR;
+}
+
+
+ngx_int_t
+ngx_http_dpd_prefill_init(ngx_conf_t *cf)
+{
+    ngx_uint_t  i;
+
+    for (i = 0; ngx_http_dpd_protos[i]; i++) {
+        if (ngx_http_dpd_protos[i]->init
+            && ngx_http_dpd_protos[i]->init(cf) != NGX_OK)
+        {
+            return NGX_ERROR;
+        }
+    }
+
+    return NGX_OK;
 }
 
 
@@ -364,7 +424,7 @@ ngx_http_dpd_prefill_handler(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
             return NGX_HTTP_CLIENT_CLOSED_REQUEST;
         }
 
-        return ngx_http_dpd_kv_handoff(r, ctx, &dlcf->prefill, NULL);
+        return ngx_http_dpd_prefill_handoff(r, ctx, &dlcf->prefill, NULL);
 
     default:
         return NGX_DECLINED;
@@ -386,6 +446,7 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_pin_t          *pin;
     ngx_http_request_body_t     *rb;
     ngx_http_post_subrequest_t  *ps;
+    ngx_http_dpd_proto_t        *proto;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
@@ -402,7 +463,10 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     cln->handler = ngx_http_dpd_prefill_cleanup;
     cln->data = p;
 
-    if (pcf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE) {
+    proto = ngx_http_dpd_proto(pcf);
+    p->proto = proto;
+
+    if (proto->flags & NGX_HTTP_DPD_PROTO_DECODER_FIRST) {
 
         /* the prefill pushes the KV to the decoder we choose now */
 
@@ -410,6 +474,8 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
         case NGX_OK:
             p->decode_peer = pin->name;
+            /* a decode retry elsewhere (dpd_decode_retry) rebuilds the body */
+            pin->moved_handler = ngx_http_dpd_prefill_moved;
             break;
 
         case NGX_BUSY:
@@ -421,17 +487,19 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         default:
             return NGX_ERROR;
         }
-    }
 
-    if (pcf->protocol == NGX_HTTP_DPD_PROTO_KV_AGENT) {
-        rc = ngx_http_dpd_kv_choose(r, ctx, pcf);
+        rc = proto->chosen ? proto->chosen(r, ctx, pcf) : NGX_OK;
+
+        if (rc == NGX_DECLINED) {
+            return ngx_http_dpd_prefill_skip(r, ctx);
+        }
 
         if (rc != NGX_OK) {
-            return rc;
+            return NGX_ERROR;
         }
     }
 
-    if (ngx_http_dpd_prefill_body(r, ctx, pcf, &body) != NGX_OK) {
+    if (proto->prefill_body(r, ctx, pcf, &body) != NGX_OK) {
         return NGX_ERROR;
     }
 
@@ -519,81 +587,6 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                    &uri, body.len, &p->decode_peer);
 
     return NGX_AGAIN;
-}
-
-
-static ngx_int_t
-ngx_http_dpd_prefill_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
-    ngx_http_dpd_prefill_conf_t *pcf, ngx_str_t *body)
-{
-    char                              *text;
-    size_t                             len;
-    ngx_uint_t                         i;
-    in_port_t                         *ip, *ap;
-    ngx_http_dpd_pin_t                *pin;
-    ngx_http_dpd_lmcache_spec_t        spec, *sp;
-    ngx_http_dpd_balancer_srv_conf_t  *bscf;
-    unsigned short                     init[NGX_HTTP_DPD_MAX_TP_RANKS];
-    unsigned short                     alloc[NGX_HTTP_DPD_MAX_TP_RANKS];
-
-    sp = NULL;
-
-    if (pcf->protocol == NGX_HTTP_DPD_PROTO_KV_AGENT) {
-        spec.req_id = (char *) ngx_http_dpd_cstr(r->pool, &ctx->kv_id);
-        if (spec.req_id == NULL || ctx->prefill.decode_node == NULL) {
-            return NGX_ERROR;
-        }
-
-        text = ngx_http_dpd_proto_kv_agent_prefill_body(&ctx->req,
-                                    spec.req_id,
-                                    (char *) ctx->prefill.decode_node, &len);
-        goto copy;
-    }
-
-    if (pcf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE) {
-        pin = ngx_http_dpd_balancer_get_pin(r);
-        bscf = ngx_http_dpd_balancer_srv_conf(pcf->decode_upstream);
-
-        if (pin == NULL || bscf == NULL || bscf->init_ports == NULL) {
-            return NGX_ERROR;
-        }
-
-        ip = bscf->init_ports->elts;
-        ap = bscf->alloc_ports->elts;
-
-        for (i = 0; i < bscf->init_ports->nelts; i++) {
-            init[i] = ip[i];
-            alloc[i] = ap[i];
-        }
-
-        spec.req_id = (char *) ngx_http_dpd_cstr(r->pool, &ctx->kv_id);
-        spec.receiver_host = (char *) ngx_http_dpd_cstr(r->pool, &pin->host);
-        spec.init_ports = init;
-        spec.alloc_ports = alloc;
-        spec.nports = bscf->init_ports->nelts;
-
-        if (spec.req_id == NULL || spec.receiver_host == NULL) {
-            return NGX_ERROR;
-        }
-
-        sp = &spec;
-    }
-
-    text = ngx_http_dpd_proto_prefill_body(&ctx->req, pcf->protocol, sp,
-                                           &len);
-
-copy:
-
-    /* built in the request pool (ctx->req.alloc): used in place */
-
-    if (text == NULL) {
-        return NGX_ERROR;
-    }
-
-    body->data = (u_char *) text;
-    body->len = len;
-
-    return NGX_OK;
 }
 
 
@@ -805,14 +798,12 @@ static ngx_int_t
 ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_prefill_conf_t *pcf)
 {
-    int                          kind;
-    cJSON                       *params;
     ngx_int_t                    rc;
-    ngx_str_t                    host;
-    const char                  *why, *pull;
+    const char                  *why;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
+    why = NULL;
 
     ngx_http_dpd_metrics_observe(r, NGX_HTTP_DPD_H_PREFILL_SECONDS,
                                  (double) p->elapsed / 1000);
@@ -864,73 +855,27 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                                          NULL);
     }
 
-    if (pcf->protocol == NGX_HTTP_DPD_PROTO_KV_AGENT) {
-        return ngx_http_dpd_kv_reply(r, ctx, pcf);
-    }
+    rc = ngx_http_dpd_proto(pcf)->reply(r, ctx, pcf, &why);
 
-    kind = ngx_http_dpd_proto_parse_reply((char *) p->reply.data,
-                                          p->reply.len, pcf->protocol,
-                                          &params, &why);
+    switch (rc) {
 
-    if (kind == NGX_HTTP_DPD_REPLY_INVALID) {
+    case NGX_OK:
+        return ngx_http_dpd_kv_wait(r, ctx, pcf);
+
+    case NGX_DECLINED:
+        /* nothing on its way: do not wait for it */
+        p->kv_start = ngx_current_msec;
+        p->kv = NGX_HTTP_DPD_KV_NOT_PUSHED;
+        p->kv_done = 1;
+        return ngx_http_dpd_prefill_handoff(r, ctx, pcf, why);
+
+    case NGX_ABORT:
         return ngx_http_dpd_prefill_fail(r, ctx, pcf,
                                          NGX_HTTP_DPD_CAUSE_BAD_REPLY, why);
-    }
 
-    host.len = 0;
-    host.data = NULL;
-    pull = NULL;
-
-    if (params) {
-        /* the decoder may pull from the peer that answered or the list */
-
-        if (ngx_http_dpd_peer_host(r->pool, &p->peer, &host) != NGX_OK) {
-            cJSON_Delete(params);
-            params = NULL;
-            why = "the prefill peer's address is unknown";
-
-        } else {
-            pull = ngx_http_dpd_nixl_host(r, ctx, pcf, params, &host);
-            if (pull == NULL) {
-                cJSON_Delete(params);
-                return NGX_ERROR;
-            }
-        }
-    }
-
-    rc = ngx_http_dpd_decode_body(r, ctx, params, pull);
-
-    if (params) {
-        cJSON_Delete(params);
-    }
-
-    if (rc != NGX_OK) {
+    default:
         return NGX_ERROR;
     }
-
-    if (pcf->protocol == NGX_HTTP_DPD_PROTO_LMCACHE || pull) {
-        p->params = 1;
-        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS);
-
-    } else {
-        /* no KV reuse: reported as such, not as a disaggregated request */
-
-        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS);
-
-        ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
-        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
-
-        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "dpd: request \"%V\" decodes without KV transfer "
-                      "params (%s), the decoder recomputes the prompt "
-                      "(route fallback)",
-                      &ctx->request_id, why ? why : "none in the reply");
-    }
-
-    ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                   "dpd prefill by %V in %M ms", &p->peer, p->elapsed);
-
-    return NGX_DECLINED;
 }
 
 
@@ -1020,7 +965,7 @@ ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
     ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
 
-    if (ngx_http_dpd_decode_body(r, ctx, NULL, NULL) != NGX_OK) {
+    if (ngx_http_dpd_plain_body(r, ctx) != NGX_OK) {
         return NGX_ERROR;
     }
 
@@ -1028,24 +973,45 @@ ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 }
 
 
+/*
+ * The chosen() hook declined (it logged and counted why): nothing can be
+ * handed over, so decode only, on any decoder, route fallback.
+ */
+
 static ngx_int_t
-ngx_http_dpd_decode_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
-    cJSON *params, const char *host)
+ngx_http_dpd_prefill_skip(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
+{
+    ngx_http_dpd_prefill_ctx_t  *p;
+
+    p = &ctx->prefill;
+
+    p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
+    p->cause = NGX_HTTP_DPD_CAUSE_NO_NODE;
+    p->decode_peer.len = 0;
+    p->decode_peer.data = NULL;
+
+    ngx_http_dpd_balancer_unpin(r);
+
+    ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
+    ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
+
+    if (ngx_http_dpd_plain_body(r, ctx) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
+    return NGX_DECLINED;
+}
+
+
+/* the client's request without kv_transfer_params: decode only */
+
+static ngx_int_t
+ngx_http_dpd_plain_body(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
 {
     char    *text;
     size_t   len;
 
-    text = ngx_http_dpd_proto_decode_body(&ctx->req, params, host, &len);
-
-    return ngx_http_dpd_set_body_text(r, text, len);
-}
-
-
-/* sends on a body built in the request pool (ctx->req.alloc) */
-
-static ngx_int_t
-ngx_http_dpd_set_body_text(ngx_http_request_t *r, char *text, size_t len)
-{
+    text = ngx_http_dpd_proto_decode_body(&ctx->req, NULL, NULL, &len);
     if (text == NULL) {
         return NGX_ERROR;
     }
@@ -1054,7 +1020,23 @@ ngx_http_dpd_set_body_text(ngx_http_request_t *r, char *text, size_t len)
 }
 
 
-static u_char *
+ngx_int_t
+ngx_http_dpd_proto_text(char *text, size_t len, ngx_str_t *body)
+{
+    /* built in the request pool (ctx->req.alloc): used in place */
+
+    if (text == NULL) {
+        return NGX_ERROR;
+    }
+
+    body->data = (u_char *) text;
+    body->len = len;
+
+    return NGX_OK;
+}
+
+
+u_char *
 ngx_http_dpd_cstr(ngx_pool_t *pool, ngx_str_t *s)
 {
     u_char  *p;
@@ -1074,7 +1056,7 @@ ngx_http_dpd_cstr(ngx_pool_t *pool, ngx_str_t *s)
 /* "127.0.0.2:8000" or "[::1]:8000" -> NUL-terminated host, via the parser
  * nginx uses for addresses, so only a real address comes out */
 
-static ngx_int_t
+ngx_int_t
 ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name, ngx_str_t *host)
 {
     u_char     *p;
@@ -1104,165 +1086,6 @@ ngx_http_dpd_peer_host(ngx_pool_t *pool, ngx_str_t *name, ngx_str_t *host)
     host->data = p;
 
     return NGX_OK;
-}
-
-
-/*
- * The remote_host the decoder pulls from: the reply's own (as canonical
- * text) when it is an IP literal that is the prefill peer's address or
- * lies in dpd_nixl_remote_hosts (a side channel on another NIC), else the
- * peer's (a hostname, "localhost", a foreign address: never where a reply
- * says).
- * Returns a NUL-terminated host, or NULL when out of memory.
- */
-
-static const char *
-ngx_http_dpd_nixl_host(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
-    ngx_http_dpd_prefill_conf_t *pcf, cJSON *params, ngx_str_t *peer)
-{
-    u_char        *s, *text, c, shown[NGX_HTTP_DPD_NIXL_HOST_SHOWN + 1];
-    size_t         len, i;
-    ngx_addr_t     want, peer_addr;
-    const cJSON   *v;
-    const char    *why;
-
-    v = cJSON_GetObjectItemCaseSensitive(params, "remote_host");
-
-    if (v == NULL || cJSON_IsNull(v)) {
-        /* vLLM always names one: nothing to vet, nothing to warn about */
-        return (char *) peer->data;
-    }
-
-    why = "is not an IP address";
-
-    if (!cJSON_IsString(v)) {
-        why = "is not a string";
-        s = (u_char *) "";
-        len = 0;
-        goto replace;
-    }
-
-    s = (u_char *) v->valuestring;
-    len = ngx_strlen(s);
-
-    if (len > 2 && s[0] == '[' && s[len - 1] == ']') {
-        s++;
-        len -= 2;
-    }
-
-    ngx_memzero(&want, sizeof(ngx_addr_t));
-    ngx_memzero(&peer_addr, sizeof(ngx_addr_t));
-
-    if (len == 0 || len > NGX_SOCKADDR_STRLEN
-        || ngx_parse_addr(r->pool, &want, s, len) != NGX_OK)
-    {
-        goto replace;
-    }
-
-    /*
-     * kept, it goes on in its canonical text (the same bytes when it was
-     * already): "127.0.0.010" is 127.0.0.10 here but 127.0.0.8 to
-     * inet_aton(), "[::1]" is "::1" (vLLM adds the brackets itself)
-     */
-
-    text = ngx_pnalloc(r->pool, NGX_SOCKADDR_STRLEN + 1);
-    if (text == NULL) {
-        return NULL;
-    }
-
-    len = ngx_sock_ntop(want.sockaddr, want.socklen, text,
-                        NGX_SOCKADDR_STRLEN, 0);
-    text[len] = '\0';
-
-    if (ngx_parse_addr(r->pool, &peer_addr, peer->data, peer->len) == NGX_OK
-        && ngx_cmp_sockaddr(want.sockaddr, want.socklen,
-                            peer_addr.sockaddr, peer_addr.socklen, 0)
-           == NGX_OK)
-    {
-        return (char *) text;
-    }
-
-    if (pcf->nixl_hosts != NULL
-        && ngx_cidr_match(want.sockaddr, pcf->nixl_hosts) == NGX_OK)
-    {
-        return (char *) text;
-    }
-
-    why = pcf->nixl_hosts ? "is neither the prefill peer nor in "
-                            "dpd_nixl_remote_hosts"
-                          : "is not the prefill peer";
-
-replace:
-
-    /* the engine's text goes to the log: bounded, printable */
-
-    s = (u_char *) (cJSON_IsString(v) ? v->valuestring : "");
-
-    for (i = 0; i < NGX_HTTP_DPD_NIXL_HOST_SHOWN && s[i] != '\0'; i++) {
-        c = s[i];
-        shown[i] = (c >= 0x20 && c < 0x7f && c != '"') ? c : '?';
-    }
-
-    shown[i] = '\0';
-
-    ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                  "dpd: request \"%V\": the prefill reply's remote_host "
-                  "\"%s\"%s %s, the decoder pulls from %V instead",
-                  &ctx->request_id, shown, s[i] != '\0' ? "..." : "", why,
-                  peer);
-
-    return (char *) peer->data;
-}
-
-
-char *
-ngx_http_dpd_nixl_remote_hosts(ngx_conf_t *cf, ngx_command_t *cmd,
-    void *conf)
-{
-    char  *p = conf;
-
-    ngx_int_t      rc;
-    ngx_str_t     *value;
-    ngx_uint_t     i;
-    ngx_cidr_t    *cidr;
-    ngx_array_t  **a;
-
-    a = (ngx_array_t **) (p + cmd->offset);
-
-    if (*a != NGX_CONF_UNSET_PTR) {
-        return "is duplicate";
-    }
-
-    *a = ngx_array_create(cf->pool, cf->args->nelts - 1, sizeof(ngx_cidr_t));
-    if (*a == NULL) {
-        return NGX_CONF_ERROR;
-    }
-
-    value = cf->args->elts;
-
-    for (i = 1; i < cf->args->nelts; i++) {
-        cidr = ngx_array_push(*a);
-        if (cidr == NULL) {
-            return NGX_CONF_ERROR;
-        }
-
-        rc = ngx_ptocidr(&value[i], cidr);
-
-        if (rc == NGX_ERROR || cidr->family == AF_UNIX) {
-            ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
-                               "invalid address or network \"%V\" in "
-                               "\"dpd_nixl_remote_hosts\"", &value[i]);
-            return NGX_CONF_ERROR;
-        }
-
-        if (rc == NGX_DONE) {
-            ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
-                               "low address bits of %V are meaningless",
-                               &value[i]);
-        }
-    }
-
-    return NGX_CONF_OK;
 }
 
 
@@ -1377,149 +1200,44 @@ ngx_http_dpd_prefill_variable(ngx_http_request_t *r,
 }
 
 
-/* kv_agent */
+/* the readiness wait */
 
 /*
- * The decoder first (least outstanding, reserved and pinned), then its node
- * id from the state table: the prefill engine's agent pushes to that node.
- * NGX_OK: chosen; NGX_DECLINED: decode-only body in place (no table or no
- * record: a prefill could not hand its KV to anyone); NGX_DONE/NGX_ERROR as
- * the handler's.
+ * reply() said the KV is on its way: with a ready() hook, check it now
+ * and then poll it (timer, 1 ms doubling to 10 ms) until it has a verdict
+ * or dpd_kv_wait passes, watching the client; without one, hand off now.
  */
 
 static ngx_int_t
-ngx_http_dpd_kv_choose(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+ngx_http_dpd_kv_wait(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_prefill_conf_t *pcf)
 {
-    char                        *text;
-    size_t                       len;
-    const char                  *why;
-    ngx_uint_t                   outcome;
-    ngx_http_dpd_pin_t          *pin;
-    ngx_http_dpd_state_node_t    node;
-    ngx_http_dpd_prefill_ctx_t  *p;
-
-    p = &ctx->prefill;
-
-    switch (ngx_http_dpd_balancer_pin(r, pcf->decode_upstream, &pin)) {
-
-    case NGX_OK:
-        p->decode_peer = pin->name;
-        break;
-
-    case NGX_BUSY:
-        p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
-        return ngx_http_dpd_prefill_fail(r, ctx, pcf,
-                                         NGX_HTTP_DPD_CAUSE_NO_DECODER, NULL);
-
-    default:
-        return NGX_ERROR;
-    }
-
-    why = NULL;
-    outcome = NGX_HTTP_DPD_KVW_NO_RECORD;
-
-    if (!ngx_http_dpd_state_enabled(r)) {
-        why = "no usable dpd_state_table";
-        outcome = NGX_HTTP_DPD_KVW_NO_TABLE;
-
-    } else if (ngx_http_dpd_state_node_by_addr(r, &pin->name, &node)
-               != NGX_OK)
-    {
-        why = "no node record for the decoder in the state table";
-
-    } else {
-        p->decode_node = ngx_pnalloc(r->pool, ngx_strlen(node.id) + 1);
-        if (p->decode_node == NULL) {
-            return NGX_ERROR;
-        }
-
-        ngx_cpystrn(p->decode_node, node.id, ngx_strlen(node.id) + 1);
-
-        if (p->decode_node[0] != '\0') {
-            return NGX_OK;
-        }
-
-        why = "the decoder's node record has no id";
-    }
-
-    /* decode only, on any decoder: nothing can be handed over */
-
-    ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                  "dpd: kv_agent: %s (decoder %V) for request \"%V\", "
-                  "falling back to decode only",
-                  why, &pin->name, &ctx->request_id);
-
-    ngx_http_dpd_metrics_kv_wait(r, outcome, -1);
-
-    p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
-    p->cause = NGX_HTTP_DPD_CAUSE_NO_NODE;
-    p->decode_peer.len = 0;
-    p->decode_peer.data = NULL;
-
-    ngx_http_dpd_balancer_unpin(r);
-
-    ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
-    ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
-
-    text = ngx_http_dpd_proto_kv_agent_decode_body(&ctx->req, NULL, &len);
-    if (ngx_http_dpd_set_body_text(r, text, len) != NGX_OK) {
-        return NGX_ERROR;
-    }
-
-    return NGX_DECLINED;
-}
-
-
-/* a 2xx prefill reply: wait for the KV, or hand off at once */
-
-static ngx_int_t
-ngx_http_dpd_kv_reply(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
-    ngx_http_dpd_prefill_conf_t *pcf)
-{
-    int                          kind;
-    u_char                      *id;
     ngx_connection_t            *c;
-    const char                  *why;
-    unsigned long                blocks;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
     c = r->connection;
 
-    id = ngx_http_dpd_cstr(r->pool, &ctx->kv_id);
-    if (id == NULL) {
-        return NGX_ERROR;
-    }
-
-    kind = ngx_http_dpd_proto_kv_agent_reply((char *) p->reply.data,
-                                             p->reply.len, (char *) id,
-                                             &blocks, &why);
-
-    if (kind == NGX_HTTP_DPD_REPLY_INVALID) {
-        return ngx_http_dpd_prefill_fail(r, ctx, pcf,
-                                         NGX_HTTP_DPD_CAUSE_BAD_REPLY, why);
-    }
-
     p->kv_start = ngx_current_msec;
 
-    if (kind != NGX_HTTP_DPD_REPLY_PARAMS) {
-        /* nothing on its way: do not wait for it */
-        p->kv = NGX_HTTP_DPD_KV_NOT_PUSHED;
+    if (ngx_http_dpd_proto(pcf)->ready == NULL) {
+        p->kv = NGX_HTTP_DPD_KV_READY;
         p->kv_done = 1;
-        return ngx_http_dpd_kv_handoff(r, ctx, pcf, why);
+        return ngx_http_dpd_prefill_handoff(r, ctx, pcf, NULL);
     }
 
     p->kv_waited = 1;
     p->state = NGX_HTTP_DPD_PREFILL_KV_WAIT;
 
-    ngx_log_debug3(NGX_LOG_DEBUG_HTTP, c->log, 0,
-                   "dpd kv_agent: %ui blocks pushed to %s for \"%V\"",
-                   (ngx_uint_t) blocks, p->decode_node, &ctx->request_id);
-
     if (ngx_http_dpd_kv_check(r, ctx, pcf) == NGX_OK) {
         p->kv_done = 1;
-        return ngx_http_dpd_kv_handoff(r, ctx, pcf, NULL);
+
+        if (p->kv == NGX_HTTP_DPD_KV_NO_TABLE) {
+            /* nothing was polled */
+            p->kv_waited = 0;
+        }
+
+        return ngx_http_dpd_prefill_handoff(r, ctx, pcf, NULL);
     }
 
     /* no subrequest watches the client any more: we do */
@@ -1547,30 +1265,20 @@ static ngx_int_t
 ngx_http_dpd_kv_check(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_prefill_conf_t *pcf)
 {
-    ngx_http_dpd_state_req_t     rec;
+    ngx_int_t                    rc;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
 
-    if (ngx_http_dpd_state_request(r, &ctx->kv_id, &rec) == NGX_OK) {
+    rc = ngx_http_dpd_proto(pcf)->ready(r, ctx, pcf);
 
-        p->kv_state = rec.state;
+    if (rc == NGX_OK) {
+        return NGX_OK;
+    }
 
-        /* a record of the same id on another node is not ours */
-
-        if (rec.node_id[0] == '\0'
-            || ngx_strcmp(rec.node_id, p->decode_node) == 0)
-        {
-            if (rec.state == DPD_REQ_READY) {
-                p->kv = NGX_HTTP_DPD_KV_READY;
-                return NGX_OK;
-            }
-
-            if (rec.state == DPD_REQ_FAILED) {
-                p->kv = NGX_HTTP_DPD_KV_FAILED;
-                return NGX_OK;
-            }
-        }
+    if (rc != NGX_AGAIN) {
+        p->kv = NGX_HTTP_DPD_KV_FAILED;
+        return NGX_OK;
     }
 
     if (ngx_current_msec - p->kv_start >= pcf->kv_wait) {
@@ -1808,42 +1516,51 @@ closed:
 }
 
 
-/* the decode request: pinned to the chosen decoder, {"dpd":{"req_id"}} */
+/*
+ * The hand-off: the protocol's decode body replaces the main request's,
+ * the wait's outcome (when there was one) goes to the metrics and the log.
+ */
 
 static ngx_int_t
-ngx_http_dpd_kv_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+ngx_http_dpd_prefill_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_prefill_conf_t *pcf, const char *why)
 {
-    char                        *text;
-    size_t                       len;
-    u_char                      *id;
-    ngx_uint_t                   level, outcome;
+    ngx_str_t                    body;
+    ngx_uint_t                   outcome, level;
+    ngx_http_dpd_proto_t        *proto;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
+    proto = ngx_http_dpd_proto(pcf);
 
     p->state = NGX_HTTP_DPD_PREFILL_FINISHED;
     p->kv_elapsed = ngx_current_msec - p->kv_start;
 
-    switch (p->kv) {
-    case NGX_HTTP_DPD_KV_READY:
-        outcome = NGX_HTTP_DPD_KVW_READY;
-        break;
-    case NGX_HTTP_DPD_KV_FAILED:
-        outcome = NGX_HTTP_DPD_KVW_FAILED;
-        break;
-    case NGX_HTTP_DPD_KV_TIMEOUT:
-        outcome = NGX_HTTP_DPD_KVW_TIMEOUT;
-        break;
-    default: /* NGX_HTTP_DPD_KV_NOT_PUSHED */
-        outcome = NGX_HTTP_DPD_KVW_NOT_PUSHED;
+    if (proto->ready) {
+
+        switch (p->kv) {
+        case NGX_HTTP_DPD_KV_READY:
+            outcome = NGX_HTTP_DPD_KVW_READY;
+            break;
+        case NGX_HTTP_DPD_KV_FAILED:
+            outcome = NGX_HTTP_DPD_KVW_FAILED;
+            break;
+        case NGX_HTTP_DPD_KV_TIMEOUT:
+            outcome = NGX_HTTP_DPD_KVW_TIMEOUT;
+            break;
+        case NGX_HTTP_DPD_KV_NO_TABLE:
+            outcome = NGX_HTTP_DPD_KVW_NO_TABLE;
+            break;
+        default: /* NGX_HTTP_DPD_KV_NOT_PUSHED */
+            outcome = NGX_HTTP_DPD_KVW_NOT_PUSHED;
+        }
+
+        /* the histogram holds the waits that polled */
+
+        ngx_http_dpd_metrics_kv_wait(r, outcome,
+                                     p->kv_waited
+                                     ? (ngx_msec_int_t) p->kv_elapsed : -1);
     }
-
-    /* the histogram holds the waits that polled the table */
-
-    ngx_http_dpd_metrics_kv_wait(r, outcome,
-                                 p->kv_waited
-                                 ? (ngx_msec_int_t) p->kv_elapsed : -1);
 
     if (p->kv_timer.timer_set) {
         ngx_del_timer(&p->kv_timer);
@@ -1853,16 +1570,9 @@ ngx_http_dpd_kv_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         r->read_event_handler = ngx_http_block_reading;
     }
 
-    id = ngx_http_dpd_cstr(r->pool, &ctx->kv_id);
-    if (id == NULL) {
-        return NGX_ERROR;
-    }
-
-    /* always: the decoder asks its agent, and recomputes if nothing landed */
-
-    text = ngx_http_dpd_proto_kv_agent_decode_body(&ctx->req, (char *) id,
-                                                   &len);
-    if (ngx_http_dpd_set_body_text(r, text, len) != NGX_OK) {
+    if (proto->decode_body(r, ctx, pcf, &body) != NGX_OK
+        || ngx_http_dpd_replace_body(r, body.data, body.len) != NGX_OK)
+    {
         return NGX_ERROR;
     }
 
@@ -1870,27 +1580,102 @@ ngx_http_dpd_kv_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         p->params = 1;
         ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS);
 
-        ngx_log_debug3(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
-                       "dpd kv_agent: KV of \"%V\" ready on %s after %M ms",
-                       &ctx->request_id, p->decode_node, p->kv_elapsed);
+        ngx_log_debug4(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "dpd %V: KV of \"%V\" handed to %V after %M ms",
+                       &proto->name, &ctx->request_id, &p->decode_peer,
+                       p->kv_elapsed);
 
         return NGX_DECLINED;
     }
 
     ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS);
 
-    /* a prompt shorter than one KV block has nothing to send: not a fault */
+    if (proto->flags & NGX_HTTP_DPD_PROTO_NO_KV_FALLBACK) {
 
-    level = (why && p->kv == NGX_HTTP_DPD_KV_NOT_PUSHED
-             && ngx_strncmp(why, "nothing to push", 15) == 0)
-            ? NGX_LOG_INFO : NGX_LOG_WARN;
+        /* no KV reuse: reported as such, not as a disaggregated request */
+
+        ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
+        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
+
+        ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                      "dpd: request \"%V\" decodes without KV transfer "
+                      "params (%s), the decoder recomputes the prompt "
+                      "(route fallback)",
+                      &ctx->request_id, why ? why : "none in the reply");
+
+        return NGX_DECLINED;
+    }
+
+    level = p->quiet ? NGX_LOG_INFO : NGX_LOG_WARN;
 
     ngx_log_error(level, r->connection->log, 0,
-                  "dpd: kv_agent: KV of request \"%V\" %s%s%s "
+                  "dpd: %V: KV of request \"%V\" %s%s%s "
                   "(waited %M ms), decoder %V recomputes the prompt",
-                  &ctx->request_id, ngx_http_dpd_kv_names[p->kv],
+                  &proto->name, &ctx->request_id,
+                  ngx_http_dpd_kv_names[p->kv],
                   why ? ": " : "", why ? why : "", p->kv_elapsed,
                   &p->decode_peer);
 
     return NGX_DECLINED;
+}
+
+
+/*
+ * The balancer sends the decode of a pinned request to another decoder
+ * (its pinned one failed or left the upstream): the protocol's decode body
+ * for that decoder, which holds none of the pushed KV
+ */
+
+static ngx_int_t
+ngx_http_dpd_prefill_moved(ngx_http_request_t *r, ngx_http_dpd_pin_t *pin,
+    ngx_str_t *name, ngx_str_t *host)
+{
+    ngx_http_dpd_ctx_t  *ctx;
+
+    ctx = ngx_http_dpd_get_ctx(r->main);
+    if (ctx == NULL) {
+        return NGX_ERROR;
+    }
+
+    /* the peer's name may go with the peer (resolve): a copy of our own */
+
+    ctx->prefill.decode_peer.data = ngx_pstrdup(r->main->pool, name);
+    if (ctx->prefill.decode_peer.data == NULL) {
+        return NGX_ERROR;
+    }
+
+    ctx->prefill.decode_peer.len = name->len;
+
+    return ngx_http_dpd_prefill_rebuild(r);
+}
+
+
+ngx_int_t
+ngx_http_dpd_prefill_rebuild(ngx_http_request_t *r)
+{
+    ngx_str_t                 body;
+    ngx_http_dpd_ctx_t       *ctx;
+    ngx_http_dpd_loc_conf_t  *dlcf;
+
+    ctx = ngx_http_dpd_get_ctx(r->main);
+
+    if (ctx == NULL || ctx->prefill.state != NGX_HTTP_DPD_PREFILL_FINISHED
+        || ctx->prefill.cause != NGX_HTTP_DPD_CAUSE_NONE)
+    {
+        /* a fallback's plain body fits any decoder as it is */
+        return NGX_DECLINED;
+    }
+
+    dlcf = ngx_http_get_module_loc_conf(r->main, ngx_http_dpd_module);
+
+    ctx->prefill.retried = 1;
+
+    if (ngx_http_dpd_proto(&dlcf->prefill)->decode_body(r->main, ctx,
+                                                        &dlcf->prefill, &body)
+        != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    return ngx_http_dpd_replace_body(r->main, body.data, body.len);
 }

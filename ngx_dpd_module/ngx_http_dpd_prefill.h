@@ -67,6 +67,8 @@ typedef struct ngx_http_dpd_ctx_s  ngx_http_dpd_ctx_t;
 #define NGX_HTTP_DPD_KV_FAILED         2   /* the table says failed */
 #define NGX_HTTP_DPD_KV_TIMEOUT        3   /* dpd_kv_wait passed */
 #define NGX_HTTP_DPD_KV_NOT_PUSHED     4   /* the prefill reply said so */
+#define NGX_HTTP_DPD_KV_NO_TABLE       5   /* nothing to poll (lmcache: no
+                                              usable dpd_state_table) */
 
 
 /* location-level settings of the disaggregated path */
@@ -107,7 +109,9 @@ typedef struct {
     ngx_msec_t                   kv_elapsed;    /* $dpd_kv_wait_time */
     ngx_uint_t                   kv;            /* NGX_HTTP_DPD_KV_* */
     ngx_uint_t                   kv_state;      /* last DPD_REQ_* seen */
-    u_char                      *decode_node;   /* kv_agent: node id */
+    struct ngx_http_dpd_proto_s *proto;         /* the protocol that ran */
+    void                        *proto_data;    /* the protocol's own
+                                                   (ngx_http_dpd_proto.h) */
     unsigned                     done:1;        /* subrequest finalized */
     unsigned                     answered:1;    /* a prefill peer replied */
     unsigned                     timed_out:1;   /* our deadline passed */
@@ -116,12 +120,17 @@ typedef struct {
     unsigned                     params:1;      /* decode got KV params */
     unsigned                     kv_waited:1;   /* a KV wait ran */
     unsigned                     kv_done:1;     /* the KV wait is over */
+    unsigned                     quiet:1;       /* no KV, and not a fault
+                                                   (log at info) */
+    unsigned                     retried:1;     /* a decode retry re-pinned
+                                                   another decoder */
 } ngx_http_dpd_prefill_ctx_t;
 
 
-extern ngx_conf_enum_t  ngx_http_dpd_prefill_protocols[];
 extern ngx_conf_enum_t  ngx_http_dpd_prefill_fallbacks[];
 
+char *ngx_http_dpd_prefill_protocol(ngx_conf_t *cf, ngx_command_t *cmd,
+    void *conf);
 char *ngx_http_dpd_prefill_pass(ngx_conf_t *cf, ngx_command_t *cmd,
     void *conf);
 char *ngx_http_dpd_nixl_remote_hosts(ngx_conf_t *cf, ngx_command_t *cmd,
@@ -133,10 +142,10 @@ char *ngx_http_dpd_nixl_remote_hosts(ngx_conf_t *cf, ngx_command_t *cmd,
                                                                               \
     { ngx_string("dpd_protocol"),                                             \
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,  \
-      ngx_conf_set_enum_slot,                                                 \
+      ngx_http_dpd_prefill_protocol,                                          \
       NGX_HTTP_LOC_CONF_OFFSET,                                               \
       offsetof(ngx_http_dpd_loc_conf_t, prefill.protocol),                    \
-      ngx_http_dpd_prefill_protocols },                                       \
+      NULL },                                                                 \
                                                                               \
     { ngx_string("dpd_prefill_pass"),                                         \
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,  \
@@ -185,6 +194,9 @@ char *ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
     ngx_http_dpd_prefill_conf_t *prev, ngx_http_dpd_prefill_conf_t *conf);
 ngx_int_t ngx_http_dpd_prefill_add_variables(ngx_conf_t *cf);
 
+/* postconfiguration: the protocols' init hooks (output filters) */
+ngx_int_t ngx_http_dpd_prefill_init(ngx_conf_t *cf);
+
 /*
  * Called by the core phase handler once the body is read, parsed and the
  * route decided as disaggregated, and again each time the phase handler
@@ -204,6 +216,19 @@ ngx_int_t ngx_http_dpd_prefill_add_variables(ngx_conf_t *cf);
  */
 ngx_int_t ngx_http_dpd_prefill_handler(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx);
+
+/*
+ * For a decode retry (the balancer) after it pinned another decoder and
+ * set ctx->prefill.decode_peer to it: sets ctx->prefill.retried and
+ * replaces the main request body by the protocol's decode body for that
+ * decoder (its decode_body hook: nixl the same params, any decoder pulls;
+ * lmcache and kv_agent the same prompt, the new decoder has no pushed KV
+ * and recomputes).  Only after the prefill hand-off (NGX_DECLINED from the
+ * handler); NGX_OK (body replaced), NGX_DECLINED (a fallback's plain body,
+ * left as it is) or NGX_ERROR.  The caller re-inits the upstream body
+ * (u->request_bufs) as for any retry.
+ */
+ngx_int_t ngx_http_dpd_prefill_rebuild(ngx_http_request_t *r);
 
 
 #endif /* _NGX_HTTP_DPD_PREFILL_H_INCLUDED_ */

@@ -9,7 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdint.h>
 #include <math.h>
+#include <float.h>
 
 #include "ngx_http_dpd_protocol.h"
 
@@ -25,6 +27,12 @@
 /* objects up to this many members are checked for repeats pairwise */
 #define DPD_PAIRWISE_MAX  8
 
+/* top-level members recorded by the checking pass (more: a second pass) */
+#define DPD_SCAN_MEMBERS  64
+
+/* 0x0101010101010101: SWAR byte tests in dpd_scan() */
+#define DPD_ONES  0x0101010101010101ULL
+
 
 static int dpd_bad(ngx_http_dpd_req_t *req, int bad, const char *fmt, ...)
 #if defined(__GNUC__)
@@ -33,9 +41,9 @@ static int dpd_bad(ngx_http_dpd_req_t *req, int bad, const char *fmt, ...)
     ;
 static void *dpd_alloc(const ngx_http_dpd_req_t *req, size_t size);
 static int dpd_is_hex(unsigned char c);
-static size_t dpd_scan(ngx_http_dpd_req_t *req,
+static int dpd_scan(ngx_http_dpd_req_t *req,
     const ngx_http_dpd_limits_t *limits, ngx_http_dpd_member_t *out,
-    size_t nout);
+    size_t nout, size_t *nmembers);
 static unsigned dpd_key_kind(const char *name);
 static int dpd_key_cmp(const void *a, const void *b);
 static int dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj,
@@ -46,10 +54,17 @@ static int dpd_json_is_uint(const cJSON *item, double max);
 static cJSON *dpd_nixl_request_params(void);
 static cJSON *dpd_lmcache_request_params(
     const ngx_http_dpd_lmcache_spec_t *spec);
+static size_t dpd_print(const cJSON *item, char *out);
+static size_t dpd_print_string(const char *s, char *out);
+static size_t dpd_print_params(const cJSON *ktp, const char *host,
+    char *out);
+static char *dpd_splice_params(const ngx_http_dpd_req_t *req,
+    unsigned drop, const char *extra, const cJSON *ktp, const char *host,
+    size_t *len);
 static char *dpd_splice(const ngx_http_dpd_req_t *req, unsigned drop,
     const char *extra, cJSON *ktp, size_t *len);
 static char *dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp,
-    size_t *len);
+    const char *prompt, size_t *len);
 static cJSON *dpd_parse_object(const char *data, size_t len);
 
 
@@ -64,6 +79,11 @@ static const struct {
     { "stream_options",        NGX_HTTP_DPD_KEY_STREAM_OPTIONS },
     { "min_tokens",            NGX_HTTP_DPD_KEY_MIN_TOKENS },
     { "min_completion_tokens", NGX_HTTP_DPD_KEY_MIN_COMPLETION_TOKENS },
+    { "prompt",                NGX_HTTP_DPD_KEY_PROMPT },
+    { "n",                     NGX_HTTP_DPD_KEY_N },
+    { "best_of",               NGX_HTTP_DPD_KEY_BEST_OF },
+    { "echo",                  NGX_HTTP_DPD_KEY_ECHO },
+    { "logprobs",              NGX_HTTP_DPD_KEY_LOGPROBS },
     { NULL, 0 }
 };
 
@@ -111,14 +131,14 @@ dpd_is_hex(unsigned char c)
  * recursion), at most max_elements values (bounds the tree: one cJSON
  * node per value).  Returns 0, or 1 with req->bad set.
  *
- * With "out" (the body passed the checks and cJSON): records up to nout
- * top-level members, each from its key's opening quote to the end of its
- * value, and returns how many there are.
+ * In the same pass, records up to nout top-level members in out, each
+ * from its key's opening quote to the end of its value (meaningful once
+ * cJSON accepted the body too), and sets *nmembers to how many there are.
  */
 
-static size_t
+static int
 dpd_scan(ngx_http_dpd_req_t *req, const ngx_http_dpd_limits_t *limits,
-    ngx_http_dpd_member_t *out, size_t nout)
+    ngx_http_dpd_member_t *out, size_t nout, size_t *nmembers)
 {
     int                   in_str, top, state;
     size_t                depth, elements, n, k, start;
@@ -184,6 +204,36 @@ dpd_scan(ngx_http_dpd_req_t *req, const ngx_http_dpd_limits_t *limits,
         }
 
         if (in_str) {
+
+            /*
+             * the bulk of a body is string text: skip 8 bytes at a time
+             * while none of them is a quote, a backslash, a control
+             * character or a non-ASCII byte (t/201: same verdicts)
+             */
+
+            if (c >= 0x20 && c != '"' && c != '\\') {
+                p++;
+
+                while (end - p >= 8) {
+                    uint64_t  v;
+
+                    memcpy(&v, p, 8);
+
+                    if (((v - DPD_ONES * 0x20)
+                         | ((v ^ (DPD_ONES * '"')) - DPD_ONES)
+                         | ((v ^ (DPD_ONES * '\\')) - DPD_ONES)
+                         | v)
+                        & (DPD_ONES * 0x80))
+                    {
+                        break;
+                    }
+
+                    p += 8;
+                }
+
+                sig = p;
+                continue;
+            }
 
             if (c == '"') {
                 in_str = 0;
@@ -332,12 +382,10 @@ dpd_scan(ngx_http_dpd_req_t *req, const ngx_http_dpd_limits_t *limits,
         sig = p;
     }
 
-    if (out == NULL) {
-        req->elements = elements;
-        return 0;
-    }
+    req->elements = elements;
+    *nmembers = k;
 
-    return k;
+    return 0;
 
 invalid:
 
@@ -499,10 +547,11 @@ int
 ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req, const char *data,
     size_t len, const ngx_http_dpd_limits_t *limits)
 {
-    int           rc;
-    size_t        n, i;
-    const char   *end;
-    const cJSON  *c, *xargs;
+    int                     rc;
+    size_t                  n, i, k;
+    const char             *end;
+    const cJSON            *c, *xargs;
+    ngx_http_dpd_member_t   local[DPD_SCAN_MEMBERS];
 
     req->data = data;
     req->len = len;
@@ -519,7 +568,7 @@ ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req, const char *data,
                        "the request body is empty: expected a JSON object");
     }
 
-    if (dpd_scan(req, limits, NULL, 0) != 0) {
+    if (dpd_scan(req, limits, local, DPD_SCAN_MEMBERS, &k) != 0) {
         return 1;
     }
 
@@ -569,7 +618,14 @@ ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req, const char *data,
 
     /* the scanner and cJSON agree on what a valid body holds */
 
-    if (dpd_scan(req, limits, req->members, n) != n) {
+    if (n <= DPD_SCAN_MEMBERS) {
+        if (k != n) {
+            return -1;
+        }
+
+        memcpy(req->members, local, n * sizeof(ngx_http_dpd_member_t));
+
+    } else if (dpd_scan(req, limits, req->members, n, &k) != 0 || k != n) {
         return -1;
     }
 
@@ -781,26 +837,356 @@ failed:
  * re-encoded.  Linear in the body: one pass to size, one to write.
  */
 
+/*
+ * cJSON_PrintUnformatted()'s text of item, byte for byte (cJSON 1.7.15:
+ * numbers as "%1.15g" unless that does not read back, then "%1.17g",
+ * integers of up to 15 digits without snprintf(); NaN and infinities as
+ * null; strings
+ * with \", \\, \b, \f, \n, \r, \t and \u00xx for other control
+ * characters, everything else as it is), without its buffer reallocations
+ * and snprintf() per integer.  out NULL: only the length.  (size_t) -1:
+ * what cJSON cannot print (an invalid item, a raw item without text).
+ */
+
+#define DPD_PRINT_ERROR  ((size_t) -1)
+
+static size_t
+dpd_print_number(const cJSON *item, char *out)
+{
+    int        n;
+    char       buf[32], *p;
+    double     d, test;
+    uint64_t   u;
+
+    d = item->valuedouble;
+
+    if (isnan(d) || isinf(d)) {
+        if (out) {
+            memcpy(out, "null", 4);
+        }
+
+        return 4;
+    }
+
+    if (d == floor(d) && fabs(d) < 1e15 && !(d == 0 && signbit(d))) {
+
+        /* what "%1.15g" prints for an integer of up to 15 digits */
+
+        p = buf + sizeof(buf);
+        u = (uint64_t) fabs(d);
+
+        do {
+            *--p = (char) ('0' + u % 10);
+            u /= 10;
+        } while (u);
+
+        if (d < 0) {
+            *--p = '-';
+        }
+
+        n = (int) (buf + sizeof(buf) - p);
+
+        if (out) {
+            memcpy(out, p, (size_t) n);
+        }
+
+        return (size_t) n;
+    }
+
+    n = snprintf(buf, sizeof(buf), "%1.15g", d);
+
+    if (sscanf(buf, "%lg", &test) != 1
+        || !(fabs(test - d) <= fmax(fabs(test), fabs(d)) * DBL_EPSILON))
+    {
+        n = snprintf(buf, sizeof(buf), "%1.17g", d);
+    }
+
+    if (n < 0 || n > 25) {
+        return DPD_PRINT_ERROR;
+    }
+
+    if (out) {
+        memcpy(out, buf, (size_t) n);
+    }
+
+    return (size_t) n;
+}
+
+
+static size_t
+dpd_print_string(const char *s, char *out)
+{
+    size_t                n;
+    unsigned char         c;
+    const unsigned char  *p;
+    static const char     hex[] = "0123456789abcdef";
+
+    n = 2;
+
+    if (out) {
+        *out++ = '"';
+    }
+
+    for (p = (const unsigned char *) (s ? s : ""); *p; p++) {
+        c = *p;
+
+        if (c >= 32 && c != '"' && c != '\\') {
+            if (out) {
+                *out++ = (char) c;
+            }
+
+            n++;
+            continue;
+        }
+
+        switch (c) {
+        case '"':  c = '"';  break;
+        case '\\': c = '\\'; break;
+        case '\b': c = 'b';  break;
+        case '\f': c = 'f';  break;
+        case '\n': c = 'n';  break;
+        case '\r': c = 'r';  break;
+        case '\t': c = 't';  break;
+        default:
+            if (out) {
+                memcpy(out, "\\u00", 4);
+                out[4] = hex[c >> 4];
+                out[5] = hex[c & 0xf];
+                out += 6;
+            }
+
+            n += 6;
+            continue;
+        }
+
+        if (out) {
+            *out++ = '\\';
+            *out++ = (char) c;
+        }
+
+        n += 2;
+    }
+
+    if (out) {
+        *out = '"';
+    }
+
+    return n;
+}
+
+
+static size_t
+dpd_print(const cJSON *item, char *out)
+{
+    size_t        n, k;
+    const cJSON  *c;
+
+    switch (item->type & 0xff) {
+
+    case cJSON_NULL:
+        if (out) {
+            memcpy(out, "null", 4);
+        }
+        return 4;
+
+    case cJSON_False:
+        if (out) {
+            memcpy(out, "false", 5);
+        }
+        return 5;
+
+    case cJSON_True:
+        if (out) {
+            memcpy(out, "true", 4);
+        }
+        return 4;
+
+    case cJSON_Number:
+        return dpd_print_number(item, out);
+
+    case cJSON_String:
+        return dpd_print_string(item->valuestring, out);
+
+    case cJSON_Raw:
+        if (item->valuestring == NULL) {
+            return DPD_PRINT_ERROR;
+        }
+
+        n = strlen(item->valuestring);
+
+        if (out) {
+            memcpy(out, item->valuestring, n);
+        }
+
+        return n;
+
+    case cJSON_Array:
+    case cJSON_Object:
+        n = 0;
+
+        if (out) {
+            out[n] = (item->type & cJSON_Object) ? '{' : '[';
+        }
+
+        n++;
+
+        for (c = item->child; c; c = c->next) {
+            if (c != item->child) {
+                if (out) {
+                    out[n] = ',';
+                }
+
+                n++;
+            }
+
+            if (item->type & cJSON_Object) {
+                n += dpd_print_string(c->string, out ? out + n : NULL);
+
+                if (out) {
+                    out[n] = ':';
+                }
+
+                n++;
+            }
+
+            k = dpd_print(c, out ? out + n : NULL);
+            if (k == DPD_PRINT_ERROR) {
+                return DPD_PRINT_ERROR;
+            }
+
+            n += k;
+        }
+
+        if (out) {
+            out[n] = (item->type & cJSON_Object) ? '}' : ']';
+        }
+
+        return n + 1;
+
+    default:
+        return DPD_PRINT_ERROR;
+    }
+}
+
+
+/*
+ * ktp's text, with host (when not NULL) as its remote_host: ktp as it is
+ * when its remote_host already says so, else every remote_host member
+ * left out and "remote_host":host appended (what deleting them and adding
+ * one to a copy printed)
+ */
+
+static size_t
+dpd_print_params(const cJSON *ktp, const char *host, char *out)
+{
+    size_t        n, k;
+    const cJSON  *c, *v;
+
+    if (host == NULL) {
+        return dpd_print(ktp, out);
+    }
+
+    v = cJSON_GetObjectItemCaseSensitive(ktp, "remote_host");
+
+    if (cJSON_IsString(v) && strcmp(v->valuestring, host) == 0) {
+        return dpd_print(ktp, out);
+    }
+
+    n = 0;
+
+    if (out) {
+        out[n] = '{';
+    }
+
+    n++;
+
+    for (c = ktp->child; c; c = c->next) {
+        if (c->string && strcmp(c->string, "remote_host") == 0) {
+            continue;
+        }
+
+        if (n > 1) {
+            if (out) {
+                out[n] = ',';
+            }
+
+            n++;
+        }
+
+        n += dpd_print_string(c->string, out ? out + n : NULL);
+
+        if (out) {
+            out[n] = ':';
+        }
+
+        n++;
+
+        k = dpd_print(c, out ? out + n : NULL);
+        if (k == DPD_PRINT_ERROR) {
+            return DPD_PRINT_ERROR;
+        }
+
+        n += k;
+    }
+
+    if (n > 1) {
+        if (out) {
+            out[n] = ',';
+        }
+
+        n++;
+    }
+
+    n += dpd_print_string("remote_host", out ? out + n : NULL);
+
+    if (out) {
+        out[n] = ':';
+    }
+
+    n++;
+
+    n += dpd_print_string(host, out ? out + n : NULL);
+
+    if (out) {
+        out[n] = '}';
+    }
+
+    return n + 1;
+}
+
+
+/* dpd_splice_params() taking ktp over (deleted) */
+
 static char *
 dpd_splice(const ngx_http_dpd_req_t *req, unsigned drop, const char *extra,
     cJSON *ktp, size_t *len)
 {
-    char                         *out, *p, *ktext;
+    char  *out;
+
+    out = dpd_splice_params(req, drop, extra, ktp, NULL, len);
+
+    cJSON_Delete(ktp);
+
+    return out;
+}
+
+
+static char *
+dpd_splice_params(const ngx_http_dpd_req_t *req, unsigned drop,
+    const char *extra, const cJSON *ktp, const char *host, size_t *len)
+{
+    char                         *out, *p;
     size_t                        size, i, kept, elen, klen;
     const ngx_http_dpd_member_t  *m;
 
-    ktext = NULL;
     klen = 0;
 
     if (ktp) {
-        ktext = cJSON_PrintUnformatted(ktp);
-        cJSON_Delete(ktp);
+        klen = dpd_print_params(ktp, host, NULL);
 
-        if (ktext == NULL) {
+        if (klen == DPD_PRINT_ERROR) {
             return NULL;
         }
-
-        klen = strlen(ktext);
     }
 
     elen = extra ? strlen(extra) : 0;
@@ -819,13 +1205,12 @@ dpd_splice(const ngx_http_dpd_req_t *req, unsigned drop, const char *extra,
 
     size += elen + 1;
 
-    if (ktext) {
+    if (ktp) {
         size += sizeof(",\"" DPD_KTP "\":") - 1 + klen;
     }
 
     out = dpd_alloc(req, size + 1);
     if (out == NULL) {
-        cJSON_free(ktext);
         return NULL;
     }
 
@@ -856,16 +1241,15 @@ dpd_splice(const ngx_http_dpd_req_t *req, unsigned drop, const char *extra,
         p += elen;
     }
 
-    if (ktext) {
+    if (ktp) {
         if (p != out + 1) {
             *p++ = ',';
         }
 
         memcpy(p, "\"" DPD_KTP "\":", sizeof("\"" DPD_KTP "\":") - 1);
         p += sizeof("\"" DPD_KTP "\":") - 1;
-        memcpy(p, ktext, klen);
+        (void) dpd_print_params(ktp, host, p);
         p += klen;
-        cJSON_free(ktext);
     }
 
     *p++ = '}';
@@ -901,7 +1285,7 @@ ngx_http_dpd_proto_prefill_body(const ngx_http_dpd_req_t *req, int protocol,
         return NULL;
     }
 
-    return dpd_prefill_copy(req, ktp, len);
+    return dpd_prefill_copy(req, ktp, NULL, len);
 }
 
 
@@ -933,18 +1317,23 @@ ngx_http_dpd_proto_kv_agent_prefill_body(const ngx_http_dpd_req_t *req,
         return NULL;
     }
 
-    return dpd_prefill_copy(req, ktp, len);
+    return dpd_prefill_copy(req, ktp, NULL, len);
 }
 
 
-/* the prefill copy of req with ktp as its kv_transfer_params (taken over) */
+/*
+ * the prefill copy of req with ktp as its kv_transfer_params (taken over),
+ * and prompt (a JSON text, may be NULL) instead of the client's "prompt"
+ */
 
 static char *
-dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp, size_t *len)
+dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp,
+    const char *prompt, size_t *len)
 {
-    size_t      i;
-    unsigned    drop, has_mct;
-    const char  *extra;
+    char         *extra, *out, *p;
+    size_t        i, n;
+    unsigned      drop, has_mct;
+    const char   *fixed;
 
     if (ktp == NULL) {
         return NULL;
@@ -968,11 +1357,35 @@ dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp, size_t *len)
 
     /* one token: the prefill's product is the KV, not text */
 
-    extra = has_mct ? "\"max_tokens\":1,\"max_completion_tokens\":1,"
+    fixed = has_mct ? "\"max_tokens\":1,\"max_completion_tokens\":1,"
                       "\"stream\":false"
                     : "\"max_tokens\":1,\"stream\":false";
 
-    return dpd_splice(req, drop, extra, ktp, len);
+    if (prompt == NULL) {
+        return dpd_splice(req, drop, fixed, ktp, len);
+    }
+
+    drop |= 1u << NGX_HTTP_DPD_KEY_PROMPT;
+
+    n = strlen(fixed) + sizeof(",\"prompt\":") + strlen(prompt);
+
+    extra = malloc(n);
+    if (extra == NULL) {
+        cJSON_Delete(ktp);
+        return NULL;
+    }
+
+    memcpy(extra, fixed, strlen(fixed));
+    p = extra + strlen(fixed);
+    memcpy(p, ",\"prompt\":", sizeof(",\"prompt\":") - 1);
+    p += sizeof(",\"prompt\":") - 1;
+    memcpy(p, prompt, strlen(prompt) + 1);
+
+    out = dpd_splice(req, drop, extra, ktp, len);
+
+    free(extra);
+
+    return out;
 }
 
 
@@ -1099,6 +1512,15 @@ ngx_http_dpd_proto_decode_body(const ngx_http_dpd_req_t *req,
         return NULL;
     }
 
+    if (params != NULL && prefill_host != NULL && prefill_host[0] != '\0'
+        && cJSON_IsObject(params))
+    {
+        /* printed with the vetted host in place: no copy of the tree */
+        return dpd_splice_params(req,
+                                 1u << NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS,
+                                 NULL, params, prefill_host, len);
+    }
+
     ktp = NULL;
 
     if (params != NULL && prefill_host != NULL && prefill_host[0] != '\0') {
@@ -1124,6 +1546,13 @@ ngx_http_dpd_proto_decode_body(const ngx_http_dpd_req_t *req,
 
     return dpd_splice(req, 1u << NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS, NULL,
                       ktp, len);
+}
+
+
+cJSON *
+ngx_http_dpd_proto_parse_object(const char *data, size_t len)
+{
+    return dpd_parse_object(data, len);
 }
 
 
@@ -1259,4 +1688,119 @@ ngx_http_dpd_proto_kv_agent_decode_body(const ngx_http_dpd_req_t *req,
 
     return dpd_splice(req, 1u << NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS, NULL,
                       ktp, len);
+}
+
+
+int
+ngx_http_dpd_proto_member(const ngx_http_dpd_req_t *req, unsigned key,
+    cJSON **value)
+{
+    size_t                        i;
+    const char                   *p, *end;
+    const ngx_http_dpd_member_t  *m;
+
+    *value = NULL;
+
+    for (i = 0; i < req->nmembers; i++) {
+        m = &req->members[i];
+
+        if (m->key != key) {
+            continue;
+        }
+
+        /* past the key (a JSON string: the scanner checked its escapes) */
+
+        p = req->data + m->start + 1;
+        end = req->data + m->end;
+
+        while (p < end && *p != '"') {
+            p += (*p == '\\') ? 2 : 1;
+        }
+
+        p++;
+
+        while (p < end && (*p == ' ' || *p == '\t' || *p == '\r'
+                           || *p == '\n' || *p == ':'))
+        {
+            p++;
+        }
+
+        if (p >= end) {
+            return -1;
+        }
+
+        *value = cJSON_ParseWithLength(p, (size_t) (end - p));
+
+        return (*value == NULL) ? -1 : 0;
+    }
+
+    return 0;
+}
+
+
+char *
+ngx_http_dpd_proto_lmcache_prefill_body(const ngx_http_dpd_req_t *req,
+    const char *prompt, const ngx_http_dpd_lmcache_spec_t *spec, size_t *len)
+{
+    if (req == NULL || req->members == NULL) {
+        return NULL;
+    }
+
+    return dpd_prefill_copy(req, dpd_lmcache_request_params(spec), prompt,
+                            len);
+}
+
+
+char *
+ngx_http_dpd_proto_lmcache_decode_body(const ngx_http_dpd_req_t *req,
+    const char *prompt, long max_tokens, long max_completion_tokens,
+    size_t *len)
+{
+    int        n;
+    char      *extra, *out;
+    size_t     size, used;
+    unsigned   drop;
+
+    if (req == NULL || req->members == NULL) {
+        return NULL;
+    }
+
+    drop = 1u << NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS;
+
+    size = (prompt ? strlen(prompt) : 0) + 3 * 48;
+
+    extra = malloc(size);
+    if (extra == NULL) {
+        return NULL;
+    }
+
+    used = 0;
+    extra[0] = '\0';
+
+    if (prompt) {
+        drop |= 1u << NGX_HTTP_DPD_KEY_PROMPT;
+        n = snprintf(extra, size, "\"prompt\":%s", prompt);
+        used = (size_t) n;
+    }
+
+    if (max_tokens >= 0) {
+        drop |= 1u << NGX_HTTP_DPD_KEY_MAX_TOKENS;
+        n = snprintf(extra + used, size - used, "%s\"max_tokens\":%ld",
+                     used ? "," : "", max_tokens);
+        used += (size_t) n;
+    }
+
+    if (max_completion_tokens >= 0) {
+        drop |= 1u << NGX_HTTP_DPD_KEY_MAX_COMPLETION_TOKENS;
+        n = snprintf(extra + used, size - used,
+                     "%s\"max_completion_tokens\":%ld", used ? "," : "",
+                     max_completion_tokens);
+        used += (size_t) n;
+    }
+
+    out = dpd_splice(req, drop, used ? extra : NULL, NULL, len);
+
+    free(extra);
+
+    return out;
 }

@@ -74,6 +74,11 @@
 #define NGX_HTTP_DPD_KEY_STREAM_OPTIONS         5
 #define NGX_HTTP_DPD_KEY_MIN_TOKENS             6
 #define NGX_HTTP_DPD_KEY_MIN_COMPLETION_TOKENS  7
+#define NGX_HTTP_DPD_KEY_PROMPT                 8
+#define NGX_HTTP_DPD_KEY_N                      9
+#define NGX_HTTP_DPD_KEY_BEST_OF               10
+#define NGX_HTTP_DPD_KEY_ECHO                  11
+#define NGX_HTTP_DPD_KEY_LOGPROBS              12
 
 
 typedef struct {
@@ -194,6 +199,41 @@ int ngx_http_dpd_proto_kv_agent_reply(const char *data, size_t len,
  */
 char *ngx_http_dpd_proto_kv_agent_decode_body(const ngx_http_dpd_req_t *req,
     const char *req_id, size_t *len);
+
+
+/*
+ * The value of the (single: repeats are refused) top-level member of kind
+ * key (NGX_HTTP_DPD_KEY_*, not OTHER), parsed on its own: *value is NULL
+ * when the request has no such member.  Returns 0, or -1 (out of memory).
+ * Release *value with cJSON_Delete().
+ */
+int ngx_http_dpd_proto_member(const ngx_http_dpd_req_t *req, unsigned key,
+    cJSON **value);
+
+/* one JSON object and nothing after it but white space, else NULL */
+cJSON *ngx_http_dpd_proto_parse_object(const char *data, size_t len);
+
+/*
+ * lmcache, as LMCache's disagg proxy does it
+ * (examples/disagg_prefill/disagg_proxy_server.py):
+ *
+ * the prefill copy (max_tokens 1 ...) with "prompt" replaced by prompt
+ * (a JSON text, e.g. "[1,2,3]": the prompt's token ids; NULL: the
+ * client's) and spec's kv_transfer_params ({"ret_first_tok": true,
+ * "disagg_spec": {...}})
+ */
+char *ngx_http_dpd_proto_lmcache_prefill_body(const ngx_http_dpd_req_t *req,
+    const char *prompt, const ngx_http_dpd_lmcache_spec_t *spec,
+    size_t *len);
+
+/*
+ * the decode body: the client's request without kv_transfer_params, with
+ * "prompt" replaced by prompt (NULL: the client's), max_tokens and
+ * max_completion_tokens by those given (< 0: the client's, left alone).
+ */
+char *ngx_http_dpd_proto_lmcache_decode_body(const ngx_http_dpd_req_t *req,
+    const char *prompt, long max_tokens, long max_completion_tokens,
+    size_t *len);
 
 
 #endif /* _NGX_HTTP_DPD_PROTOCOL_H_INCLUDED_ */

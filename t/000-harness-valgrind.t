@@ -3,6 +3,7 @@
 # the suppression file is replaced by an empty one) fails the block.
 use strict;
 use warnings;
+use Cwd ();
 use FindBin;
 use lib "$FindBin::Bin/lib/harness-fixtures";
 use RunFixture;
@@ -26,9 +27,15 @@ my $empty = $tmp->filename;
                           TEST_NGINX_USE_VALGRIND => 1,
                           TEST_NGINX_VALGRIND_SUPPRESS => $empty,
                           _timeout => 180);
-isnt($rc, 0, 'a valgrind report fails the test file');
-like($out, qr/^not ok \d+ .*valgrind reported \d+ error/m,
-     'the block is reported not ok');
+# failing the block is the clean-room harness's own (t/lib/README.md);
+# the real Test::Nginx only shows the report
+SKIP: {
+    skip 'the real Test::Nginx does not fail a block on a valgrind report', 2
+        unless Cwd::abs_path(harness_inc()) eq Cwd::abs_path("$FindBin::Bin/lib");
+    isnt($rc, 0, 'a valgrind report fails the test file');
+    like($out, qr/^not ok \d+ .*valgrind reported \d+ error/m,
+         'the block is reported not ok');
+}
 like($out, qr/definitely lost/, 'the report is shown');
 
 done_testing();

@@ -8,6 +8,12 @@ use Test::Nginx::Socket 'no_plan';
 # the real module does not export this one itself
 $ENV{TEST_NGINX_HTML_DIR} ||= html_dir();
 
+# TEST 15's listening socket, outside the server root: Test::Nginx stops
+# at the next file when its clean-up finds anything it did not create there
+use File::Temp ();
+$ENV{TEST_NGINX_BLACKHOLE} = File::Temp::tempdir(CLEANUP => 1)
+                             . '/blackhole.sock';
+
 log_level('warn');
 no_shuffle();
 run_tests();
@@ -226,14 +232,14 @@ GET /sub/dir/hello.txt
 === TEST 15: timeout with abort: the client gives up on a hanging upstream
 --- init
 use IO::Socket::UNIX;
-unlink "$ENV{TEST_NGINX_SERVER_ROOT}/blackhole.sock";
+unlink $ENV{TEST_NGINX_BLACKHOLE};
 our $Blackhole = IO::Socket::UNIX->new(
-    Local => "$ENV{TEST_NGINX_SERVER_ROOT}/blackhole.sock",
+    Local => $ENV{TEST_NGINX_BLACKHOLE},
     Listen => 5) or die "blackhole: $!";
 --- config
     location /hang {
         proxy_read_timeout 60s;
-        proxy_pass http://unix:$TEST_NGINX_SERVER_ROOT/blackhole.sock:/;
+        proxy_pass http://unix:$TEST_NGINX_BLACKHOLE:/;
     }
 --- request
 GET /hang

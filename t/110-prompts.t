@@ -238,7 +238,7 @@ qr/^data: \{.*"usage":\{"prompt_tokens":$::LLAMA{chat_stream},.*data: \[DONE\]\n
 --- response_body_like eval: ::usage_like($::QWEN{document})
 
 
-=== TEST 14: Qwen 3: chat (ChatML template, detected from the config)
+=== TEST 14: Qwen 3: chat (the model's own Jinja template from the config)
 --- http_config
     dpd_tokenizer $TEST_NGINX_QWEN3;
     upstream emu { server $TEST_NGINX_QWEN3_EMU; }
@@ -247,7 +247,7 @@ qr/^data: \{.*"usage":\{"prompt_tokens":$::LLAMA{chat_stream},.*data: \[DONE\]\n
 "X-Dpd-Tokens: $::QWEN{chat}"
 --- response_body_like eval: ::usage_like($::QWEN{chat})
 --- error_log
-chat template "chatml"
+chat template "model"
 
 
 === TEST 15: Qwen 3: chat turns

@@ -115,8 +115,12 @@ ok($rec && ($rec->{completion_tokens} // 0) < 20,
 __DATA__
 
 === TEST 1: the first event arrives at once, not when the stream ends
+HTTP/1.0: the stream comes unchunked and ends with the connection, so the
+part read before the client gives up (1 s without a byte, --- abort) is a
+complete response to compare (a chunked one cut short is no response at
+all to Test::Nginx).
 --- request
-POST /scripted/v1/completions
+POST /scripted/v1/completions HTTP/1.0
 {"prompt": "Tell me a story", "max_tokens": 3, "stream": true}
 --- timeout: 1
 --- abort
@@ -148,8 +152,9 @@ qr/\A(data: \{"id":"chatcmpl-[^\n]*\n\n){3,}data: \[DONE\]\n\n\z/s
 
 
 === TEST 4: client abort mid-stream closes the upstream request
+HTTP/1.0 as in TEST 1, so the status is checked too.
 --- request
-POST /v1/completions
+POST /v1/completions HTTP/1.0
 {"prompt": "A very long answer please", "max_tokens": 40, "stream": true}
 --- more_headers
 X-Request-Id: abort-1

@@ -33,8 +33,11 @@ my $config = <<'_EOC_';
         proxy_pass http://decode;
         proxy_http_version 1.1;
         proxy_buffering off;
-        # nginx would try another decoder even for a POST: the pin must not
+        # nginx would try another decoder even for a POST: with
+        # dpd_decode_retry off the pin must not (t/214: retry on, elsewhere
+        # without the KV)
         proxy_next_upstream error timeout non_idempotent;
+        dpd_decode_retry off;
 
         add_header X-Route $dpd_route always;
         add_header X-Prefill-Peer $dpd_prefill_peer always;
@@ -78,8 +81,24 @@ for my $id (qw(lmc-cmpl lmc-chat-stream lmc-chat)) {
     is $p->{body}{max_tokens}, 1, "$id: prefill max_tokens 1";
     ok !exists $d->{body}{kv_transfer_params},
         "$id: decode request without kv_transfer_params";
-    is $d->{cached_tokens}, $d->{prompt_tokens} - 1,
-        "$id: the decoder reused the pushed KV (all but the last token)";
+    if ($id eq 'lmc-cmpl') {
+        # LMCache's proxy: token ids to both, the first token appended
+        my $ids = $p->{body}{prompt};
+        ok ref $ids eq 'ARRAY' && @$ids == $p->{prompt_tokens}
+           && !grep({ !/^\d+$/ } @$ids),
+            "$id: the prefill got the prompt as its token ids";
+        my $first = JSON::PP->new->decode($p->{kv_reply_raw})->{first_tok};
+        is_deeply $d->{body}{prompt}, [ref $ids eq 'ARRAY' ? @$ids : $ids, $first],
+            "$id: the decoder got the ids and the prefill's first token";
+        is $d->{body}{max_tokens}, 7, "$id: decode max_tokens 8 - 1";
+        # the pushed chunks cover the prompt; the decoder's last partial
+        # chunk (now one token longer) is recomputed, as with LMCache
+        is $d->{cached_tokens}, int($p->{prompt_tokens} / 256) * 256,
+            "$id: the decoder reused the pushed KV (full chunks)";
+    } else {
+        is $d->{cached_tokens}, $d->{prompt_tokens} - 1,
+            "$id: the decoder reused the pushed KV (all but the last token)";
+    }
 }
 
 {
@@ -199,7 +218,7 @@ X-Route: disaggregated
 
 
 
-=== TEST 7: a pinned decoder that fails ends in an error, not another decoder
+=== TEST 7: dpd_decode_retry off: a pinned decoder that fails ends in an error, not another decoder
 --- init
 $_->fault(disconnect_after => 0, role => "decode") for @main::decode;
 --- request eval
@@ -219,7 +238,7 @@ upstream prematurely closed connection
 
 
 
-=== TEST 8: faults cleared, metrics: handoffs counted, no fallback
+=== TEST 8: faults cleared, metrics: no state table, so no notices waited for (counted)
 --- init
 $_->clear_faults for @main::decode;
 --- request eval
@@ -230,4 +249,4 @@ $_->clear_faults for @main::decode;
 Content-Type: application/json
 --- response_body_like eval
 ["cached_tokens",
- qr/dpd_prefill_requests_total 1\n.*dpd_fallbacks_total 0\n.*dpd_kv_handoffs_total\{transfer_params="yes"\} 1\n/s]
+ qr/dpd_prefill_requests_total 1\n.*dpd_fallbacks_total 0\n.*dpd_kv_handoffs_total\{transfer_params="yes"\} 0\ndpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="no_table"\} 1\n/s]

@@ -183,4 +183,5 @@ GET /nothing
 --- error_log
 "dpd_decode_upstream" is ignored with "dpd_protocol nixl"
 "dpd_kv_wait" is ignored with "dpd_protocol nixl"
+--- no_error_log
 "dpd_kv_wait" is ignored with "dpd_protocol lmcache"

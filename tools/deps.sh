@@ -10,10 +10,17 @@ PKGS=(
   nginx nginx-dev libpcre2-dev libcjson-dev libutf8proc-dev zlib1g-dev libssl-dev
   libfabric-dev libfabric-bin
   perl libtest-base-perl libtext-diff-perl libwww-perl liblist-moreutils-perl
-  libtest-longstring-perl
-  python3 curl wrk iperf3 valgrind iproute2 procps psmisc
+  libtest-longstring-perl libipc-run-perl liburi-perl
+  python3 python3-jinja2 curl wrk iperf3 valgrind iproute2 procps psmisc
   clang libclang-rt-14-dev
+  libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack
+  dnsmasq-base
 )
+
+# `tools/deps.sh image` (make image): the container tools too
+if [ "${1:-}" = image ]; then
+  PKGS+=(podman buildah debootstrap runc uidmap fuse-overlayfs slirp4netns)
+fi
 
 missing=()
 for p in "${PKGS[@]}"; do

@@ -555,8 +555,13 @@ def make_case(seed, index, prefixes, big):
 # --- the wire ----------------------------------------------------------------
 
 def exchange(host, port, case, timeout):
-    """Send the case; returns (raw answer bytes, error or None, seconds)."""
+    """Send the case; returns (raw answer bytes, error or None, seconds).
+    The seconds are those until the answer's last byte arrived (until the
+    end when nothing came): after an error answer to a body nginx did not
+    read, its lingering close keeps the connection open up to
+    lingering_timeout more without anything being late."""
     t0 = time.monotonic()
+    t_last = None
     s = socket.create_connection((host, port), timeout=timeout)
     s.settimeout(timeout)
     data = b""
@@ -597,9 +602,10 @@ def exchange(host, port, case, timeout):
             if not chunk_:
                 break
             data += chunk_
+            t_last = time.monotonic()
     finally:
         s.close()
-    return data, err, time.monotonic() - t0
+    return data, err, (t_last if t_last is not None else time.monotonic()) - t0
 
 
 def dechunk(b):

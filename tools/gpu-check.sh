@@ -7,9 +7,18 @@
 #      pushes them GPU -> GPU and compares the agents' checksums, which read
 #      the bytes back from device memory;
 #   3. registers an engine-owned GPU pool on the decode agent through a CUDA
-#      IPC handle (cudaIpcOpenMemHandle path) and pushes into it.
+#      IPC handle (cudaIpcOpenMemHandle path) and pushes into it;
+#   4. tensor parallel over every GPU present (issue 12): both agents serve
+#      N ranks, rank r's pool on cuda:r ("memory": "cuda", "ranks": N); one
+#      push moves every rank's 256 blocks to the same rank on the decoder
+#      and every rank's checksum (read back from device memory) is
+#      compared.  Without FI_HMEM (tcp;ofi_rxm) the staging path must show
+#      ring batches (pinned slots, cudaMemcpyAsync + events, the receiver's
+#      batched copy-in); with FI_HMEM (shm with CUDA) the decoder must have
+#      flushed the GPUDirect RDMA writes before ready (gpu_flushes).
 # Prints PASS/FAIL per step, which memory path was used (FI_HMEM or pinned
-# staging), and exits non-zero on any failure.
+# staging), and exits non-zero on any failure; 2 ("SKIP") when there is no
+# GPU, CUDA toolkit or libfabric headers (nothing was checked).
 #   env: KV_GPU_DEV (default 0; decode uses KV_GPU_DEV2, default same),
 #        KV_GPU_PORT (default 18950), KV_GPU_PROVIDERS ("tcp;ofi_rxm shm")
 set -uo pipefail
@@ -39,12 +48,14 @@ pass() { say "PASS $*"; }
 fail() { say "FAIL $*"; FAIL=1; }
 
 # KV_GPU_DRY_RUN=1 runs the same flow with host pools (checks the script
-# itself on a machine without a GPU; the IPC step is skipped)
+# itself on a machine without a GPU; the IPC step is skipped; the TP step
+# runs 2 ranks of host pools registered by t/kv_agent/kvtp.py, staged
+# through the ring with the host copy engine)
 DRY=${KV_GPU_DRY_RUN:-0}
 MEM() { [ "$DRY" = 1 ] && echo host || echo "cuda:$1"; }
 if [ "$DRY" != 1 ]; then
     command -v nvidia-smi >/dev/null && nvidia-smi -L || {
-        say "no NVIDIA GPU visible (nvidia-smi -L failed)"; exit 2; }
+        say "SKIP: no NVIDIA GPU visible (nvidia-smi -L failed)"; exit 2; }
 fi
 for h in /usr/include/rdma/fabric.h /usr/include/cjson/cJSON.h; do
     [ -f "$h" ] || { say "missing $h: install libfabric-dev and libcjson-dev (make deps)"; exit 2; }
@@ -125,7 +136,7 @@ for prov in $PROVIDERS; do
     start p && start d || { fail "$prov: agents did not start"; continue; }
     connected "$T/p.sock" d || { fail "$prov: no control link"; continue; }
     grep -h "rail 0:" "$T/p.log" | sed 's/^.*info: /  /'
-    if grep -q "pinned host mirror" "$T/p.log"; then
+    if grep -q "pinned host mirror\|stage: rank" "$T/p.log" "$T/d.log"; then
         say "  memory path: GPU staged through pinned host memory (no FI_HMEM)"
     elif grep -q "hmem yes" "$T/p.log"; then
         say "  memory path: FI_HMEM (GPU memory registered directly)"
@@ -155,6 +166,83 @@ for prov in $PROVIDERS; do
     exec 9>&-
     rm -f "$T/hold"
     wait "$HP" 2>/dev/null
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+    wait 2>/dev/null
+    PIDS=()
+    grep -h "error:" "$T/p.log" "$T/d.log" | head -5
+done
+# ---- 4. tensor parallel over every GPU -----------------------------------
+if [ "$DRY" = 1 ]; then NG=2; else NG=$(nvidia-smi -L | grep -c '^GPU '); fi
+tp_config() {  # id role port peer_id peer_port provider
+    local mem='"cuda"' stg='"auto"'
+    [ "$DRY" = 1 ] && { mem='"host"'; stg='"host"'; }
+    cat >"$T/$1.json" <<EOF
+{"node_id":"$1","role":"$2","provider":"$6","allow_fallback":false,
+ "rails":$( [ "$6" = shm ] && echo '"auto"' || echo '["lo"]' ),
+ "listen":"127.0.0.1:$3",
+ "peers":[{"id":"$4","ctrl":"127.0.0.1:$5","role":"$( [ "$2" = prefill ] && echo decode || echo prefill )",
+           "key_file":"$T/link.key"}],
+ "api_socket":"$T/$1.sock","state_path":"$T/$1.state",
+ "pool":{"layers":80,"regions":2,"block_bytes":4096,"blocks":300,
+         "memory":$mem,"ranks":$NG},
+ "transfer":{"staging":$stg},
+ "timeouts":{"transfer_ms":120000},"api":{"debug_verbs":true}}
+EOF
+}
+jget() { sed -n "s/.*\"$1\":\"\\([0-9a-f]*\\)\".*/\\1/p"; }
+for prov in $PROVIDERS; do
+    fi_info -p "$prov" >/dev/null 2>&1 || continue
+    tp_config p prefill $((PORT + 10)) d $((PORT + 11)) "$prov"
+    tp_config d decode $((PORT + 11)) p $((PORT + 10)) "$prov"
+    start p && start d || { fail "$prov TP=$NG: agents did not start"; continue; }
+    if [ "$DRY" = 1 ]; then
+        zeros=$(printf '0, %.0s' $(seq "$NG")); zeros=${zeros%, }
+        out=$(timeout 120 python3 "$ROOT/t/kv_agent/kvtp.py" --prefill "$T/p.sock" \
+              --decode "d=$T/d.sock" --ranks "$NG" --nblocks 256 2>&1 | tail -1)
+        if echo "$out" | grep -q '"recv_state": "ready"' &&
+           echo "$out" | grep -qF "\"bad\": [$zeros]"; then
+            pass "$prov TP=$NG: every rank's 256 blocks bit-exact (host pools, staged)"
+        else
+            fail "$prov TP=$NG: $(echo "$out" | tail -c 400)"
+            tail -n 5 "$T/p.log" "$T/d.log"     # what the agents saw
+        fi
+    else
+        connected "$T/p.sock" d || fail "$prov TP=$NG: no control link"
+        grep -h "topology: rank\|stage: rank 0\|rank 0: writes land" "$T/p.log" "$T/d.log" |
+            sed 's/^.*info: /  /'
+        req="tp-$$"
+        ok=1
+        for r in $(seq 0 $((NG - 1))); do
+            ctl "$T/p.sock" call "{\"verb\":\"fill\",\"rank\":$r,\"blocks_runs\":[[0,256]],\"seed\":$((r + 3))}" |
+                grep -q '"ok":true' || { fail "$prov TP=$NG: fill rank $r"; ok=0; }
+        done
+        t0=$(date +%s.%N)
+        ctl "$T/p.sock" call "{\"verb\":\"push\",\"req_id\":\"$req\",\"peer\":\"d\",\"src_runs\":[[0,256]],\"dst_runs\":[[0,256]]}" |
+            grep -q '"ok":true' || { fail "$prov TP=$NG: push refused"; ok=0; }
+        rep=$(ctl "$T/d.sock" wait "$req" 120000)
+        t1=$(date +%s.%N)
+        echo "$rep" | grep -q '"state":"ready"' || { fail "$prov TP=$NG: not ready: $rep"; ok=0; }
+        for r in $(seq 0 $((NG - 1))); do
+            a=$(ctl "$T/p.sock" call "{\"verb\":\"checksum\",\"rank\":$r,\"blocks_runs\":[[0,256]]}" | jget checksum)
+            b=$(ctl "$T/d.sock" call "{\"verb\":\"checksum\",\"rank\":$r,\"blocks_runs\":[[0,256]]}" | jget checksum)
+            if [ -z "$a" ] || [ "$a" != "$b" ]; then
+                fail "$prov TP=$NG: rank $r (cuda:$r) differs: $a vs $b"; ok=0
+            fi
+        done
+        pinfo=$(ctl "$T/p.sock" call '{"verb":"info"}')
+        dinfo=$(ctl "$T/d.sock" call '{"verb":"info"}')
+        if grep -q "hmem yes" "$T/p.log"; then
+            path="FI_HMEM"
+            echo "$dinfo" | grep -q '"gpu_flushes":[1-9]' ||
+                { fail "$prov TP=$NG: the FI_HMEM receiver did not flush GPUDirect RDMA writes before ready"; ok=0; }
+        else
+            path="staging ring"
+            echo "$pinfo" | grep -q '"stage_batches":[1-9]' ||
+                { fail "$prov TP=$NG: the staged sender shows no stage batches"; ok=0; }
+        fi
+        ms=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", (b - a) * 1000 }')
+        [ "$ok" = 1 ] && pass "$prov TP=$NG ($path): $NG ranks x 256 blocks GPU->GPU bit-exact on every GPU, $ms ms"
+    fi
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
     wait 2>/dev/null
     PIDS=()

@@ -29,6 +29,11 @@ import traceback
 import uuid
 import zlib
 from collections import deque
+try:                               # LMCache's notify port (--lmcache-proxy)
+    import msgpack
+    import zmq
+except ImportError:                # only that option needs them
+    msgpack = zmq = None
 from email.utils import formatdate
 
 VERSION = "0.9.2-emu"
@@ -102,6 +107,7 @@ EMULATOR ENDPOINTS (tests)
 FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
   rules at run time with one rule object, {"rules":[...]}, or {} to clear)
   A rule: {"status":N, "delay_ms":N, "hang":true, "disconnect_after":N,
+  "reset":true (abort the connection with a TCP RST, nothing answered),
   "malformed_json":true, "kv_override":{..}, "kv_remove":[names],
   "kv_drop":true,
   "pad_bytes":N, "path":"/v1/completions", "role":"prefill"|"decode"|"any",
@@ -159,7 +165,18 @@ PREFILL PROTOCOLS
     receiver_host: receiver_init_port[0] (handshake), receiver_alloc_port[0]
     (allocation + data); the reply's kv_transfer_params is
     {"first_tok": <token id>} when ret_first_tok is given (as LMCache's
-    connector answers).  A decode/both instance listens on its own address
+    connector answers; choices[0].text is that token's text).  The prompt
+    may be token ids (LMCache's proxy sends ids).  With
+    --lmcache-push-delay-ms D the push runs D ms after the reply, as
+    LMCache's asynchronous sender does (a decode sent before it lands
+    finds nothing and recomputes).  With --lmcache-proxy HOST:PORT (the
+    sender's pd_proxy_host:pd_proxy_port) each TP rank (one per
+    receiver_init_port entry) then sends ProxyNotif over its own ZeroMQ
+    PUSH connection, msgspec's msgpack encoding of the tagged struct:
+    {"type": "ProxyNotif", "req_id": <disagg_spec.req_id>}; fault keys
+    lmc_notices (how many ranks notify, 0: none) and lmc_dup (each repeats
+    its notice that often more) model lost and repeated notices; the
+    record's "lmc_notified" is the wall time (s) the notices went.  A decode/both instance listens on its own address
     on --lmcache-init-port/--lmcache-alloc-port and reports as cached the
     leading prompt tokens whose chunks it holds (minus one if that is the
     whole prompt), then frees them.  Chunks not used expire after
@@ -304,8 +321,9 @@ class LibTokenizer(object):
                 return list(buf[:n])
             cap = n
 
-    def chat_ids(self, messages):
-        mj = jdump(messages).encode("utf-8", "surrogatepass")
+    def chat_ids(self, messages, request=None):
+        mj = jdump(request if request is not None else messages).encode(
+            "utf-8", "surrogatepass")
         out = ctypes.c_void_p()
         outlen = ctypes.c_size_t()
         err = ctypes.create_string_buffer(1024)
@@ -314,7 +332,7 @@ class LibTokenizer(object):
                                       err, 1024)
         if rc < 0:
             raise ApiError(400, err.value.decode("utf-8", "replace"))
-        if rc == 0:
+        if rc == 0 or rc == 2:      # 2: non-text parts left out
             text = ctypes.string_at(out, outlen.value).decode("utf-8",
                                                               "replace")
             self.libc.free(out)
@@ -345,7 +363,7 @@ class FallbackTokenizer(object):
                for w in self.RX.findall(text)]
         return ([self.BOS] + ids) if add_special else ids
 
-    def chat_ids(self, messages):
+    def chat_ids(self, messages, request=None):
         parts = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -1158,9 +1176,9 @@ def serve_lines(host, port, handler, name):
 # ---------------------------------------------------------------------------
 
 GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
-FAULT_KEYS = ("status", "delay_ms", "hang", "disconnect_after",
+FAULT_KEYS = ("status", "delay_ms", "hang", "disconnect_after", "reset",
               "malformed_json", "kv_override", "kv_remove", "kv_drop",
-              "pad_bytes",
+              "pad_bytes", "lmc_notices", "lmc_dup",
               "path", "role", "count")
 
 
@@ -1173,7 +1191,7 @@ def check_rule(r):
     if r.get("role", "any") not in ("prefill", "decode", "any"):
         raise ValueError("role must be prefill, decode or any")
     for k in ("status", "delay_ms", "disconnect_after", "count",
-              "pad_bytes"):
+              "pad_bytes", "lmc_notices", "lmc_dup"):
         if k in r and r[k] is not None and not isinstance(r[k], int):
             raise ValueError("%s must be an integer" % k)
     if r.get("kv_override") is not None and \
@@ -1224,7 +1242,11 @@ class Faults(object):
 # ---------------------------------------------------------------------------
 
 class Emu(object):
+    lmc_lock = threading.Lock()
+    lmc_zctx = None
+
     def __init__(self, args):
+        self.lmc_socks = {}
         self.args = args
         self.t0 = time.time()
         self.lock = threading.Lock()
@@ -1280,6 +1302,27 @@ class Emu(object):
         with self.lock:
             self.counters[name] = self.counters.get(name, 0) + v
 
+    def lmc_send(self, rank, msg, times):
+        """One PUSH connection per sender rank, as each rank's PDBackend
+        keeps its own."""
+        with self.lmc_lock:
+            if self.lmc_zctx is None:
+                self.lmc_zctx = zmq.Context()
+            s = self.lmc_socks.get(rank)
+            if s is None:
+                s = self.lmc_zctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 1000)
+                s.setsockopt(zmq.SNDTIMEO, 1000)
+                # from this instance's address, as a pod's ranks connect
+                s.connect("tcp://%s:0;%s" % (self.args.host,
+                                             self.args.lmcache_proxy))
+                self.lmc_socks[rank] = s
+            for _ in range(times):
+                try:
+                    s.send(msg)
+                except zmq.Again:
+                    self.counter_add("lmcache_notices_lost_total", 1)
+
     def new_record(self, method, path, headers, body_raw):
         rec = {"method": method, "path": path,
                "request_id": headers.get("x-request-id"),
@@ -1299,6 +1342,7 @@ class Emu(object):
         with self.lock:
             rec["n"] = self.next_n
             rec["t"] = round(time.time() - self.t0, 6)
+            rec["t_wall"] = round(time.time(), 6)
             self.next_n += 1
             self.records.append(rec)
         return rec
@@ -1778,6 +1822,15 @@ class Conn(socketserver.BaseRequestHandler):
             self.keep = False
             self.drop()
             return True
+        if f.get("reset"):
+            # the request was read: abort the connection (TCP RST)
+            if rec is not None:
+                rec["status"] = 0
+            self.keep = False
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                 struct.pack("ii", 1, 0))
+            self.sock.close()
+            raise ClientGone()
         return False
 
     def drop(self):
@@ -1992,7 +2045,17 @@ class Conn(socketserver.BaseRequestHandler):
             if nixl_producer:
                 kv_out, kvinfo = self.nixl_hold(seqs[0], eids[0])
             elif lmc_spec is not None:
-                kvinfo = self.lmc_push(lmc_spec, prompts[0])
+                if a.lmcache_push_delay_ms > 0:
+                    kvinfo = {"protocol": "lmcache", "side": "producer",
+                              "outcome": "async"}
+                    threading.Thread(target=self.lmc_push_later,
+                                     args=(lmc_spec, list(prompts[0]),
+                                           fault, rec),
+                                     daemon=True).start()
+                else:
+                    kvinfo = self.lmc_push(lmc_spec, prompts[0])
+                    if kvinfo.get("outcome") == "pushed":
+                        self.lmc_notify(lmc_spec, fault, rec)
             elif dpd_producer:
                 kv_out, kvinfo = self.kv_agent_push(dpd, prompts[0])
             if kvp and "ret_first_tok" in kvp:
@@ -2147,7 +2210,8 @@ class Conn(socketserver.BaseRequestHandler):
                                                              str):
                     raise ApiError(400, "messages[%d].role: Field required"
                                    % i)
-            prompts = [tok.chat_ids(msgs)]
+            # the whole request: tools, chat_template_kwargs, documents, ...
+            prompts = [tok.chat_ids(msgs, body)]
         else:
             pr = body.get("prompt")
             if pr is None:
@@ -2388,6 +2452,30 @@ class Conn(socketserver.BaseRequestHandler):
 
     # -- LMCache ------------------------------------------------------------
 
+    def lmc_push_later(self, spec, ids, fault, rec):
+        time.sleep(self.emu.args.lmcache_push_delay_ms / 1000.0)
+        info = self.lmc_push(spec, ids)
+        rec["kv"] = info
+        if info.get("outcome") == "pushed":
+            self.lmc_notify(spec, fault, rec)
+
+    def lmc_notify(self, spec, fault, rec):
+        """ProxyNotif from each sender rank to pd_proxy_host:port."""
+        emu = self.emu
+        if not emu.args.lmcache_proxy:
+            return
+        ip = spec.get("receiver_init_port")
+        ranks = len(ip) if isinstance(ip, list) else 1
+        if fault and fault.get("lmc_notices") is not None:
+            ranks = fault["lmc_notices"]
+        dup = (fault.get("lmc_dup") or 0) if fault else 0
+        msg = msgpack.packb({"type": "ProxyNotif",
+                             "req_id": spec.get("req_id")})
+        for rank in range(ranks):
+            emu.lmc_send(rank, msg, 1 + dup)
+        rec["lmc_notified"] = round(time.time(), 6)
+        emu.counter_add("lmcache_notices_total", ranks * (1 + dup))
+
     def lmc_push(self, spec, ids):
         emu = self.emu
         a = emu.args
@@ -2519,6 +2607,13 @@ def parse_args(argv):
                    help="decode/both: do not listen on the LMCache ports")
     g.add_argument("--lmcache-chunk-size", type=int, default=256,
                    help="tokens per LMCache chunk")
+    g.add_argument("--lmcache-proxy", default=None, metavar="HOST:PORT",
+                   help="prefill/both: LMCache's pd_proxy_host:pd_proxy_port"
+                   ", where every sender rank sends ProxyNotif (ZeroMQ "
+                   "PUSH, msgpack) once the request's KV is pushed")
+    g.add_argument("--lmcache-push-delay-ms", type=float, default=0,
+                   help="prefill/both: push the KV (and notify) this long "
+                   "after the reply, as LMCache's asynchronous sender")
     g.add_argument("--kv-hold-timeout", "--kv-lease-duration",
                    dest="kv_hold_timeout", type=float, default=120.0,
                    help="seconds (real time) held KV waits for its user "
@@ -2577,6 +2672,10 @@ def parse_args(argv):
     a = ap.parse_args(argv)
     if a.side_channel_port is None:
         a.side_channel_port = a.port + 1000
+    if a.lmcache_proxy and zmq is None:
+        sys.stderr.write("vllm_emu: --lmcache-proxy needs python3-zmq and "
+                         "python3-msgpack\n")
+        sys.exit(2)
     if a.no_lmcache:
         a.lmcache_init_port = a.lmcache_alloc_port = None
     else:

@@ -26,6 +26,7 @@ int
 kv_api_listen(kv_ctx_t *ctx)
 {
     struct sockaddr_un sa;
+    struct stat st;
     int fd;
 
     if (ctx->cfg.api_socket[0] == '\0') {
@@ -39,10 +40,26 @@ kv_api_listen(kv_ctx_t *ctx)
         return -1;
     }
     strcpy(sa.sun_path, ctx->cfg.api_socket);
+
+    /* a socket left by an agent that is gone is replaced; one a running
+     * agent still answers on is not taken from it (non-blocking: a full
+     * backlog, EAGAIN, is a live agent too, and must not hang the start) */
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && (connect(fd, (struct sockaddr *) &sa, sizeof(sa)) == 0
+                    || errno == EAGAIN))
+    {
+        close(fd);
+        kv_err("api: %s is in use by a running agent", ctx->cfg.api_socket);
+        return -1;
+    }
+    if (fd >= 0) {
+        close(fd);
+    }
     unlink(ctx->cfg.api_socket);
     fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0 || bind(fd, (struct sockaddr *) &sa, sizeof(sa)) != 0
-        || chmod(ctx->cfg.api_socket, 0660) != 0 || listen(fd, 64) != 0)
+        || chmod(ctx->cfg.api_socket, 0660) != 0
+        || stat(ctx->cfg.api_socket, &st) != 0 || listen(fd, 64) != 0)
     {
         kv_err("api: cannot listen on %s: %s", ctx->cfg.api_socket,
                strerror(errno));
@@ -52,8 +69,27 @@ kv_api_listen(kv_ctx_t *ctx)
         return -1;
     }
     ctx->api_lfd = fd;
+    ctx->api_dev = st.st_dev;
+    ctx->api_ino = st.st_ino;
     kv_info("api: listening on %s", ctx->cfg.api_socket);
     return 0;
+}
+
+
+/* On exit the socket file goes only if it is still ours: a new agent
+ * started while this one shuts down (a rolling restart, a test's next
+ * step) may have bound the same path already. */
+void
+kv_api_unlink(kv_ctx_t *ctx)
+{
+    struct stat st;
+
+    if (ctx->cfg.api_socket[0] != '\0'
+        && lstat(ctx->cfg.api_socket, &st) == 0 && S_ISSOCK(st.st_mode)
+        && st.st_dev == ctx->api_dev && st.st_ino == ctx->api_ino)
+    {
+        unlink(ctx->cfg.api_socket);
+    }
 }
 
 
@@ -210,6 +246,16 @@ verb_info(kv_ctx_t *ctx)
         cJSON_AddStringToObject(j, "fabric",
                                 ctx->fab.rail[0].info->fabric_attr->name);
         cJSON_AddNumberToObject(j, "rails", ctx->fab.nrails);
+        arr = cJSON_AddArrayToObject(j, "rail_list");
+        for (i = 0; i < ctx->fab.nrails; i++) {
+            kv_rail_t *rl = &ctx->fab.rail[i];
+            const char *pci = strrchr(rl->pci, '/');
+            o = cJSON_CreateObject();
+            cJSON_AddStringToObject(o, "domain", rl->info->domain_attr->name);
+            cJSON_AddStringToObject(o, "pci", pci ? pci + 1 : "");
+            cJSON_AddNumberToObject(o, "bytes_out", (double) rl->bytes_out);
+            cJSON_AddItemToArray(arr, o);
+        }
         cJSON_AddBoolToObject(j, "delivery_complete",
                               ctx->fab.rail[0].delivery_complete);
     }
@@ -219,9 +265,29 @@ verb_info(kv_ctx_t *ctx)
         cJSON_AddNumberToObject(p, "size", (double) l->size);
         cJSON_AddNumberToObject(p, "free", ctx->free_blocks);
         cJSON_AddNumberToObject(p, "quarantined", ctx->nquar);
-        cJSON_AddStringToObject(p, "memory", ctx->pool.cuda_dev >= 0
+        cJSON_AddStringToObject(p, "memory", KV_POOL(ctx, 0)->cuda_dev >= 0
                                 ? "cuda" : "host");
         cJSON_AddStringToObject(p, "access", kv_pool_access_name(ctx));
+        cJSON_AddNumberToObject(p, "ranks", ctx->nranks);
+        arr = cJSON_AddArrayToObject(p, "rank_pools");
+        for (i = 0; i < ctx->nranks; i++) {
+            kv_pool_t *kp = KV_POOL(ctx, i);
+            cJSON *ra;
+            int k;
+            o = cJSON_CreateObject();
+            cJSON_AddNumberToObject(o, "rank", i);
+            cJSON_AddBoolToObject(o, "registered", kp->registered);
+            cJSON_AddStringToObject(o, "memory", kp->base == NULL ? "none"
+                                    : kp->cuda_dev >= 0 ? "cuda" : "host");
+            cJSON_AddBoolToObject(o, "staged", kp->staged);
+            ra = cJSON_AddArrayToObject(o, "rails");
+            for (k = 0; ctx->fab_ok && k < ctx->topo.nrails[i]; k++) {
+                cJSON_AddItemToArray(ra, cJSON_CreateString(
+                    ctx->fab.rail[ctx->topo.rail[i][k]].info->domain_attr
+                    ->name));
+            }
+            cJSON_AddItemToArray(arr, o);
+        }
     }
     arr = cJSON_AddArrayToObject(j, "peers");
     for (i = 0; i < ctx->npeers; i++) {
@@ -242,6 +308,8 @@ verb_info(kv_ctx_t *ctx)
     cJSON_AddNumberToObject(o, "pushes_ok", (double) ctx->stat_pushes_ok);
     cJSON_AddNumberToObject(o, "pushes_failed",
                             (double) ctx->stat_pushes_failed);
+    cJSON_AddNumberToObject(o, "writes_inflight", ctx->writes_inflight);
+    cJSON_AddNumberToObject(o, "writes_owed", ctx->writes_owed);
     cJSON_AddNumberToObject(o, "bytes_out", (double) ctx->stat_bytes_out);
     cJSON_AddNumberToObject(o, "bytes_in", (double) ctx->stat_bytes_in);
     cJSON_AddNumberToObject(o, "reqs_ready", (double) ctx->stat_reqs_ready);
@@ -253,6 +321,16 @@ verb_info(kv_ctx_t *ctx)
     cJSON_AddNumberToObject(o, "ctrl_hello_timeouts",
                             (double) ctx->stat_ctrl_timeouts);
     cJSON_AddNumberToObject(o, "revocations", (double) ctx->stat_revocations);
+    cJSON_AddNumberToObject(o, "gpu_flushes", (double) ctx->stat_flushes);
+    for (i = 0; i < ctx->nranks; i++) {
+        if (ctx->stage[i]) {
+            cJSON_AddNumberToObject(o, "stage_copies",
+                                    (double) ctx->stage[i]->stat_copies);
+            cJSON_AddNumberToObject(o, "stage_batches",
+                                    (double) ctx->stage[i]->stat_batches);
+            break;
+        }
+    }
     return j;
 }
 
@@ -268,13 +346,35 @@ verb_register_pool(kv_ctx_t *ctx, kv_client_t *c, cJSON *j)
     cJSON *jm = cJSON_GetObjectItemCaseSensitive(j, "memory");
     cJSON *js = cJSON_GetObjectItemCaseSensitive(j, "size");
     cJSON *jh = cJSON_GetObjectItemCaseSensitive(j, "ipc_handle");
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "rank");
+    cJSON *jt = cJSON_GetObjectItemCaseSensitive(j, "ranks");
     kv_pool_t np;
     char err[256];
     size_t size = 0;
-    int fd, i, dev;
+    int fd, i, dev, rank = 0;
 
     if (!ctx->cfg.has_pool) {
         return err_reply("no_pool", "this node has no KV pool");
+    }
+    /* each engine worker registers its own rank's pool; one that says how
+     * many ranks its engine has must agree with this node's pool.ranks */
+    if (jt && (!cJSON_IsNumber(jt) || jt->valuedouble != ctx->nranks)) {
+        return err_reply("rank_mismatch", "the engine has %g ranks, this "
+                         "node serves %d (pool.ranks); a different "
+                         "tensor-parallel size is not supported",
+                         cJSON_IsNumber(jt) ? jt->valuedouble : -1.0,
+                         ctx->nranks);
+    }
+    if (jr) {
+        if (!cJSON_IsNumber(jr) || jr->valuedouble < 0
+            || jr->valuedouble >= ctx->nranks
+            || jr->valuedouble != (int) jr->valuedouble)
+        {
+            return err_reply("bad_rank", "rank must be 0..%d (this node "
+                             "serves %d rank(s), pool.ranks)",
+                             ctx->nranks - 1, ctx->nranks);
+        }
+        rank = (int) jr->valuedouble;
     }
     if (kv_xfer_busy(ctx)) {
         return err_reply("busy", "transfers in progress; register the pool "
@@ -317,13 +417,17 @@ verb_register_pool(kv_ctx_t *ctx, kv_client_t *c, cJSON *j)
     } else {
         return err_reply("bad_request", "memory must be host or cuda:<dev>");
     }
-    if (kv_pool_replace(ctx, &np, err, sizeof(err)) != 0) {
+    if (kv_pool_replace(ctx, rank, &np, err, sizeof(err)) != 0) {
         return err_reply("fabric", "%s", err);
     }
     /* new keys: no write issued under the old ones can land */
     kv_quar_lift_all(ctx, "the pool was registered again");
     kv_ctrl_rekeyed(ctx, "pool re-registered");
-    return ok_reply();
+    {
+        cJSON *rep = ok_reply();
+        cJSON_AddNumberToObject(rep, "rank", rank);
+        return rep;
+    }
 }
 
 
@@ -495,14 +599,29 @@ verb_blocks(kv_ctx_t *ctx, cJSON *j, int fill)
 {
     const kv_layout_t *l = &ctx->cfg.layout;
     cJSON *js = cJSON_GetObjectItemCaseSensitive(j, "seed"), *rep;
+    cJSON *jr = cJSON_GetObjectItemCaseSensitive(j, "rank");
     uint32_t n, i, lr, nlr = l->layers * l->regions;
     uint64_t h = KV_CHECKSUM_INIT, seed, st, off, w, k;
     char err[256], hex[20];
     unsigned char *bounce = NULL;
-    int present;
+    int present, rank = 0;
+    kv_pool_t *pool;
 
     if (!ctx->cfg.has_pool || ctx->scratch == NULL) {
         return err_reply("no_pool", "this node has no KV pool");
+    }
+    if (jr) {
+        if (!cJSON_IsNumber(jr) || jr->valuedouble < 0
+            || jr->valuedouble >= ctx->nranks)
+        {
+            return err_reply("bad_rank", "rank must be 0..%d",
+                             ctx->nranks - 1);
+        }
+        rank = (int) jr->valuedouble;
+    }
+    pool = KV_POOL(ctx, rank);
+    if (pool->base == NULL) {
+        return err_reply("no_pool", "rank %d has no registered pool", rank);
     }
     if (get_blocks(j, "blocks", ctx->scratch, l->nblocks, &n, &present, err,
                    sizeof(err)) != 0 || !present)
@@ -533,12 +652,12 @@ verb_blocks(kv_ctx_t *ctx, cJSON *j, int fill)
                 for (; k < l->block_bytes; k++) {
                     bounce[k] = (unsigned char) splitmix(&st);
                 }
-                kv_pool_write(ctx, off, bounce, l->block_bytes);
-            } else if (ctx->pool.cuda_dev < 0) {
-                h = kv_checksum(h, (char *) ctx->pool.base + off,
+                kv_pool_write(ctx, rank, off, bounce, l->block_bytes);
+            } else if (pool->cuda_dev < 0) {
+                h = kv_checksum(h, (char *) pool->base + off,
                                 l->block_bytes);
             } else {
-                kv_pool_read(ctx, off, bounce, l->block_bytes);
+                kv_pool_read(ctx, rank, off, bounce, l->block_bytes);
                 h = kv_checksum(h, bounce, l->block_bytes);
             }
         }

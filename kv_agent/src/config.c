@@ -143,7 +143,7 @@ parse_pool(kv_config_t *c, cJSON *p, char *err, size_t elen)
 {
     static const char *const keys[] = {
         "layers", "regions", "kv_split", "block_bytes", "blocks", "memory",
-        "block_stride", "region_stride", "layer_stride", NULL
+        "block_stride", "region_stride", "layer_stride", "ranks", NULL
     };
     kv_layout_t *l = &c->layout;
     uint64_t v;
@@ -180,8 +180,16 @@ parse_pool(kv_config_t *c, cJSON *p, char *err, size_t elen)
     {
         return -1;
     }
+    /* one pool per tensor-parallel rank, each the same geometry (the
+     * rank's shard: its KV heads) */
+    v = 1;
+    if (get_u64(p, "ranks", &v, 1, KV_MAX_RANKS, err, elen)) return -1;
+    c->ranks = (int) v;
     if (strcmp(mem, "host") == 0) {
         c->cuda_dev = -1;
+    } else if (strcmp(mem, "cuda") == 0) {
+        c->cuda_dev = 0;                 /* rank r on cuda:r */
+        c->cuda_per_rank = 1;
     } else if (strncmp(mem, "cuda:", 5) == 0) {
         errno = 0;
         c->cuda_dev = (int) strtol(mem + 5, &end, 10);
@@ -323,6 +331,43 @@ parse_peers(kv_config_t *c, cJSON *arr, char *err, size_t elen)
 }
 
 
+/* transfer.staging: "auto" (GPU pools without FI_HMEM), "off", or
+ * "host" (every pool through the ring with the host copy engine: tests,
+ * benchmarks); stage_chunk bytes per slot, stage_slots slots per rank. */
+static int
+parse_staging(kv_config_t *c, cJSON *o, char *err, size_t elen)
+{
+    char mode[16] = "auto";
+    uint64_t v;
+
+    if (get_str(o, "staging", mode, sizeof(mode), 0, err, elen)) {
+        return -1;
+    }
+    if (strcmp(mode, "auto") == 0) {
+        c->staging = KV_STAGE_AUTO;
+    } else if (strcmp(mode, "off") == 0) {
+        c->staging = KV_STAGE_OFF;
+    } else if (strcmp(mode, "host") == 0) {
+        c->staging = KV_STAGE_HOST_TEST;
+    } else {
+        snprintf(err, elen, "transfer.staging: \"%s\" is not auto, off or "
+                 "host", mode);
+        return -1;
+    }
+    if (get_u64(o, "stage_chunk", &c->stage_chunk, 4096, 1ULL << 30, err,
+                elen))
+    {
+        return -1;
+    }
+    v = c->stage_slots;
+    if (get_u64(o, "stage_slots", &v, 1, 1024, err, elen)) {
+        return -1;
+    }
+    c->stage_slots = (uint32_t) v;
+    return 0;
+}
+
+
 static int
 parse_rails(kv_config_t *c, cJSON *r, char *err, size_t elen)
 {
@@ -357,7 +402,8 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
     static const char *const keys[] = {
         "node_id", "role", "http", "provider", "allow_fallback", "rails",
         "listen", "token", "peers", "api_socket", "state_path", "state",
-        "pool", "timeouts", "transfer", "api", "ctrl", "log_level", NULL
+        "pool", "timeouts", "transfer", "api", "ctrl", "log_level",
+        "lmcache_notify", NULL
     };
     static const char *const ctrl_keys[] = {
         "hello_timeout_ms", "max_unauthenticated", "max_peer_connects",
@@ -369,7 +415,8 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
         "retention_ms", "quarantine_ms", NULL
     };
     static const char *const tr_keys[] = {
-        "window", "max_write", "coalesce", NULL
+        "window", "max_write", "coalesce", "staging", "stage_chunk",
+        "stage_slots", NULL
     };
     static const char *const api_keys[] = {
         "max_message", "max_clients", "debug_verbs", NULL
@@ -404,6 +451,10 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
     }
     if (c->node_id[0] == '\0') {
         snprintf(err, elen, "\"node_id\" must not be empty");
+        return -1;
+    }
+    o = cJSON_GetObjectItemCaseSensitive(root, "lmcache_notify");
+    if (o && kv_lmc_config(&c->lmc, o, err, elen) != 0) {
         return -1;
     }
     c->role = kv_role_parse(role);
@@ -482,7 +533,8 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
             || get_u64(o, "window", &v, 1, 4096, err, elen)
             || get_u64(o, "max_write", &c->max_write, 4096, 1ULL << 32, err,
                        elen)
-            || get_bool(o, "coalesce", &c->coalesce, err, elen))
+            || get_bool(o, "coalesce", &c->coalesce, err, elen)
+            || parse_staging(c, o, err, elen))
         {
             return -1;
         }
@@ -543,6 +595,9 @@ defaults(kv_config_t *c)
     c->window = 64;
     c->max_write = 4u << 20;
     c->coalesce = 1;
+    c->ranks = 1;
+    c->stage_chunk = 4u << 20;
+    c->stage_slots = 8;
     c->max_msg = KV_MSG_MAX_DEF;
     c->max_clients = 256;
     c->hello_timeout_ms = 1000;

@@ -254,15 +254,19 @@ inflight_count(kv_ctx_t *ctx)
 static cJSON *
 hello_ok_json(kv_ctx_t *ctx, int peer, const uint8_t proof[KV_MAC_LEN])
 {
-    cJSON *j = cJSON_CreateObject(), *rails, *o, *g;
-    char hex[2 * KV_FABADDR_LEN + 1];
+    cJSON *j = cJSON_CreateObject(), *rails, *o, *g, *a, *b;
+    char hex[2 * KV_FABADDR_LEN + 1], num[32];
     uint32_t prole = ctx->peers[peer].conf.role;
-    int i, give_addr, give_key;
+    int i, k, ri, give_addr, give_key, nreg = 0;
+    kv_pool_t *p0 = KV_POOL(ctx, 0);
     kv_rail_t *r;
 
+    for (i = 0; i < ctx->nranks; i++) {
+        nreg += KV_POOL(ctx, i)->registered;
+    }
     give_addr = prole == DPD_ROLE_PREFILL || prole == DPD_ROLE_DECODE;
     give_key = give_addr && prole == DPD_ROLE_PREFILL
-               && ctx->cfg.role == DPD_ROLE_DECODE && ctx->pool.registered;
+               && ctx->cfg.role == DPD_ROLE_DECODE && nreg > 0;
     cJSON_AddStringToObject(j, "type", "hello_ok");
     cJSON_AddNumberToObject(j, "version", KV_CTRL_VERSION);
     cJSON_AddStringToObject(j, "node", ctx->cfg.node_id);
@@ -280,21 +284,56 @@ hello_ok_json(kv_ctx_t *ctx, int peer, const uint8_t proof[KV_MAC_LEN])
         cJSON_AddStringToObject(o, "addr", hex);
         cJSON_AddStringToObject(o, "provider",
                                 r->info->fabric_attr->prov_name);
-        if (give_key) {
-            /* keys and addresses are 64-bit: strings keep them exact */
-            char num[32];
+        if (give_key && p0->registered && p0->mr[i]) {
+            /* rank 0's key on this rail (keys and addresses are 64-bit:
+             * strings keep them exact) */
             snprintf(num, sizeof(num), "%llu",
-                     (unsigned long long) r->pool_key);
+                     (unsigned long long) p0->key[i]);
             cJSON_AddStringToObject(o, "key", num);
             snprintf(num, sizeof(num), "%llu", (unsigned long long)
-                     kv_rail_raddr(r, ctx->pool.fab_base, 0));
+                     kv_rail_raddr(r, p0->fab_base, 0));
             cJSON_AddStringToObject(o, "base", num);
         }
         cJSON_AddItemToArray(rails, o);
     }
-    if (ctx->cfg.has_pool && ctx->pool.registered) {
+    if (give_addr && ctx->fab_ok && ctx->cfg.has_pool) {
+        /* which of those rails serve each rank, and (to a prefill peer of
+         * a decode node) each rank's key and base on them */
+        a = cJSON_AddArrayToObject(j, "rank_rails");
+        b = give_key ? cJSON_AddArrayToObject(j, "rank_keys") : NULL;
+        for (i = 0; i < ctx->nranks; i++) {
+            kv_pool_t *p = KV_POOL(ctx, i);
+            cJSON *ra = cJSON_CreateArray(), *rk = NULL;
+            if (b) {
+                rk = cJSON_CreateArray();
+            }
+            for (k = 0; k < ctx->topo.nrails[i]; k++) {
+                ri = ctx->topo.rail[i][k];
+                cJSON_AddItemToArray(ra, cJSON_CreateNumber(ri));
+                if (rk && p->registered && p->mr[ri]) {
+                    o = cJSON_CreateObject();
+                    cJSON_AddNumberToObject(o, "rail", ri);
+                    snprintf(num, sizeof(num), "%llu",
+                             (unsigned long long) p->key[ri]);
+                    cJSON_AddStringToObject(o, "key", num);
+                    snprintf(num, sizeof(num), "%llu", (unsigned long long)
+                             kv_rail_raddr(&ctx->fab.rail[ri], p->fab_base,
+                                           0));
+                    cJSON_AddStringToObject(o, "base", num);
+                    cJSON_AddItemToArray(rk, o);
+                }
+            }
+            cJSON_AddItemToArray(a, ra);
+            if (rk) {
+                cJSON_AddItemToArray(b, rk);
+            }
+        }
+    }
+    if (ctx->cfg.has_pool) {
         g = cJSON_AddObjectToObject(j, "pool");
         kv_layout_json(g, &ctx->cfg.layout);
+        cJSON_AddNumberToObject(g, "ranks", ctx->nranks);
+        cJSON_AddNumberToObject(g, "ranks_registered", nreg);
     }
     return j;
 }
@@ -315,15 +354,21 @@ get_hex(cJSON *j, const char *k, uint8_t *out, size_t len)
 static void
 av_forget(kv_ctx_t *ctx, kv_peer_t *pe)
 {
-    int i;
+    int i, k;
 
     for (i = 0; i < KV_MAX_RAILS; i++) {
-        if (pe->remote.av_ok[i] && ctx->fab_ok && i < ctx->fab.nrails) {
-            fi_av_remove(ctx->fab.rail[i].av, &pe->remote.fiaddr[i], 1, 0);
+        for (k = 0; k < KV_MAX_RAILS; k++) {
+            if (pe->remote.av_ok[i][k] && ctx->fab_ok
+                && i < ctx->fab.nrails)
+            {
+                fi_av_remove(ctx->fab.rail[i].av, &pe->remote.fiaddr[i][k],
+                             1, 0);
+            }
+            pe->remote.av_ok[i][k] = 0;
         }
-        pe->remote.av_ok[i] = 0;
     }
     pe->remote.nrails = 0;
+    pe->remote.nranks = 0;
     pe->remote.has_pool = 0;
 }
 
@@ -356,19 +401,65 @@ addr_len_check(kv_rail_t *r, const uint8_t *blob, size_t n, char *err,
 }
 
 
-/* Learn a peer's rails and pool from its hello / hello_ok. */
+/* Our rail l's AV gets the peer's rail k (once). */
+static int
+av_pair(kv_ctx_t *ctx, kv_peer_t *pe, int l, int k, uint8_t blobs[][KV_FABADDR_LEN],
+    const size_t *lens, char *err, size_t elen)
+{
+    if (pe->remote.av_ok[l][k]) {
+        return 0;
+    }
+    if (addr_len_check(&ctx->fab.rail[l], blobs[k], lens[k], err, elen)
+        != 0)
+    {
+        return -1;
+    }
+    if (fi_av_insert(ctx->fab.rail[l].av, blobs[k], 1,
+                     &pe->remote.fiaddr[l][k], 0, NULL) != 1)
+    {
+        snprintf(err, elen, "fi_av_insert failed for rail %d", k);
+        return -1;
+    }
+    pe->remote.av_ok[l][k] = 1;
+    return 0;
+}
+
+
+static int
+json_u64(cJSON *o, const char *k, uint64_t *out)
+{
+    cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+
+    if (!cJSON_IsString(v)) {
+        return -1;
+    }
+    *out = strtoull(v->valuestring, NULL, 10);
+    return 0;
+}
+
+
+/* Learn a peer's rails, its ranks' rails and keys, and its pool from its
+ * hello_ok.  Writes of rank r go from our rails of rank r to its rails of
+ * rank r: those pairs (and rail 0 to rail 0, for the trailing message)
+ * enter our AVs. */
 static int
 learn_remote(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j, char *err, size_t elen)
 {
-    cJSON *rails = cJSON_GetObjectItemCaseSensitive(j, "rails"), *o, *a, *k;
-    cJSON *b, *g = cJSON_GetObjectItemCaseSensitive(j, "pool");
-    uint8_t blob[KV_FABADDR_LEN];
-    kv_layout_t l;
+    static uint8_t blobs[KV_MAX_RAILS][KV_FABADDR_LEN];
+    cJSON *rails = cJSON_GetObjectItemCaseSensitive(j, "rails"), *o, *a;
+    cJSON *g = cJSON_GetObjectItemCaseSensitive(j, "pool");
+    cJSON *jrr = cJSON_GetObjectItemCaseSensitive(j, "rank_rails");
+    cJSON *jrk = cJSON_GetObjectItemCaseSensitive(j, "rank_keys");
+    kv_remote_t *rm = &pe->remote;
+    size_t lens[KV_MAX_RAILS];
+    uint8_t haskey[KV_MAX_RANKS][KV_MAX_RAILS];
+    int i = 0, r, k, l, nr, nranks = 1, nreg = 1, complete;
+    kv_layout_t lay;
     size_t n;
-    int i = 0, keys = 0;
 
     av_forget(ctx, pe);
-    memset(&l, 0, sizeof(l));
+    memset(&lay, 0, sizeof(lay));
+    memset(haskey, 0, sizeof(haskey));
     if (cJSON_IsObject(g)) {
         cJSON *f;
 #define GEO(name, field) \
@@ -377,7 +468,7 @@ learn_remote(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j, char *err, size_t elen)
             snprintf(err, elen, "bad pool geometry (%s)", name); \
             return -1; \
         } \
-        l.field = f->valuedouble;
+        lay.field = f->valuedouble;
         GEO("layers", layers)
         GEO("regions", regions)
         GEO("blocks", nblocks)
@@ -386,47 +477,121 @@ learn_remote(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j, char *err, size_t elen)
         GEO("region_stride", region_stride)
         GEO("layer_stride", layer_stride)
 #undef GEO
-        if (kv_layout_finish(&l, err, elen) != 0) {
+        if (kv_layout_finish(&lay, err, elen) != 0) {
             return -1;
         }
-        pe->remote.layout = l;
+        rm->layout = lay;
+        f = cJSON_GetObjectItemCaseSensitive(g, "ranks");
+        if (f) {
+            if (!cJSON_IsNumber(f) || f->valuedouble < 1
+                || f->valuedouble > KV_MAX_RANKS)
+            {
+                snprintf(err, elen, "bad pool geometry (ranks)");
+                return -1;
+            }
+            nranks = (int) f->valuedouble;
+            nreg = nranks;
+        }
+        f = cJSON_GetObjectItemCaseSensitive(g, "ranks_registered");
+        if (cJSON_IsNumber(f)) {
+            nreg = (int) f->valuedouble;
+        }
     }
+    rm->nranks = nranks;
     if (!ctx->fab_ok || !cJSON_IsArray(rails)) {
         return 0;
     }
     cJSON_ArrayForEach(o, rails) {
-        if (i >= ctx->fab.nrails || i >= KV_MAX_RAILS) {
+        if (i >= KV_MAX_RAILS) {
             break;
         }
         a = cJSON_GetObjectItemCaseSensitive(o, "addr");
-        k = cJSON_GetObjectItemCaseSensitive(o, "key");
-        b = cJSON_GetObjectItemCaseSensitive(o, "base");
         if (!cJSON_IsString(a)
-            || kv_hex_decode(a->valuestring, blob, sizeof(blob), &n) != 0)
+            || kv_hex_decode(a->valuestring, blobs[i], KV_FABADDR_LEN, &n)
+               != 0)
         {
             snprintf(err, elen, "bad fabric address");
             return -1;
         }
-        if (addr_len_check(&ctx->fab.rail[i], blob, n, err, elen) != 0) {
-            return -1;
-        }
-        if (fi_av_insert(ctx->fab.rail[i].av, blob, 1,
-                         &pe->remote.fiaddr[i], 0, NULL) != 1)
+        lens[i] = n;
+        if (cJSON_IsObject(o) && jrk == NULL
+            && json_u64(o, "key", &rm->key[0][i]) == 0
+            && json_u64(o, "base", &rm->base[0][i]) == 0)
         {
-            snprintf(err, elen, "fi_av_insert failed for rail %d", i);
-            return -1;
-        }
-        pe->remote.av_ok[i] = 1;
-        if (cJSON_IsString(k) && cJSON_IsString(b)) {
-            pe->remote.key[i] = strtoull(k->valuestring, NULL, 10);
-            pe->remote.base[i] = strtoull(b->valuestring, NULL, 10);
-            keys++;
+            haskey[0][i] = 1;          /* a single-rank peer's form */
         }
         i++;
     }
-    pe->remote.nrails = i;
-    /* a pool we may write: geometry and a key for every rail */
-    pe->remote.has_pool = cJSON_IsObject(g) && i > 0 && keys == i;
+    rm->nrails = nr = i;
+    if (nr == 0) {
+        return 0;
+    }
+    /* each rank's rails on the peer: all of them unless it says */
+    for (r = 0; r < nranks; r++) {
+        cJSON *ra = cJSON_IsArray(jrr) ? cJSON_GetArrayItem(jrr, r) : NULL;
+        rm->nrr[r] = 0;
+        if (ra == NULL) {
+            for (k = 0; k < nr; k++) {
+                rm->rr[r][rm->nrr[r]++] = (uint8_t) k;
+            }
+            continue;
+        }
+        cJSON_ArrayForEach(a, ra) {
+            if (!cJSON_IsNumber(a) || a->valuedouble < 0
+                || a->valuedouble >= nr || rm->nrr[r] >= KV_MAX_RAILS)
+            {
+                snprintf(err, elen, "bad rank_rails for rank %d", r);
+                return -1;
+            }
+            rm->rr[r][rm->nrr[r]++] = (uint8_t) a->valuedouble;
+        }
+        if (rm->nrr[r] == 0) {
+            snprintf(err, elen, "rank %d has no rail", r);
+            return -1;
+        }
+    }
+    for (r = 0; cJSON_IsArray(jrk) && r < nranks; r++) {
+        cJSON *rk = cJSON_GetArrayItem(jrk, r);
+        cJSON_ArrayForEach(o, rk) {
+            cJSON *jri = cJSON_GetObjectItemCaseSensitive(o, "rail");
+            uint64_t key, base;
+            if (!cJSON_IsNumber(jri) || jri->valuedouble < 0
+                || jri->valuedouble >= nr || json_u64(o, "key", &key) != 0
+                || json_u64(o, "base", &base) != 0)
+            {
+                snprintf(err, elen, "bad rank_keys for rank %d", r);
+                return -1;
+            }
+            k = (int) jri->valuedouble;
+            rm->key[r][k] = key;
+            rm->base[r][k] = base;
+            haskey[r][k] = 1;
+        }
+    }
+    /* the AV pairs our writes and messages use */
+    if (av_pair(ctx, pe, 0, 0, blobs, lens, err, elen) != 0) {
+        return -1;
+    }
+    for (r = 0; r < nranks && r < ctx->nranks; r++) {
+        for (l = 0; l < ctx->topo.nrails[r]; l++) {
+            for (k = 0; k < rm->nrr[r]; k++) {
+                if (av_pair(ctx, pe, ctx->topo.rail[r][l], rm->rr[r][k],
+                            blobs, lens, err, elen) != 0)
+                {
+                    return -1;
+                }
+            }
+        }
+    }
+    /* a pool we may write: geometry, every rank registered, and a key for
+     * each rank on each of its rails */
+    complete = cJSON_IsObject(g) && nreg == nranks;
+    for (r = 0; complete && r < nranks; r++) {
+        for (k = 0; k < rm->nrr[r]; k++) {
+            complete &= haskey[r][rm->rr[r][k]];
+        }
+    }
+    rm->has_pool = complete;
     return 0;
 }
 

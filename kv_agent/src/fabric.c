@@ -6,12 +6,24 @@
  * requests leave features off on newer providers), advertise every mr_mode
  * bit we handle, and log the provider, fabric and domain actually chosen so
  * a silent fall-back (e.g. EFA -> TCP) is visible; the config can forbid it.
+ *
+ * API levels (the headers decide what compiles; Debian ships 1.17, AWS's
+ * EFA installer 1.18 and later, 2.x):
+ *   >= 1.18  EFA endpoints: FI_OPT_EFA_USE_DEVICE_RDMA on (the NIC's RDMA
+ *            write, not the emulated protocol), FI_OPT_EFA_EMULATED_WRITE
+ *            read back and logged;
+ *   >= 2.0   FI_OPT_MAX_RMA_SIZE (the split size of writes, else
+ *            ep_attr->max_msg_size); FI_OPT_SHARED_MEMORY_PERMITTED off on
+ *            EFA (peers are other nodes; EFA's shm path is what refuses CQ
+ *            wait fds), so the CQ can sleep on an fd.
  */
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kv.h"
+#include <rdma/fi_ext.h>
 
 #define KV_FI_API FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION)
 
@@ -57,24 +69,66 @@ make_hints(const char *provider, const char *domain, int want_hmem, int dc)
 }
 
 
-/* Keep the first entry whose domain is `domain` (layered providers such
- * as ofi_rxm do not filter on a domain-name hint). */
+/* Keep the entry whose domain is `domain` (layered providers such as
+ * ofi_rxm do not filter on a domain-name hint): the exact name first,
+ * else the same NIC under EFA's other spelling ("rdmap16s27" is the
+ * domain "rdmap16s27-rdm", and the reverse). */
 static int
 pick_domain(struct fi_info **list, const char *domain)
 {
     struct fi_info *i, *found = NULL;
+    int m, best = 0;
 
     for (i = *list; i; i = i->next) {
         if (i->domain_attr && i->domain_attr->name
-            && strcmp(i->domain_attr->name, domain) == 0)
+            && (m = kv_rail_name_match(domain, i->domain_attr->name)) > best)
         {
-            found = fi_dupinfo(i);
-            break;
+            found = i;
+            best = m;
+            if (m == 2) {
+                break;
+            }
         }
     }
+    found = found ? fi_dupinfo(found) : NULL;
     fi_freeinfo(*list);
     *list = found;
     return found ? 0 : -FI_ENODATA;
+}
+
+
+/* The distinct domain names the provider offers (RDM, RMA), in its order:
+ * the candidates of rails "auto". */
+int
+kv_fabric_domains(const char *provider, char names[][64], int max)
+{
+    struct fi_info *hints, *list = NULL, *i;
+    int n = 0, k, dup;
+
+    hints = make_hints(provider, NULL, 0, 0);
+    if (hints == NULL) {
+        return 0;
+    }
+    if (fi_getinfo(KV_FI_API, NULL, NULL, 0, hints, &list) != 0) {
+        fi_freeinfo(hints);
+        return 0;
+    }
+    fi_freeinfo(hints);
+    for (i = list; i && n < max; i = i->next) {
+        if (!i->domain_attr || !i->domain_attr->name
+            || strlen(i->domain_attr->name) >= 64)
+        {
+            continue;
+        }
+        for (k = 0, dup = 0; k < n; k++) {
+            dup |= strcmp(names[k], i->domain_attr->name) == 0;
+        }
+        if (!dup) {
+            snprintf(names[n++], 64, "%s", i->domain_attr->name);
+        }
+    }
+    fi_freeinfo(list);
+    return n;
 }
 
 
@@ -121,6 +175,54 @@ mr_mode_str(uint64_t m, char *buf, size_t len)
     } else {
         snprintf(buf, len, "none");
     }
+}
+
+
+/* Endpoint options of the newer API levels, before fi_enable (EFA reads
+ * them there).  A refusal is logged, never fatal. */
+static int
+ep_options(kv_rail_t *r)
+{
+    const char *prov = r->info->fabric_attr->prov_name;
+    int efa = prov && strcmp(prov, "efa") == 0;
+
+    (void) efa;
+#if FI_VERSION_GE(KV_FI_API, FI_VERSION(1, 18))
+    if (efa) {
+        bool on = true, emulated = false;
+        size_t len = sizeof(emulated);
+        int rc;
+
+        rc = fi_setopt(&r->ep->fid, FI_OPT_ENDPOINT,
+                       FI_OPT_EFA_USE_DEVICE_RDMA, &on, sizeof(on));
+        if (rc != 0) {
+            kv_warn("fabric: rail %d: FI_OPT_EFA_USE_DEVICE_RDMA refused: "
+                    "%s", r->index, kv_fi_err(rc));
+        }
+        if (fi_getopt(&r->ep->fid, FI_OPT_ENDPOINT,
+                      FI_OPT_EFA_EMULATED_WRITE, &emulated, &len) == 0)
+        {
+            r->emulated_write = emulated ? 1 : 0;
+            if (emulated) {
+                kv_warn("fabric: rail %d: this EFA device emulates RDMA "
+                        "writes (messages): expect a fraction of its "
+                        "bandwidth", r->index);
+            }
+        }
+    }
+#endif
+#if FI_VERSION_GE(KV_FI_API, FI_VERSION(2, 0))
+    if (efa) {
+        bool off = false;
+        int rc = fi_setopt(&r->ep->fid, FI_OPT_ENDPOINT,
+                           FI_OPT_SHARED_MEMORY_PERMITTED, &off, sizeof(off));
+        if (rc != 0) {
+            kv_info("fabric: rail %d: FI_OPT_SHARED_MEMORY_PERMITTED: %s",
+                    r->index, kv_fi_err(rc));
+        }
+    }
+#endif
+    return 0;
 }
 
 
@@ -188,7 +290,7 @@ rail_open(kv_rail_t *r, const char *provider, int allow_fallback,
     }
     memset(&ava, 0, sizeof(ava));
     ava.type = FI_AV_TABLE;
-    ava.count = 64;
+    ava.count = 256;      /* a hint; shm refuses more than its peers */
     r->cq_fd = -1;
     rc = fi_cq_open(r->domain, &cqa, &r->cq, NULL);
     if (rc == 0 && cqa.wait_obj == FI_WAIT_FD
@@ -204,6 +306,7 @@ rail_open(kv_rail_t *r, const char *provider, int allow_fallback,
     if (rc != 0
         || (rc = fi_av_open(r->domain, &ava, &r->av, NULL)) != 0
         || (rc = fi_endpoint(r->domain, r->info, &r->ep, NULL)) != 0
+        || (rc = ep_options(r)) != 0
         || (rc = fi_ep_bind(r->ep, &r->cq->fid, FI_TRANSMIT | FI_RECV)) != 0
         || (rc = fi_ep_bind(r->ep, &r->av->fid, 0)) != 0
         || (rc = fi_enable(r->ep)) != 0)
@@ -238,15 +341,16 @@ rail_open(kv_rail_t *r, const char *provider, int allow_fallback,
         r->max_rma = 1u << 20;
     }
     r->next_key = 1;
+    kv_topo_nic_pci(r->info->domain_attr->name, r->pci, sizeof(r->pci));
 
     mr_mode_str(r->mr_mode, modes, sizeof(modes));
     kv_info("fabric: rail %d: provider %s, fabric %s, domain %s, api %d.%d "
-            "(headers %d.%d), mr_mode %s, max_rma %llu, "
+            "(headers %d.%d, requested %d.%d), mr_mode %s, max_rma %llu, "
             "delivery_complete %s, hmem %s, cq wait fd %s", r->index,
             r->info->fabric_attr->prov_name, r->info->fabric_attr->name,
             r->info->domain_attr->name, FI_MAJOR(fi_version()),
             FI_MINOR(fi_version()), FI_MAJOR_VERSION, FI_MINOR_VERSION,
-            modes, (unsigned long long) r->max_rma,
+            FI_MAJOR(KV_FI_API), FI_MINOR(KV_FI_API), modes, (unsigned long long) r->max_rma,
             dc ? "yes" : "no (trailing message after transmit-complete)",
             r->hmem ? "yes" : "no", r->cq_fd >= 0 ? "yes" : "no (polling)");
     return 0;

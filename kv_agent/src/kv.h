@@ -24,7 +24,11 @@
 
 #include "dpd_state.h"
 
-#define KV_MAX_RAILS      8
+typedef struct kv_ctx kv_ctx_t;
+
+#define KV_MAX_RAILS      32             /* p5.48xlarge: 32 EFA NICs */
+#define KV_MAX_RANKS      8              /* tensor-parallel ranks per node */
+#define KV_PATH_LEN       256
 #define KV_MAX_PEERS      64
 #define KV_ID_LEN         DPD_STATE_ID_LEN
 #define KV_ADDR_LEN       DPD_STATE_ADDR_LEN
@@ -54,6 +58,7 @@ void kv_log(int level, const char *fmt, ...)
 #define kv_debug(...) kv_log(KV_LOG_DEBUG, __VA_ARGS__)
 
 uint64_t kv_now_ms(void);          /* CLOCK_MONOTONIC */
+uint64_t kv_now_us(void);
 uint64_t kv_wall_ms(void);         /* CLOCK_REALTIME */
 double   kv_now_s(void);
 int      kv_set_nonblock(int fd);
@@ -109,6 +114,18 @@ int  kv_segiter_next(kv_segiter_t *it, kv_seg_t *out);
 
 /* ---- configuration ---------------------------------------------------- */
 
+/* "lmcache_notify": LMCache's ProxyNotif receiver (lmcache_notify.c) */
+#define KV_LMC_MAX_ALLOW  16
+typedef struct {
+    uint32_t family;                   /* AF_INET, AF_INET6 */
+    uint8_t  addr[16], mask[16];
+} kv_lmc_cidr_t;
+typedef struct {
+    char           listen[KV_ADDR_LEN];  /* "" = off */
+    kv_lmc_cidr_t  allow[KV_LMC_MAX_ALLOW];
+    int            nallow;
+} kv_lmc_conf_t;
+
 typedef struct {
     char     id[KV_ID_LEN];
     char     ctrl[KV_ADDR_LEN];    /* host:port of its control listener */
@@ -129,7 +146,12 @@ typedef struct {
     char           provider[64];
     int            allow_fallback;
     char           rails[KV_MAX_RAILS][64];
-    int            nrails;             /* 0 = auto (one) */
+    int            nrails;             /* 0 = auto (topology, else one) */
+    int            ranks;              /* pools served: one per TP rank */
+    int            cuda_per_rank;      /* memory "cuda": rank r on cuda:r */
+    int            staging;            /* KV_STAGE_* */
+    uint64_t       stage_chunk;        /* bytes per staging slot */
+    uint32_t       stage_slots;        /* slots per rank */
     char           listen[KV_ADDR_LEN];
     kv_peer_conf_t peers[KV_MAX_PEERS];
     int            npeers;
@@ -154,7 +176,10 @@ typedef struct {
     int            debug_verbs;
     int            log_level;
     int            inline_keys;        /* keys written in the config file */
+    kv_lmc_conf_t  lmc;                /* lmcache_notify */
 } kv_config_t;
+
+enum { KV_STAGE_AUTO = 0, KV_STAGE_HOST_TEST = 1, KV_STAGE_OFF = 2 };
 
 int kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen);
 uint32_t kv_role_parse(const char *s);
@@ -227,6 +252,10 @@ typedef struct {
     int                 index;
     int                 cq_fd;         /* FI_GETWAIT fd, -1: poll the CQ */
     uint64_t            next_key;
+    uint32_t            inflight;      /* writes posted on this rail */
+    uint64_t            bytes_out;     /* written (completed) */
+    int                 emulated_write; /* EFA: writes are messages */
+    char                pci[KV_PATH_LEN]; /* the NIC's sysfs PCI path */
 } kv_rail_t;
 
 typedef struct {
@@ -240,6 +269,8 @@ typedef struct {
 
 int  kv_fabric_open(kv_fabric_t *f, const char *provider, int allow_fallback,
     char rails[][64], int nrails, int want_hmem);
+int  kv_fabric_domains(const char *provider, char names[][64], int max);
+int  kv_rail_name_match(const char *want, const char *domain);
 void kv_fabric_close(kv_fabric_t *f);
 int  kv_rail_reg(kv_rail_t *r, void *buf, size_t len, int cuda_dev,
     uint64_t access, struct fid_mr **mr, void **desc, uint64_t *key);
@@ -284,6 +315,26 @@ int  kv_conn_send_json(kv_conn_t *c, struct cJSON *j);  /* frees j */
 
 /* ---- runtime ----------------------------------------------------------- */
 
+/* ---- PCIe topology (topo.c) ------------------------------------------- */
+
+/* Which rails (NICs) are PCIe-local to each rank's GPU, from sysfs (root
+ * overridable with KV_SYSFS_ROOT for tests). */
+typedef struct {
+    int  nranks;
+    int  nrails[KV_MAX_RANKS];
+    int  rail[KV_MAX_RANKS][KV_MAX_RAILS];   /* indexes into the names */
+    char gpu[KV_MAX_RANKS][KV_PATH_LEN];     /* sysfs PCI path, or "" */
+    int  known;                              /* topology was found */
+    int  depth[KV_MAX_RANKS];                /* shared PCIe ancestors */
+} kv_topo_t;
+
+int  kv_topo_nic_pci(const char *domain, char *out, size_t len);
+int  kv_topo_gpus(char out[][KV_PATH_LEN], int max);
+void kv_topo_assign(kv_topo_t *t, int nranks, char gpus[][KV_PATH_LEN],
+    char pcis[][KV_PATH_LEN], int nnames);
+int  kv_topo_plan(kv_ctx_t *ctx);     /* before kv_fabric_open */
+int  kv_topo_main(int argc, char **argv);
+
 /* A posted fabric operation; its address is the libfabric context. */
 struct kv_op {
     struct fi_context2 fctx;          /* must stay first */
@@ -292,18 +343,26 @@ struct kv_op {
     uint64_t           gen;           /* push generation when posted */
     uint64_t           len;
     int                rail;
+    int                rank;
+    int                stage;         /* staging slot + 1, 0: none */
+    int                written_off;   /* no longer in its rail's window */
     kv_op_t           *next_free;
 };
 
 enum { KV_OP_WRITE = 1, KV_OP_SEND, KV_OP_RECV };
 
 /* What we know of a peer's pool and fabric, from its hello. */
+/* fiaddr[l][r]: the peer's rail r in our rail l's AV (a rank's writes go
+ * from its local rails to the peer's rails of the same rank). */
 typedef struct {
     int         nrails;
-    fi_addr_t   fiaddr[KV_MAX_RAILS];
-    int         av_ok[KV_MAX_RAILS];
-    uint64_t    key[KV_MAX_RAILS];
-    uint64_t    base[KV_MAX_RAILS];
+    fi_addr_t   fiaddr[KV_MAX_RAILS][KV_MAX_RAILS];
+    uint8_t     av_ok[KV_MAX_RAILS][KV_MAX_RAILS];
+    int         nranks;
+    int         nrr[KV_MAX_RANKS];                 /* its rails per rank */
+    uint8_t     rr[KV_MAX_RANKS][KV_MAX_RAILS];
+    uint64_t    key[KV_MAX_RANKS][KV_MAX_RAILS];   /* by its rail index */
+    uint64_t    base[KV_MAX_RANKS][KV_MAX_RAILS];
     kv_layout_t layout;
     int         has_pool;
 } kv_remote_t;
@@ -356,10 +415,14 @@ typedef struct {
     uint32_t     n;
     uint32_t    *src, *dst;            /* preallocated, pool nblocks each */
     int          dst_given;
-    kv_segiter_t it;
-    kv_seg_t     cur;                  /* segment being split */
-    uint64_t     cur_off;
-    int          cur_valid, segs_done;
+    kv_segiter_t it[KV_MAX_RANKS];     /* one walker per rank */
+    kv_seg_t     cur[KV_MAX_RANKS];    /* segment being split */
+    uint64_t     cur_off[KV_MAX_RANKS];
+    uint8_t      cur_valid[KV_MAX_RANKS], rank_done[KV_MAX_RANKS];
+    uint32_t     rail_rr[KV_MAX_RANKS];
+    uint32_t     rank_rr;
+    int          segs_done;            /* every rank's segments taken */
+    uint32_t     stage_pending;        /* staged pieces not yet posted */
     uint64_t     bytes_total, bytes_posted, bytes_done;
     uint32_t     inflight;
     uint32_t     next_rail;
@@ -395,6 +458,8 @@ typedef struct {
                                         * the slot only holds quarantine */
     uint64_t     quar_since_ms;
     uint64_t     quar_warn_ms;
+    int          copyin;               /* staged: copy-in batches pending */
+    uint64_t     copyin_seq[KV_MAX_RANKS];
 } kv_rreq_t;
 
 /* A local API client waiting for a request to finish. */
@@ -421,17 +486,98 @@ typedef struct {
     int           cuda_dev;            /* -1 host */
     int           owned_cuda;          /* cudaMalloc'd by us */
     int           imported_cuda;       /* cudaIpcOpenMemHandle */
-    void         *mirror;              /* pinned host staging, or NULL */
+    void         *mirror;              /* pinned host landing zone (a
+                                        * staged receiver), or NULL */
     void         *fab_base;            /* what the fabric sees */
     int           registered;
+    int           staged;              /* copies through kv_stage_t */
+    struct fid_mr *mr[KV_MAX_RAILS];   /* on this rank's rails only */
+    void         *desc[KV_MAX_RAILS];
+    uint64_t      key[KV_MAX_RAILS];
 } kv_pool_t;
 
-typedef struct kv_ctx {
+/* ---- copies between device and host (copy.c) --------------------------
+ * An asynchronous copy engine: batches of copies on a stream, each batch
+ * closed by an event.  CUDA (cudaMemcpyAsync + cudaEventRecord) when built
+ * with it; a host stand-in (a worker thread doing memcpy at a configurable
+ * rate) for tests and for staging host pools on purpose. */
+typedef struct kv_copy kv_copy_t;
+typedef struct {
+    const char *name;
+    int  (*open)(kv_copy_t *c, int dev);
+    int  (*copy)(kv_copy_t *c, void *dst, const void *src, size_t len,
+                 int to_dev);                      /* queue on the stream */
+    int  (*record)(kv_copy_t *c, uint64_t *seq);   /* event after them */
+    int  (*query)(kv_copy_t *c, uint64_t seq);     /* 1 done, 0, -1 */
+    int  (*flush)(kv_copy_t *c);  /* make NIC writes visible to kernels */
+    void (*close)(kv_copy_t *c);
+} kv_copy_ops_t;
+
+struct kv_copy {
+    const kv_copy_ops_t *ops;
+    int                  dev;
+    int                  wake_fd;     /* readable when an event passed, or
+                                       * -1 (then the loop polls) */
+    void                *priv;
+    uint64_t             flushes;
+};
+
+extern const kv_copy_ops_t kv_copy_host_ops;
+#ifdef KV_HAVE_CUDA
+extern const kv_copy_ops_t kv_copy_cuda_ops;
+#endif
+void *kv_copy_host_alloc(kv_copy_t *c, size_t len);   /* pinned or plain */
+void  kv_copy_host_free(kv_copy_t *c, void *p, size_t len);
+
+/* The sender's bounded staging ring of one rank: slots of `chunk` bytes of
+ * pinned host memory registered on the rank's rails.  A slot is filled by
+ * a batch of device->host copies (one event), then written to the peer;
+ * its write completion frees it.  Copy k+1 runs while write k is on the
+ * wire. */
+enum { KV_SLOT_FREE = 0, KV_SLOT_COPYING, KV_SLOT_READY };
+#define KV_SLOT_PIECES 64
+typedef struct {
+    uint64_t  off;                    /* in the slot */
+    uint64_t  dst;                    /* in the peer's pool */
+    uint64_t  len;
+} kv_piece_t;
+
+typedef struct {
+    int        state;
+    uint64_t   seq;                   /* copy event */
+    uint32_t   push;                  /* push slot */
+    uint64_t   gen;                   /* its generation */
+    uint32_t   npieces, posted, done;
+    uint64_t   used;
+    kv_piece_t piece[KV_SLOT_PIECES];
+} kv_slot_t;
+
+typedef struct {
+    kv_copy_t      copy;
+    char          *buf;
+    size_t         chunk;
+    uint32_t       nslots, nfree;
+    kv_slot_t     *slot;
+    struct fid_mr *mr[KV_MAX_RAILS];
+    void          *desc[KV_MAX_RAILS];
+    int            overlap;           /* 0: one slot at a time (baseline) */
+    uint64_t       stat_copies, stat_batches;
+} kv_stage_t;
+
+int  kv_stage_open(kv_ctx_t *ctx, int rank);
+void kv_stage_close(kv_ctx_t *ctx, int rank);
+
+struct kv_ctx {
     kv_config_t  cfg;
     kv_state_t   st;
     kv_fabric_t  fab;
     int          fab_ok;
-    kv_pool_t    pool;
+    kv_pool_t    pools[KV_MAX_RANKS];  /* one per TP rank */
+    int          nranks;
+    kv_topo_t    topo;                 /* rails of each rank */
+    kv_stage_t  *stage[KV_MAX_RANKS];  /* sender staging rings, or NULL */
+    kv_copy_t    rcopy[KV_MAX_RANKS];  /* receiver copy-in engines */
+    int          rcopy_open[KV_MAX_RANKS];
     uint32_t    *owner;                /* per block: rreq slot + 1, 0 free */
     uint32_t     free_blocks;
 
@@ -439,6 +585,8 @@ typedef struct kv_ctx {
     int          npeers;
 
     int          ctrl_lfd, api_lfd;
+    dev_t        api_dev;              /* the socket file bound (unlinked */
+    ino_t        api_ino;              /* on exit only if still this one) */
     kv_client_t *clients;              /* API and inbound control conns */
     int          nclients;
 
@@ -456,6 +604,7 @@ typedef struct kv_ctx {
     uint32_t     send_free[KV_NSEND];
     uint32_t     nsend_free;
     uint32_t     writes_inflight;
+    uint32_t     writes_owed;          /* of failed pushes, off the windows */
     uint32_t     push_rr;
     uint32_t    *scratch;              /* nblocks ids, control path */
     uint8_t     *dupmap;               /* nblocks bits: duplicate checks */
@@ -472,7 +621,20 @@ typedef struct kv_ctx {
     uint64_t     stat_pushes_ok, stat_pushes_failed, stat_bytes_out;
     uint64_t     stat_bytes_in, stat_reqs_ready, stat_reqs_failed;
     uint64_t     stat_ctrl_refused, stat_ctrl_timeouts;
-} kv_ctx_t;
+    uint64_t     stat_flushes;
+    uint64_t     poll_last_us;         /* adaptive CQ polling (loop.c): */
+    int          poll_backoff_us;      /* last completion or post */
+    struct kv_lmc *lmc;                /* lmcache_notify.c, or NULL */
+};
+
+/* ---- LMCache notices (lmcache_notify.c) -------------------------------- */
+struct pollfd;
+int  kv_lmc_config(kv_lmc_conf_t *c, struct cJSON *o, char *err,
+    size_t elen);
+int  kv_lmc_open(kv_ctx_t *ctx);
+int  kv_lmc_pollfds(kv_ctx_t *ctx, struct pollfd *pfd);   /* 0..2 fds */
+void kv_lmc_process(kv_ctx_t *ctx);
+void kv_lmc_close(kv_ctx_t *ctx);
 
 /* trailing "done" message over the fabric (sent after all writes of a
  * request completed with delivery-complete semantics) */
@@ -488,20 +650,23 @@ typedef struct {
 #define KV_MSG_SLOT 256   /* >= sizeof(kv_done_msg_t) */
 
 /* pool.c */
+#define KV_POOL(ctx, r) (&(ctx)->pools[(r)])
 int  kv_pool_alloc(kv_ctx_t *ctx);
+int  kv_pools_ready(kv_ctx_t *ctx, char *err, size_t elen);
 int  kv_pool_adopt_memfd(kv_ctx_t *ctx, kv_pool_t *np, int fd, size_t size,
     char *err, size_t elen);
 int  kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, kv_pool_t *np, const char *hex,
     int dev, size_t size, char *err, size_t elen);
-int  kv_pool_replace(kv_ctx_t *ctx, kv_pool_t *np, char *err, size_t elen);
+int  kv_pool_replace(kv_ctx_t *ctx, int rank, kv_pool_t *np, char *err,
+    size_t elen);
 int  kv_pool_register(kv_ctx_t *ctx);
 int  kv_pool_revoke(kv_ctx_t *ctx, const char *why);
 void kv_pool_unregister(kv_ctx_t *ctx);
 const char *kv_pool_access_name(kv_ctx_t *ctx);
 void kv_pool_free(kv_ctx_t *ctx);
-int  kv_pool_stage(kv_ctx_t *ctx, uint64_t off, uint64_t len, int to_gpu);
-int  kv_pool_read(kv_ctx_t *ctx, uint64_t off, void *dst, uint64_t len);
-int  kv_pool_write(kv_ctx_t *ctx, uint64_t off, const void *src,
+int  kv_pool_read(kv_ctx_t *ctx, int rank, uint64_t off, void *dst,
+    uint64_t len);
+int  kv_pool_write(kv_ctx_t *ctx, int rank, uint64_t off, const void *src,
     uint64_t len);
 
 /* ctrl.c */
@@ -545,6 +710,10 @@ int  kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, struct cJSON *j,
 void kv_xfer_timeouts(kv_ctx_t *ctx, uint64_t now);
 void kv_xfer_fail_all(kv_ctx_t *ctx, const char *why);
 int  kv_xfer_busy(kv_ctx_t *ctx);
+typedef struct {
+    int busy, copies, polled, live;
+} kv_poll_state_t;
+void kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps);
 int  kv_dup_check(kv_ctx_t *ctx, const uint32_t *ids, uint32_t n,
     uint32_t *dup);
 void kv_push_cancel_msg(kv_ctx_t *ctx, int peer, struct cJSON *j);
@@ -555,6 +724,7 @@ void kv_quar_lift_all(kv_ctx_t *ctx, const char *why);
 
 /* api.c */
 int  kv_api_listen(kv_ctx_t *ctx);
+void kv_api_unlink(kv_ctx_t *ctx);
 int  kv_api_msg(kv_ctx_t *ctx, int client, char *msg, uint32_t len);
 void kv_api_notify(kv_ctx_t *ctx, const char *req_id);
 void kv_api_waiters_tick(kv_ctx_t *ctx, uint64_t now);

@@ -4,12 +4,16 @@
  * the state table is left consistent with writer_alive = 0).
  */
 
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include <errno.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -17,6 +21,10 @@
 #include "kv.h"
 
 #define KV_IDLE_POLL_MS     5      /* CQ without a wait fd, idle */
+#define KV_SPIN_US          1000   /* busy-poll this long after an event */
+#define KV_SPIN_WRITES_US   10000  /* ... or with our writes in flight */
+#define KV_BUSY_POLL_MAX_US 200    /* back-off cap while a transfer runs */
+#define KV_POLL_MIN_US      20
 #define KV_WAIT_POLL_MS     20     /* timer granularity otherwise */
 
 static volatile sig_atomic_t kv_got_signal;
@@ -240,19 +248,47 @@ housekeeping(kv_ctx_t *ctx, uint64_t now)
 }
 
 
-/* Add the CQ wait fds to the poll set and choose the poll timeout.  With
- * wait fds (tcp;ofi_rxm) both sides sleep until the provider has work,
- * which matters when sender and receiver share few cores; fi_trywait says
- * whether blocking is safe.  Without (shm) we spin while busy and nap
- * briefly when idle. */
-static int
+/*
+ * Add the CQ wait fds (and the copy engines' wake fds) to the poll set and
+ * choose the poll timeout.  With wait fds (tcp;ofi_rxm) both sides sleep
+ * until the provider has work, which matters when sender and receiver
+ * share few cores; fi_trywait says whether blocking is safe.  A CQ without
+ * one (shm; EFA, whose FI_WAIT_FD is refused while its shm transfer is
+ * on) is polled adaptively: busy-poll while our writes are in flight and
+ * for KV_SPIN_US after the last completion or post, and while a receive
+ * runs from a sender we heard from within two heartbeats (shm's target
+ * must progress for the sender's writes to complete), then back off (20 us
+ * doubling to 200 us while a transfer is in progress, up to
+ * KV_IDLE_POLL_MS when idle) instead of spinning a core on a stalled or
+ * silent peer.  Microseconds.
+ */
+static int64_t
 fabric_wait_setup(kv_ctx_t *ctx, struct pollfd *pfd, int *who, int *n)
 {
     struct fid *fid;
-    int i, waitable = 1, busy = kv_xfer_busy(ctx);
+    int i, waitable = 1, cap;
+    kv_poll_state_t ps;
+    uint64_t since;
 
     if (!ctx->fab_ok) {
-        return KV_WAIT_POLL_MS;
+        return KV_WAIT_POLL_MS * 1000;
+    }
+    kv_xfer_poll_state(ctx, kv_now_ms(), &ps);
+    for (i = 0; i < ctx->nranks; i++) {
+        int fd = ctx->stage[i] ? ctx->stage[i]->copy.wake_fd : -1;
+        int k;
+        for (k = 0; k < 2; k++, fd = ctx->rcopy_open[i]
+                                     ? ctx->rcopy[i].wake_fd : -1)
+        {
+            if (fd >= 0) {
+                pfd[*n].fd = fd;
+                pfd[*n].events = POLLIN;
+                who[(*n)++] = -4;
+            }
+        }
+    }
+    if (ps.polled) {
+        return 0;                      /* cudaEventQuery: poll it */
     }
     for (i = 0; i < ctx->fab.nrails; i++) {
         kv_rail_t *r = &ctx->fab.rail[i];
@@ -269,9 +305,23 @@ fabric_wait_setup(kv_ctx_t *ctx, struct pollfd *pfd, int *who, int *n)
         who[(*n)++] = -3;
     }
     if (waitable) {
-        return KV_WAIT_POLL_MS;
+        return KV_WAIT_POLL_MS * 1000;
     }
-    return busy ? 0 : KV_IDLE_POLL_MS;
+    since = kv_now_us() - ctx->poll_last_us;
+    if (since < KV_SPIN_US
+        || (ctx->writes_inflight > 0 && since < KV_SPIN_WRITES_US)
+        || ps.live)
+    {
+        ctx->poll_backoff_us = 0;
+        return 0;
+    }
+    cap = ps.busy ? KV_BUSY_POLL_MAX_US : KV_IDLE_POLL_MS * 1000;
+    ctx->poll_backoff_us = ctx->poll_backoff_us == 0
+                           ? KV_POLL_MIN_US : ctx->poll_backoff_us * 2;
+    if (ctx->poll_backoff_us > cap) {
+        ctx->poll_backoff_us = cap;
+    }
+    return ctx->poll_backoff_us;
 }
 
 
@@ -279,8 +329,11 @@ static void
 run_loop(kv_ctx_t *ctx)
 {
     struct pollfd *pfd;
-    int *who, n, i, np, timeout;
-    size_t cap = 2 + KV_MAX_RAILS + KV_MAX_PEERS + ctx->nclients;
+    int *who, n, i, np;
+    int64_t timeout;
+    struct timespec ts;
+    size_t cap = 4 + KV_MAX_RAILS + 2 * KV_MAX_RANKS + KV_MAX_PEERS
+                 + ctx->nclients;
 
     pfd = calloc(cap, sizeof(*pfd));
     who = calloc(cap, sizeof(*who));
@@ -326,8 +379,13 @@ run_loop(kv_ctx_t *ctx)
             }
             who[n++] = 1000 + i;
         }
+        for (i = kv_lmc_pollfds(ctx, pfd + n); i > 0; i--) {
+            who[n++] = -5;                /* lmcache: drained below */
+        }
         timeout = fabric_wait_setup(ctx, pfd, who, &n);
-        if (poll(pfd, n, timeout) < 0 && errno != EINTR) {
+        ts.tv_sec = (time_t) (timeout / 1000000);
+        ts.tv_nsec = (long) (timeout % 1000000) * 1000;
+        if (ppoll(pfd, n, &ts, NULL) < 0 && errno != EINTR) {
             kv_err("poll: %s", strerror(errno));
             break;
         }
@@ -335,8 +393,16 @@ run_loop(kv_ctx_t *ctx)
             if (!pfd[i].revents) {
                 continue;
             }
-            if (who[i] == -3) {
-                continue;                 /* a CQ: progressed below */
+            if (who[i] == -3 || who[i] == -5) {
+                continue;                 /* a CQ, lmcache: below */
+            }
+            if (who[i] == -4) {
+                uint64_t v;
+                /* a copy event passed: drain; progressed below */
+                if (read(pfd[i].fd, &v, sizeof(v)) < 0) {
+                    /* EAGAIN: another turn took it */
+                }
+                continue;
             }
             if (who[i] == -1) {
                 accept_all(ctx, ctx->ctrl_lfd, 1);
@@ -353,6 +419,7 @@ run_loop(kv_ctx_t *ctx)
                 }
             }
         }
+        kv_lmc_process(ctx);
         kv_xfer_progress(ctx);
         housekeeping(ctx, kv_now_ms());
     }
@@ -383,6 +450,7 @@ shutdown_ctx(kv_ctx_t *ctx)
             ctx->clients[i].used = 0;
         }
     }
+    kv_lmc_close(ctx);
     if (ctx->st.map) {
         kv_ctrl_update_self(ctx);
         kv_state_close(&ctx->st, 1);
@@ -392,7 +460,17 @@ shutdown_ctx(kv_ctx_t *ctx)
     }
     if (ctx->api_lfd >= 0) {
         close(ctx->api_lfd);
-        unlink(ctx->cfg.api_socket);
+        kv_api_unlink(ctx);
+    }
+    for (i = 0; i < ctx->nranks; i++) {
+        kv_stage_close(ctx, i);       /* its MRs go before the domains */
+        if (ctx->rcopy_open[i]) {
+            ctx->rcopy[i].ops->close(&ctx->rcopy[i]);
+            ctx->rcopy_open[i] = 0;
+        }
+    }
+    if (ctx->cfg.has_pool) {
+        kv_pool_unregister(ctx);
     }
     if (ctx->fab_ok) {
         kv_fabric_close(&ctx->fab);
@@ -476,8 +554,13 @@ kv_run_main(int argc, char **argv)
     {
         goto out;
     }
+    ctx->nranks = ctx->cfg.has_pool ? ctx->cfg.ranks : 0;
     if (ctx->cfg.has_pool) {
         if (kv_pool_alloc(ctx) != 0) {
+            goto out;
+        }
+        /* the rails, and which serve each rank (PCIe topology) */
+        if (kv_topo_plan(ctx) != 0) {
             goto out;
         }
         if (kv_fabric_open(&ctx->fab, ctx->cfg.provider,
@@ -495,7 +578,9 @@ kv_run_main(int argc, char **argv)
         kv_err("cannot allocate transfer state");
         goto out;
     }
-    if (kv_ctrl_listen(ctx) != 0 || kv_api_listen(ctx) != 0) {
+    if (kv_ctrl_listen(ctx) != 0 || kv_api_listen(ctx) != 0
+        || kv_lmc_open(ctx) != 0)
+    {
         goto out;
     }
     kv_ctrl_update_self(ctx);

@@ -49,10 +49,13 @@ check_main(int argc, char **argv)
     }
     if (c->has_pool) {
         printf("pool: %u layers x %u regions x %u blocks x %llu bytes = "
-               "%llu bytes on %s\n", c->layout.layers, c->layout.regions,
-               c->layout.nblocks, (unsigned long long) c->layout.block_bytes,
+               "%llu bytes on %s, x %d rank(s)\n", c->layout.layers,
+               c->layout.regions, c->layout.nblocks,
+               (unsigned long long) c->layout.block_bytes,
                (unsigned long long) c->layout.size,
-               c->cuda_dev >= 0 ? "cuda" : "host");
+               c->cuda_per_rank ? "cuda:<rank>" : c->cuda_dev >= 0 ? "cuda"
+                                                                    : "host",
+               c->ranks);
     }
     printf("state table: %s\n", c->state_path);
     kv_auth_forget(c);
@@ -70,6 +73,8 @@ usage(void)
         " [--iters N] [--json]\n"
         "       kv_agent status [--state FILE] [--json] [--req ID]\n"
         "       kv_agent check --config FILE\n"
+        "       kv_agent topo [--sysfs ROOT] [--domains a,b] [--rails a,b]"
+        " [--ranks N] [--json]\n"
         "       kv_agent version\n");
 }
 
@@ -89,6 +94,9 @@ main(int argc, char **argv)
     }
     if (strcmp(argv[1], "check") == 0) {
         return check_main(argc - 2, argv + 2);
+    }
+    if (strcmp(argv[1], "topo") == 0) {
+        return kv_topo_main(argc - 2, argv + 2);
     }
     if (strcmp(argv[1], "status") == 0) {
         return kv_status_main(argc - 2, argv + 2);

@@ -1,9 +1,13 @@
 /*
  * pool.c - the KV pool's memory: host (a memfd, ours or the engine's via
  * SCM_RIGHTS) or CUDA (cudaMalloc'd by us or imported from the engine with
- * cudaIpcOpenMemHandle).  The pool is registered with every rail once;
- * GPU memory goes through fi_mr_regattr(FI_HMEM_CUDA) when the provider
- * has FI_HMEM, otherwise through a pinned host mirror (staging).
+ * cudaIpcOpenMemHandle).  One pool per tensor-parallel rank (each engine
+ * worker registers its own), each registered only on its rank's rails
+ * (the NICs PCIe-local to its GPU, topo.c).  GPU memory goes through
+ * fi_mr_regattr(FI_HMEM_CUDA) when the provider has FI_HMEM; otherwise it
+ * is staged: a sender copies through a bounded pinned ring (stage.c), a
+ * receiver lands writes in a pinned mirror and copies them in with
+ * batched asynchronous copies before the request is ready.
  */
 
 #include <errno.h>
@@ -62,37 +66,44 @@ host_map(kv_pool_t *p, int fd, size_t size)
 }
 
 
-int
-kv_pool_alloc(kv_ctx_t *ctx)
+static int
+pool_alloc_one(kv_ctx_t *ctx, int rank)
 {
-    kv_pool_t *p = &ctx->pool;
+    kv_pool_t *p = KV_POOL(ctx, rank);
     size_t size = ctx->cfg.layout.size;
-    int fd;
+    int fd, dev;
 
     memset(p, 0, sizeof(*p));
     p->fd = -1;
     p->cuda_dev = -1;
-    if (ctx->cfg.cuda_dev >= 0) {
+    dev = ctx->cfg.cuda_per_rank ? rank : ctx->cfg.cuda_dev;
+    if (dev >= 0) {
 #ifdef KV_HAVE_CUDA
-        cudaError_t ce = cudaSetDevice(ctx->cfg.cuda_dev);
+        cudaError_t ce = cudaSetDevice(dev);
         if (ce == cudaSuccess) {
             ce = cudaMalloc(&p->base, size);
         }
         if (ce != cudaSuccess) {
-            kv_err("pool: cuda:%d: cannot allocate %zu bytes: %s",
-                   ctx->cfg.cuda_dev, size, cudaGetErrorString(ce));
+            kv_err("pool: rank %d: cuda:%d: cannot allocate %zu bytes: %s",
+                   rank, dev, size, cudaGetErrorString(ce));
             return -1;
         }
         p->size = size;
-        p->cuda_dev = ctx->cfg.cuda_dev;
+        p->cuda_dev = dev;
         p->owned_cuda = 1;
-        kv_info("pool: %zu bytes on cuda:%d", size, p->cuda_dev);
+        kv_info("pool: rank %d: %zu bytes on cuda:%d", rank, size, dev);
         return 0;
 #else
         kv_err("pool: memory cuda:%d requested but this kv_agent was built "
-               "without CUDA", ctx->cfg.cuda_dev);
+               "without CUDA", dev);
         return -1;
 #endif
+    }
+    if (ctx->nranks > 1) {
+        /* one engine worker per rank registers its own pool */
+        kv_info("pool: rank %d: waiting for its engine worker's "
+                "register_pool", rank);
+        return 0;
     }
     fd = memfd_create("kv_pool", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0 || ftruncate(fd, size) != 0
@@ -115,21 +126,66 @@ kv_pool_alloc(kv_ctx_t *ctx)
 }
 
 
+int
+kv_pool_alloc(kv_ctx_t *ctx)
+{
+    int r;
+
+    for (r = 0; r < ctx->nranks; r++) {
+        if (pool_alloc_one(ctx, r) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+
+/* Every rank's pool registered (a push moves all of them or nothing). */
+int
+kv_pools_ready(kv_ctx_t *ctx, char *err, size_t elen)
+{
+    int r, n = 0, first = -1;
+
+    for (r = 0; r < ctx->nranks; r++) {
+        if (KV_POOL(ctx, r)->registered) {
+            n++;
+        } else if (first < 0) {
+            first = r;
+        }
+    }
+    if (n == ctx->nranks) {
+        return 0;
+    }
+    if (ctx->nranks == 1) {
+        snprintf(err, elen, "node %s has no registered KV pool",
+                 ctx->cfg.node_id);
+    } else {
+        snprintf(err, elen, "node %s has %d of %d rank pools registered "
+                 "(rank %d missing)", ctx->cfg.node_id, n, ctx->nranks,
+                 first);
+    }
+    return -1;
+}
+
+
 /* Free a pool's memory (not its registrations). */
 static void
 pool_release(kv_pool_t *p)
 {
-#ifdef KV_HAVE_CUDA
     if (p->mirror) {
-        cudaFreeHost(p->mirror);
+        kv_copy_t tmp;
+        memset(&tmp, 0, sizeof(tmp));
+        tmp.dev = p->cuda_dev;
+        kv_copy_host_free(&tmp, p->mirror, p->size);
     }
+#ifdef KV_HAVE_CUDA
     if (p->owned_cuda) {
         cudaFree(p->base);
     } else if (p->imported_cuda) {
         cudaIpcCloseMemHandle(p->base);
     }
 #endif
-    if (p->cuda_dev < 0 && p->base) {
+    if (p->cuda_dev < 0 && p->base && p->fd >= 0) {
         munmap(p->base, p->size);
     }
     if (p->fd >= 0) {
@@ -144,8 +200,12 @@ pool_release(kv_pool_t *p)
 void
 kv_pool_free(kv_ctx_t *ctx)
 {
+    int r;
+
     kv_pool_unregister(ctx);
-    pool_release(&ctx->pool);
+    for (r = 0; r < ctx->nranks; r++) {
+        pool_release(KV_POOL(ctx, r));
+    }
 }
 
 
@@ -319,43 +379,79 @@ kv_pool_adopt_cuda_ipc(kv_ctx_t *ctx, kv_pool_t *np, const char *hex,
 }
 
 
-/* Register p with every rail into mr/desc/key (the rails' current pool
- * MRs are not touched).  On failure nothing stays registered. */
+/* Is this pool copied through host memory?  GPU memory without FI_HMEM,
+ * or any pool with transfer.staging "host" (the host copy engine stands in
+ * for CUDA: tests and benchmarks run the staging code path). */
 static int
-reg_all(kv_ctx_t *ctx, kv_pool_t *p, struct fid_mr **mr, void **desc,
-    uint64_t *key)
+pool_staged(kv_ctx_t *ctx, const kv_pool_t *p)
 {
-    kv_rail_t *r;
-    int i, k, dev;
+    if (ctx->cfg.staging == KV_STAGE_HOST_TEST) {
+        return 1;
+    }
+    return p->cuda_dev >= 0
+           && !(ctx->fab.nrails > 0 && ctx->fab.rail[0].hmem);
+}
 
-    p->fab_base = p->base;
-    dev = -1;
-    if (p->cuda_dev >= 0) {
-        if (ctx->fab.nrails > 0 && ctx->fab.rail[0].hmem) {
-            dev = p->cuda_dev;
-        } else {
-#ifdef KV_HAVE_CUDA
-            if (p->mirror == NULL
-                && cudaMallocHost(&p->mirror, p->size) != cudaSuccess)
-            {
-                p->mirror = NULL;
-                kv_err("pool: cannot allocate %zu bytes of pinned staging "
-                       "memory", p->size);
-                return -1;
-            }
-            p->fab_base = p->mirror;
-            kv_info("pool: GPU memory staged through a pinned host mirror");
-#endif
+
+static void
+close_mrs(struct fid_mr **mr)
+{
+    int i;
+
+    for (i = 0; i < KV_MAX_RAILS; i++) {
+        if (mr[i]) {
+            fi_close(&mr[i]->fid);
+            mr[i] = NULL;
         }
     }
-    for (i = 0; i < ctx->fab.nrails; i++) {
-        r = &ctx->fab.rail[i];
-        if (kv_rail_reg(r, p->fab_base, p->size, dev, pool_access(ctx),
-                        &mr[i], &desc[i], &key[i]) != 0)
-        {
-            for (k = 0; k < i; k++) {
-                fi_close(&mr[k]->fid);
+}
+
+
+/*
+ * Register p on rank's rails into p->mr/desc/key.  A staged sender
+ * registers nothing here (its staging ring is registered instead: the
+ * NIC never reads device memory); a staged receiver registers a pinned
+ * mirror the writes land in.  On failure nothing stays registered.
+ */
+static int
+reg_all(kv_ctx_t *ctx, int rank, kv_pool_t *p)
+{
+    kv_topo_t *t = &ctx->topo;
+    int k, ri, dev;
+    void *buf;
+
+    memset(p->mr, 0, sizeof(p->mr));
+    p->fab_base = p->base;
+    p->staged = pool_staged(ctx, p);
+    dev = p->cuda_dev >= 0 && !p->staged ? p->cuda_dev : -1;
+    if (p->staged && ctx->cfg.role != DPD_ROLE_DECODE) {
+        p->fab_base = NULL;
+        return 0;
+    }
+    if (p->staged) {
+        if (p->mirror == NULL) {
+            kv_copy_t tmp;
+            memset(&tmp, 0, sizeof(tmp));
+            tmp.dev = p->cuda_dev;
+            p->mirror = kv_copy_host_alloc(&tmp, p->size);
+            if (p->mirror == NULL) {
+                kv_err("pool: rank %d: cannot allocate %zu bytes of pinned "
+                       "landing memory", rank, p->size);
+                return -1;
             }
+        }
+        p->fab_base = p->mirror;
+        kv_info("pool: rank %d: writes land in a pinned host mirror, "
+                "copied in before ready", rank);
+    }
+    buf = p->fab_base;
+    for (k = 0; k < t->nrails[rank]; k++) {
+        ri = t->rail[rank][k];
+        if (kv_rail_reg(&ctx->fab.rail[ri], buf, p->size, dev,
+                        pool_access(ctx), &p->mr[ri], &p->desc[ri],
+                        &p->key[ri]) != 0)
+        {
+            close_mrs(p->mr);
             return -1;
         }
     }
@@ -364,68 +460,126 @@ reg_all(kv_ctx_t *ctx, kv_pool_t *p, struct fid_mr **mr, void **desc,
 
 
 static void
-install_mrs(kv_ctx_t *ctx, struct fid_mr **mr, void **desc, uint64_t *key)
+log_registered(kv_ctx_t *ctx, int rank)
 {
-    kv_rail_t *r;
-    int i;
+    kv_pool_t *p = KV_POOL(ctx, rank);
+    kv_topo_t *t = &ctx->topo;
+    char list[1024], who[32];
+    int k;
 
-    for (i = 0; i < ctx->fab.nrails; i++) {
-        r = &ctx->fab.rail[i];
-        if (r->pool_mr) {
-            fi_close(&r->pool_mr->fid);
-        }
-        r->pool_mr = mr[i];
-        r->pool_desc = desc[i];
-        r->pool_key = key[i];
+    list[0] = '\0';
+    for (k = 0; k < t->nrails[rank]; k++) {
+        size_t l = strlen(list);
+        snprintf(list + l, sizeof(list) - l, "%s%s", k ? ", " : "",
+                 ctx->fab.rail[t->rail[rank][k]].info->domain_attr->name);
     }
-    ctx->pool.registered = 1;
-    kv_info("pool: registered %zu bytes on %d rail(s), access %s%s",
-            ctx->pool.size, ctx->fab.nrails, kv_pool_access_name(ctx),
+    snprintf(who, sizeof(who), ctx->nranks > 1 ? "rank %d: " : "", rank);
+    if (p->staged && ctx->cfg.role != DPD_ROLE_DECODE) {
+        kv_info("pool: %s%zu bytes staged through its ring on rail(s) %s",
+                who, p->size, list);
+        return;
+    }
+    kv_info("pool: %sregistered %zu bytes on %d rail(s)%s%s%s, access %s%s",
+            who, p->size, t->nrails[rank], ctx->nranks > 1 ? " (" : "",
+            ctx->nranks > 1 ? list : "", ctx->nranks > 1 ? ")" : "",
+            kv_pool_access_name(ctx),
             ctx->cfg.role == DPD_ROLE_DECODE
             ? "; its key goes to authenticated prefill peers only" : "");
+}
+
+
+static int
+open_engines(kv_ctx_t *ctx, int rank)
+{
+    kv_pool_t *p = KV_POOL(ctx, rank);
+
+    /* a receiver's GPU pool needs its engine either way: copy-ins when
+     * staged, the GPUDirect RDMA flush before ready when the NIC writes
+     * device memory (FI_HMEM) */
+    if (!p->staged && !(p->cuda_dev >= 0 && ctx->cfg.role == DPD_ROLE_DECODE))
+    {
+        return 0;
+    }
+    if (ctx->cfg.role == DPD_ROLE_DECODE) {
+        if (ctx->rcopy_open[rank] && ctx->rcopy[rank].dev != p->cuda_dev) {
+            /* a new pool on another device (never while busy) */
+            ctx->rcopy[rank].ops->close(&ctx->rcopy[rank]);
+            ctx->rcopy_open[rank] = 0;
+        }
+        if (!ctx->rcopy_open[rank]) {
+            kv_copy_t *c = &ctx->rcopy[rank];
+            memset(c, 0, sizeof(*c));
+#ifdef KV_HAVE_CUDA
+            c->ops = p->cuda_dev >= 0 ? &kv_copy_cuda_ops : &kv_copy_host_ops;
+#else
+            c->ops = &kv_copy_host_ops;
+#endif
+            if (c->ops->open(c, p->cuda_dev) != 0) {
+                return -1;
+            }
+            ctx->rcopy_open[rank] = 1;
+        }
+        return 0;
+    }
+    if (ctx->stage[rank] && ctx->stage[rank]->copy.dev != p->cuda_dev) {
+        kv_stage_close(ctx, rank);
+    }
+    return ctx->stage[rank] ? 0 : kv_stage_open(ctx, rank);
 }
 
 
 int
 kv_pool_register(kv_ctx_t *ctx)
 {
-    struct fid_mr *mr[KV_MAX_RAILS];
-    void *desc[KV_MAX_RAILS];
-    uint64_t key[KV_MAX_RAILS];
+    int r;
 
-    if (reg_all(ctx, &ctx->pool, mr, desc, key) != 0) {
-        return -1;
+    for (r = 0; r < ctx->nranks; r++) {
+        kv_pool_t *p = KV_POOL(ctx, r);
+        if (p->base == NULL) {
+            continue;                  /* its engine worker registers it */
+        }
+        if (reg_all(ctx, r, p) != 0 || open_engines(ctx, r) != 0) {
+            return -1;
+        }
+        p->registered = 1;
+        log_registered(ctx, r);
     }
-    install_mrs(ctx, mr, desc, key);
     return 0;
 }
 
 
 /*
- * Make *np the pool: register it first, and only when that worked drop
+ * Make *np rank's pool: register it first, and only when that worked drop
  * the old registration and memory.  A refused pool changes nothing (np's
  * resources are freed, the old pool stays registered under its keys).
  */
 int
-kv_pool_replace(kv_ctx_t *ctx, kv_pool_t *np, char *err, size_t elen)
+kv_pool_replace(kv_ctx_t *ctx, int rank, kv_pool_t *np, char *err,
+    size_t elen)
 {
-    struct fid_mr *mr[KV_MAX_RAILS];
-    void *desc[KV_MAX_RAILS];
-    uint64_t key[KV_MAX_RAILS];
+    kv_pool_t *op = KV_POOL(ctx, rank);
 
-    if (ctx->fab_ok && reg_all(ctx, np, mr, desc, key) != 0) {
+    if (ctx->fab_ok && reg_all(ctx, rank, np) != 0) {
         snprintf(err, elen, "cannot register the pool with the fabric");
         pool_release(np);
         return -1;
     }
-    if (ctx->fab_ok) {
-        install_mrs(ctx, mr, desc, key);  /* closes the old MRs */
+    close_mrs(op->mr);
+    pool_release(op);
+    *op = *np;
+    op->registered = ctx->fab_ok;
+    if (ctx->fab_ok && open_engines(ctx, rank) != 0) {
+        close_mrs(op->mr);
+        op->registered = 0;
+        snprintf(err, elen, "cannot set up the staging copies");
+        return -1;
     }
-    pool_release(&ctx->pool);
-    ctx->pool = *np;
-    ctx->pool.registered = ctx->fab_ok;
-    kv_info("pool: adopted %zu bytes of engine %s memory", ctx->pool.size,
-            ctx->pool.cuda_dev >= 0 ? "GPU (CUDA IPC)" : "host (memfd)");
+    if (ctx->fab_ok) {
+        log_registered(ctx, rank);
+    }
+    kv_info("pool: rank %d: adopted %zu bytes of engine %s memory", rank,
+            op->size,
+            op->cuda_dev >= 0 ? "GPU (CUDA IPC)" : "host (memfd)");
     return 0;
 }
 
@@ -441,12 +595,11 @@ kv_pool_replace(kv_ctx_t *ctx, kv_pool_t *np, char *err, size_t elen)
 int
 kv_pool_revoke(kv_ctx_t *ctx, const char *why)
 {
-    struct fid_mr *mr[KV_MAX_RAILS];
-    void *desc[KV_MAX_RAILS];
-    uint64_t key[KV_MAX_RAILS];
+    kv_pool_t np;
     uint32_t i, nq = ctx->nquar;
+    int r, failed = 0;
 
-    if (!ctx->fab_ok || !ctx->pool.registered || !ctx->revocable) {
+    if (!ctx->fab_ok || !ctx->revocable) {
         return -1;
     }
     for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
@@ -458,13 +611,26 @@ kv_pool_revoke(kv_ctx_t *ctx, const char *why)
         }
     }
     kv_ctrl_rekeyed(ctx, "memory keys revoked");
-    if (reg_all(ctx, &ctx->pool, mr, desc, key) != 0) {
+    for (r = 0; r < ctx->nranks; r++) {
+        kv_pool_t *p = KV_POOL(ctx, r);
+        if (!p->registered) {
+            continue;
+        }
+        np = *p;
+        if (reg_all(ctx, r, &np) != 0) {
+            failed = 1;
+            break;
+        }
+        close_mrs(p->mr);
+        memcpy(p->mr, np.mr, sizeof(p->mr));
+        memcpy(p->desc, np.desc, sizeof(p->desc));
+        memcpy(p->key, np.key, sizeof(p->key));
+    }
+    if (failed) {
         /* no new keys: without a registration nothing can land either */
         kv_pool_unregister(ctx);
         kv_err("pool: revocation could not register the pool again; it "
                "takes no transfers until the engine registers one");
-    } else {
-        install_mrs(ctx, mr, desc, key);
     }
     ctx->stat_revocations++;
     kv_warn("pool: memory keys revoked (%s); %u quarantined request(s) "
@@ -477,54 +643,21 @@ kv_pool_revoke(kv_ctx_t *ctx, const char *why)
 void
 kv_pool_unregister(kv_ctx_t *ctx)
 {
-    int i;
+    int r;
 
-    for (i = 0; i < ctx->fab.nrails; i++) {
-        if (ctx->fab.rail[i].pool_mr) {
-            fi_close(&ctx->fab.rail[i].pool_mr->fid);
-            ctx->fab.rail[i].pool_mr = NULL;
-        }
+    for (r = 0; r < ctx->nranks; r++) {
+        close_mrs(KV_POOL(ctx, r)->mr);
+        KV_POOL(ctx, r)->registered = 0;
     }
-    ctx->pool.registered = 0;
-}
-
-
-/*
- * Copy [off, off + len) between the GPU pool and its pinned mirror: to_gpu
- * after the fabric wrote the mirror, else before the fabric reads it.
- * A no-op without a mirror.
- */
-int
-kv_pool_stage(kv_ctx_t *ctx, uint64_t off, uint64_t len, int to_gpu)
-{
-#ifdef KV_HAVE_CUDA
-    kv_pool_t  *p = &ctx->pool;
-    char       *gpu, *host;
-
-    if (p->mirror == NULL) {
-        return 0;
-    }
-    gpu = (char *) p->base + off;
-    host = (char *) p->mirror + off;
-    if ((to_gpu ? cudaMemcpy(gpu, host, len, cudaMemcpyHostToDevice)
-                : cudaMemcpy(host, gpu, len, cudaMemcpyDeviceToHost))
-        != cudaSuccess)
-    {
-        return -1;
-    }
-#else
-    (void) ctx; (void) off; (void) len; (void) to_gpu;
-#endif
-    return 0;
 }
 
 
 int
-kv_pool_read(kv_ctx_t *ctx, uint64_t off, void *dst, uint64_t len)
+kv_pool_read(kv_ctx_t *ctx, int rank, uint64_t off, void *dst, uint64_t len)
 {
-    kv_pool_t *p = &ctx->pool;
+    kv_pool_t *p = KV_POOL(ctx, rank);
 
-    if (off > p->size || len > p->size - off) {
+    if (p->base == NULL || off > p->size || len > p->size - off) {
         return -1;
     }
 #ifdef KV_HAVE_CUDA
@@ -539,11 +672,12 @@ kv_pool_read(kv_ctx_t *ctx, uint64_t off, void *dst, uint64_t len)
 
 
 int
-kv_pool_write(kv_ctx_t *ctx, uint64_t off, const void *src, uint64_t len)
+kv_pool_write(kv_ctx_t *ctx, int rank, uint64_t off, const void *src,
+    uint64_t len)
 {
-    kv_pool_t *p = &ctx->pool;
+    kv_pool_t *p = KV_POOL(ctx, rank);
 
-    if (off > p->size || len > p->size - off) {
+    if (p->base == NULL || off > p->size || len > p->size - off) {
         return -1;
     }
 #ifdef KV_HAVE_CUDA

@@ -51,6 +51,16 @@ kv_log(int level, const char *fmt, ...)
 
 
 uint64_t
+kv_now_us(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000 + (uint64_t) ts.tv_nsec / 1000;
+}
+
+
+uint64_t
 kv_now_ms(void)
 {
     struct timespec ts;

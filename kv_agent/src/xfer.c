@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -48,6 +49,8 @@
 
 static int push_active(const kv_push_t *p);
 static void rreq_quar_end(kv_ctx_t *ctx, kv_rreq_t *r, const char *why);
+static void copyin_wait(kv_ctx_t *ctx, kv_rreq_t *r);
+static void fault_parse(void);
 
 
 static uint64_t
@@ -77,6 +80,7 @@ static void
 op_put(kv_ctx_t *ctx, kv_op_t *op)
 {
     op->kind = 0;
+    op->written_off = 0;
     op->next_free = ctx->op_free;
     ctx->op_free = op;
     ctx->ops_used--;
@@ -154,6 +158,7 @@ kv_xfer_init(kv_ctx_t *ctx)
     if (!ctx->fab_ok) {
         return 0;
     }
+    fault_parse();
     /* shm writes through CMA (process_vm_writev) at the virtual address,
      * with no key check at the target: a new key does not stop them */
     ctx->revocable = strcmp(ctx->fab.rail[0].info->fabric_attr->prov_name,
@@ -173,7 +178,9 @@ kv_xfer_init(kv_ctx_t *ctx)
     {
         return -1;
     }
-    nops = KV_NRECV + KV_NSEND + ctx->cfg.window * ctx->fab.nrails + 16;
+    /* a window per rail, and as many again for writes of failed pushes
+     * whose completions are still owed (write_off) */
+    nops = KV_NRECV + KV_NSEND + 2 * ctx->cfg.window * ctx->fab.nrails + 16;
     ctx->ops = calloc(nops, sizeof(kv_op_t));
     if (ctx->ops == NULL) {
         return -1;
@@ -445,7 +452,7 @@ kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
     r->hash = dpd_state_hash(req_id, strlen(req_id));
     r->n = n;
     r->peer = peer;
-    r->bytes_total = (uint64_t) n * block_total_bytes(l);
+    r->bytes_total = (uint64_t) n * block_total_bytes(l) * ctx->nranks;
     r->t_reserved_ms = kv_wall_ms();
     rreq_publish(ctx, r);
     *out = r;
@@ -520,6 +527,9 @@ rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error,
 {
     uint32_t was = r->state;
 
+    if (r->copyin && state == DPD_REQ_FAILED) {
+        copyin_wait(ctx, r);
+    }
     r->state = state;
     if (state == DPD_REQ_READY || state == DPD_REQ_FAILED) {
         r->t_done_ms = kv_wall_ms();
@@ -564,6 +574,9 @@ kv_rreq_release(kv_ctx_t *ctx, kv_rreq_t *r)
     dpd_req_rec_t *rec;
     uint32_t st = r->state;
 
+    if (r->copyin) {
+        copyin_wait(ctx, r);           /* they write its blocks */
+    }
     if (!r->quar) {
         rreq_free_blocks(ctx, r);
     }
@@ -692,8 +705,8 @@ sender_gone(kv_ctx_t *ctx, kv_rreq_t *r)
         if (pe->out_state == KV_LINK_UP || pe->in_conn >= 0) {
             return 0;
         }
-        for (i = 0; i < KV_MAX_RAILS; i++) {
-            if (pe->remote.av_ok[i]) {
+        for (i = 0; i < KV_MAX_RAILS * KV_MAX_RAILS; i++) {
+            if (pe->remote.av_ok[i / KV_MAX_RAILS][i % KV_MAX_RAILS]) {
                 return 0;
             }
         }
@@ -793,9 +806,12 @@ kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
     }
     req_id = jr->valuestring;
     n = (uint32_t) jn->valuedouble;
-    if (!ctx->cfg.has_pool || !ctx->pool.registered) {
+    if (!ctx->cfg.has_pool) {
         snprintf(err, sizeof(err), "node %s has no registered KV pool",
                  ctx->cfg.node_id);
+        goto fail;
+    }
+    if (kv_pools_ready(ctx, err, sizeof(err)) != 0) {
         goto fail;
     }
     if (ctx->cfg.role != DPD_ROLE_DECODE) {
@@ -820,6 +836,17 @@ kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
         {
             snprintf(err, sizeof(err), "pool geometry differs from %s's",
                      ctx->cfg.node_id);
+            goto fail;
+        }
+        a = cJSON_GetObjectItemCaseSensitive(jg, "ranks");
+        if ((a ? (cJSON_IsNumber(a) ? (int) a->valuedouble : -1) : 1)
+            != ctx->nranks)
+        {
+            snprintf(err, sizeof(err), "tensor-parallel mismatch: %s pushes "
+                     "%d rank(s), %s serves %d; pushes between different TP "
+                     "sizes are not supported", ctx->peers[peer].conf.id,
+                     a && cJSON_IsNumber(a) ? (int) a->valuedouble : 1,
+                     ctx->cfg.node_id, ctx->nranks);
             goto fail;
         }
     }
@@ -918,13 +945,134 @@ fail:
 }
 
 
+/*
+ * A staged receiver: the writes landed in the ranks' pinned mirrors; copy
+ * the request's blocks to each rank's pool with batched asynchronous
+ * copies (the runs of blocks contiguous in the layout, one event per rank)
+ * instead of one synchronous copy per block per (layer, region).
+ */
+static int
+copyin_start(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    const kv_layout_t *l = &ctx->cfg.layout;
+    kv_segiter_t it;
+    kv_seg_t seg;
+    uint32_t n = 0;
+    int k, have = 0;
+
+    for (k = 0; k < ctx->nranks; k++) {
+        kv_pool_t *p = KV_POOL(ctx, k);
+        kv_copy_t *c = &ctx->rcopy[k];
+        if (!p->staged || p->mirror == NULL || !ctx->rcopy_open[k]) {
+            continue;
+        }
+        if (!have) {
+            n = rreq_blocks(ctx, r);
+            have = 1;
+        }
+        kv_segiter_init(&it, l, l, ctx->scratch, ctx->scratch, n, 1);
+        while (kv_segiter_next(&it, &seg)) {
+            if (c->ops->copy(c, (char *) p->base + seg.dst,
+                             (char *) p->mirror + seg.src, seg.len, 1) != 0)
+            {
+                return -1;
+            }
+        }
+        if (c->ops->record(c, &r->copyin_seq[k]) != 0) {
+            return -1;
+        }
+        r->copyin |= 1 << k;
+    }
+    return 0;
+}
+
+
+/* Non-staged GPU pools written by the NIC (GPUDirect RDMA): make the
+ * writes visible to the GPU before the request is ready. */
+static int
+rreq_flush(kv_ctx_t *ctx)
+{
+    int k;
+
+    for (k = 0; k < ctx->nranks; k++) {
+        kv_pool_t *p = KV_POOL(ctx, k);
+        if (p->cuda_dev >= 0 && !p->staged && ctx->rcopy_open[k]) {
+            if (ctx->rcopy[k].ops->flush(&ctx->rcopy[k]) != 0) {
+                return -1;
+            }
+            ctx->stat_flushes++;
+        }
+    }
+    return 0;
+}
+
+
+/* Copy-ins in progress: 1 while some are. */
+static int
+copyin_progress(kv_ctx_t *ctx)
+{
+    uint32_t i;
+    int k, busy = 0, q;
+    kv_rreq_t *r;
+
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        r = &ctx->rreq[i];
+        if (!r->used || !r->copyin) {
+            continue;
+        }
+        for (k = 0; k < ctx->nranks; k++) {
+            if (!(r->copyin & (1 << k))) {
+                continue;
+            }
+            q = ctx->rcopy[k].ops->query(&ctx->rcopy[k], r->copyin_seq[k]);
+            if (q != 0) {
+                r->copyin &= ~(1 << k);
+            }
+            if (q < 0) {
+                r->copyin = 0;
+                rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy to GPU "
+                         "failed", 1);
+                break;
+            }
+        }
+        if (r->copyin) {
+            busy = 1;
+        } else if (r->state == DPD_REQ_TRANSFERRING) {
+            kv_rreq_set(ctx, r, DPD_REQ_READY, NULL);
+        }
+    }
+    return busy;
+}
+
+
+/* A request failing with copy-ins queued: they write its blocks, which
+ * must not be given to anyone before the copies are done. */
+static void
+copyin_wait(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    struct timespec ts = { 0, 1000000 };
+    int k, spins;
+
+    for (k = 0; r->copyin && k < ctx->nranks; k++) {
+        for (spins = 0; (r->copyin & (1 << k)) && spins < 60000; spins++) {
+            if (ctx->rcopy[k].ops->query(&ctx->rcopy[k], r->copyin_seq[k])
+                != 0)
+            {
+                break;
+            }
+            nanosleep(&ts, NULL);
+        }
+        r->copyin &= ~(1 << k);
+    }
+    r->copyin = 0;
+}
+
+
 static void
 handle_done_msg(kv_ctx_t *ctx, const char *buf, size_t len)
 {
     kv_done_msg_t m;
     kv_rreq_t *r;
-    uint32_t n, i, lr, nlr;
-    const kv_layout_t *l = &ctx->cfg.layout;
 
     if (len < sizeof(m)) {
         kv_warn("xfer: short fabric message (%zu bytes) ignored", len);
@@ -954,21 +1102,21 @@ handle_done_msg(kv_ctx_t *ctx, const char *buf, size_t len)
         rreq_set(ctx, r, DPD_REQ_FAILED, "size mismatch", 1);
         return;
     }
-    if (ctx->pool.mirror) {
-        /* staged GPU pool: copy what landed in the mirror to the device */
-        n = rreq_blocks(ctx, r);
-        nlr = l->layers * l->regions;
-        for (lr = 0; lr < nlr; lr++) {
-            for (i = 0; i < n; i++) {
-                if (kv_pool_stage(ctx, kv_layout_off(l, lr,
-                                  ctx->scratch[i]), l->block_bytes, 1) != 0)
-                {
-                    rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy to GPU "
-                             "failed", 1);
-                    return;
-                }
-            }
-        }
+    if (r->copyin) {
+        kv_warn("xfer: repeated completion for %s ignored", m.req_id);
+        return;
+    }
+    if (copyin_start(ctx, r) != 0) {
+        rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy to GPU failed", 1);
+        return;
+    }
+    if (r->copyin) {
+        return;                        /* ready once the copies completed */
+    }
+    if (rreq_flush(ctx) != 0) {
+        rreq_set(ctx, r, DPD_REQ_FAILED, "flushing GPUDirect RDMA writes "
+                 "failed", 1);
+        return;
     }
     kv_rreq_set(ctx, r, DPD_REQ_READY, NULL);
 }
@@ -1053,6 +1201,44 @@ push_abort_check(kv_ctx_t *ctx, kv_push_t *p)
 }
 
 
+/*
+ * A failed push's writes still in flight leave the rails' windows: the
+ * window is shared by every peer, and a provider need not complete a write
+ * to a peer that died (ofi_rxm can drop the queued operations of a
+ * connection it closes), so counting them would stall the pushes to every
+ * other peer behind one dead one.  The ops themselves stay allocated (the
+ * provider may still report them) and p->inflight still counts them: the
+ * receiver hears "drained" only when they have really completed, and its
+ * quarantine covers the case where that never happens.
+ */
+static void
+write_off(kv_ctx_t *ctx, kv_push_t *p)
+{
+    uint32_t i, slot = (uint32_t) (p - ctx->push), n = 0;
+    kv_op_t *op;
+
+    if (p->inflight == 0 || ctx->ops == NULL) {
+        return;
+    }
+    for (i = 0; i < ctx->nops; i++) {
+        op = &ctx->ops[i];
+        if (op->kind == KV_OP_WRITE && op->slot == slot && op->gen == p->gen
+            && !op->written_off)
+        {
+            op->written_off = 1;
+            ctx->fab.rail[op->rail].inflight--;
+            ctx->writes_inflight--;
+            ctx->writes_owed++;
+            n++;
+        }
+    }
+    if (n) {
+        kv_info("xfer: push %s: %u write(s) in flight taken off the window "
+                "(%u owed in all)", p->req_id, n, ctx->writes_owed);
+    }
+}
+
+
 static void
 push_finish(kv_ctx_t *ctx, kv_push_t *p, int ok, const char *why)
 {
@@ -1081,6 +1267,7 @@ push_finish(kv_ctx_t *ctx, kv_push_t *p, int ok, const char *why)
                        p->inflight == 0, why);
             p->abort_pending = p->inflight > 0;
         }
+        write_off(ctx, p);
     }
     kv_api_notify(ctx, p->req_id);
 }
@@ -1097,8 +1284,11 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
     uint32_t i;
     cJSON *j, *g;
 
-    if (!ctx->cfg.has_pool || !ctx->fab_ok || !ctx->pool.registered) {
+    if (!ctx->cfg.has_pool || !ctx->fab_ok) {
         snprintf(err, elen, "this node has no registered KV pool");
+        return -1;
+    }
+    if (kv_pools_ready(ctx, err, elen) != 0) {
         return -1;
     }
     if (strlen(req_id) == 0 || strlen(req_id) >= KV_REQID_LEN) {
@@ -1115,8 +1305,22 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
                  "receive KV", pe->conf.id, dpd_state_role_name(pe->conf.role));
         return -1;
     }
-    if (pe->out_state != KV_LINK_UP || !pe->remote.has_pool) {
+    if (pe->out_state != KV_LINK_UP) {
         snprintf(err, elen, "peer %s is not connected", pe->conf.id);
+        return -1;
+    }
+    if (pe->remote.nranks != ctx->nranks) {
+        /* rank r's shard goes to rank r: both sides need the same TP */
+        snprintf(err, elen, "tensor-parallel mismatch: %s serves %d "
+                 "rank(s), %s %d; pushes between different TP sizes are "
+                 "not supported (they would need KV heads re-sharded)",
+                 ctx->cfg.node_id, ctx->nranks, pe->conf.id,
+                 pe->remote.nranks);
+        return -1;
+    }
+    if (!pe->remote.has_pool) {
+        snprintf(err, elen, "peer %s is not connected (or has not "
+                 "registered every rank's pool)", pe->conf.id);
         return -1;
     }
     if (n == 0 || n > ctx->push_cap) {
@@ -1184,13 +1388,18 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
         memcpy(p->dst, dst, n * sizeof(uint32_t));
     }
     p->dst_given = dst_given;
-    p->cur_valid = p->segs_done = p->done_sent = 0;
+    p->segs_done = p->done_sent = 0;
+    p->stage_pending = 0;
     p->release_pending = 0;
     p->abort_pending = 0;
-    p->bytes_total = (uint64_t) n * block_total_bytes(l);
+    p->bytes_total = (uint64_t) n * block_total_bytes(l) * ctx->nranks;
     p->bytes_posted = p->bytes_done = 0;
     p->inflight = 0;
     p->next_rail = 0;
+    p->rank_rr = 0;
+    memset(p->cur_valid, 0, sizeof(p->cur_valid));
+    memset(p->rank_done, 0, sizeof(p->rank_done));
+    memset(p->rail_rr, 0, sizeof(p->rail_rr));
     p->error[0] = '\0';
     p->t_start_ms = kv_wall_ms();
     p->t_done_ms = 0;
@@ -1215,6 +1424,7 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
     cJSON_AddNumberToObject(g, "layers", l->layers);
     cJSON_AddNumberToObject(g, "regions", l->regions);
     cJSON_AddNumberToObject(g, "block_bytes", (double) l->block_bytes);
+    cJSON_AddNumberToObject(g, "ranks", ctx->nranks);
     if (kv_ctrl_send(ctx, peer, j) != 0) {
         p->state = KV_PUSH_FREE;
         snprintf(err, elen, "peer %s is not connected", pe->conf.id);
@@ -1274,8 +1484,12 @@ kv_push_begin_reply(kv_ctx_t *ctx, int peer, cJSON *j)
             return;
         }
     }
-    kv_segiter_init(&p->it, &ctx->cfg.layout, &ctx->peers[peer].remote.layout,
-                    p->src, p->dst, p->n, ctx->cfg.coalesce);
+    /* every rank moves the same block pairs in its own pool */
+    for (i = 0; i < (uint32_t) ctx->nranks; i++) {
+        kv_segiter_init(&p->it[i], &ctx->cfg.layout,
+                        &ctx->peers[peer].remote.layout, p->src, p->dst, p->n,
+                        ctx->cfg.coalesce);
+    }
     p->state = KV_PUSH_WRITING;
 }
 
@@ -1374,7 +1588,7 @@ post_done(kv_ctx_t *ctx, kv_push_t *p)
     op->len = slot;
     op->rail = 0;
     rc = fi_send(r->ep, m, sizeof(*m), r->msg_desc,
-                 ctx->peers[p->peer].remote.fiaddr[0], op);
+                 ctx->peers[p->peer].remote.fiaddr[0][0], op);
     if (rc == -FI_EAGAIN) {
         ctx->send_free[ctx->nsend_free++] = slot;
         op_put(ctx, op);
@@ -1392,77 +1606,338 @@ post_done(kv_ctx_t *ctx, kv_push_t *p)
 }
 
 
-/* Post writes of one push until the window is full; no allocation. */
+/* ---- posting writes: every rank, on its rails, directly or staged ---- */
+
+/* Test-only (KV_TEST_FAULT=delay_rank:R:MS): rank R's writes wait MS ms
+ * after the push began (readiness must wait for the slowest rank).
+ * KV_TEST_FAULT=lose_write_errors: a write that fails is never reported,
+ * as when ofi_rxm closes a dead peer's connection with writes queued. */
+static int  fault_delay_rank = -1;
+static long fault_delay_ms;
+static int  fault_lose_write_errors;
+
+
+static void
+fault_parse(void)
+{
+    const char *f = getenv("KV_TEST_FAULT"), *q;
+
+    fault_lose_write_errors = f && strstr(f, "lose_write_errors") != NULL;
+
+    if (f && (q = strstr(f, "delay_rank:")) != NULL) {
+        fault_delay_rank = (int) strtol(q + 11, (char **) &q, 10);
+        if (*q == ':') {
+            fault_delay_ms = strtol(q + 1, NULL, 10);
+        }
+    }
+}
+
+
+static int
+rank_held(kv_ctx_t *ctx, kv_push_t *p, int r)
+{
+    return r == fault_delay_rank
+           && kv_now_ms() + ctx->cfg.transfer_timeout_ms
+              < p->deadline_ms + (uint64_t) fault_delay_ms;
+}
+
+
+/* Rank r's next piece (at most max bytes), not yet taken: 1, or 0 when
+ * the rank has posted all its segments. */
+static int
+next_piece(kv_push_t *p, int r, uint64_t max, uint64_t *so, uint64_t *dof,
+    uint64_t *len)
+{
+    if (p->rank_done[r]) {
+        return 0;
+    }
+    if (!p->cur_valid[r] || p->cur_off[r] == p->cur[r].len) {
+        if (!kv_segiter_next(&p->it[r], &p->cur[r])) {
+            p->rank_done[r] = 1;
+            return 0;
+        }
+        p->cur_off[r] = 0;
+        p->cur_valid[r] = 1;
+    }
+    *len = p->cur[r].len - p->cur_off[r];
+    if (*len > max) {
+        *len = max;
+    }
+    *so = p->cur[r].src + p->cur_off[r];
+    *dof = p->cur[r].dst + p->cur_off[r];
+    return 1;
+}
+
+
+/* A rail of rank r with room in its window, round-robin from the rank's
+ * cursor; -1 when all are full.  *k: the counter the choice came from. */
+static int
+pick_rail(kv_ctx_t *ctx, kv_push_t *p, int r, uint32_t *k)
+{
+    kv_topo_t *t = &ctx->topo;
+    uint32_t n = (uint32_t) t->nrails[r], j;
+    int li;
+
+    for (j = 0; j < n; j++) {
+        li = t->rail[r][(p->rail_rr[r] + j) % n];
+        if (ctx->fab.rail[li].inflight < ctx->cfg.window) {
+            *k = p->rail_rr[r] + j;
+            return li;
+        }
+    }
+    return -1;
+}
+
+
+static uint64_t
+rail_lim(kv_ctx_t *ctx, int li)
+{
+    uint64_t m = ctx->fab.rail[li].max_rma;
+
+    return ctx->cfg.max_write < m ? ctx->cfg.max_write : m;
+}
+
+
+/* fi_write of one piece of rank r from local rail li; the peer's rail is
+ * the k-th of its rails for that rank.  1 posted, 0 try later (EAGAIN),
+ * -1 the push failed. */
+static int
+post_write(kv_ctx_t *ctx, kv_push_t *p, int r, int li, uint32_t k,
+    void *buf, void *desc, uint64_t len, uint64_t dof, int stage)
+{
+    kv_remote_t *rm = &ctx->peers[p->peer].remote;
+    kv_rail_t *rl = &ctx->fab.rail[li];
+    int ri = rm->rr[r][k % (uint32_t) rm->nrr[r]];
+    char why[160];
+    kv_op_t *op;
+    ssize_t rc;
+
+    if (!rm->av_ok[li][ri]) {
+        push_finish(ctx, p, 0, "no fabric route to the peer's rail (bug)");
+        return -1;
+    }
+    if ((op = op_get(ctx)) == NULL) {
+        return 0;
+    }
+    op->kind = KV_OP_WRITE;
+    op->slot = (uint32_t) (p - ctx->push);
+    op->gen = p->gen;
+    op->len = len;
+    op->rail = li;
+    op->rank = r;
+    op->stage = stage;
+    rc = fi_write(rl->ep, buf, len, desc, rm->fiaddr[li][ri],
+                  rm->base[r][ri] + dof, rm->key[r][ri], op);
+    if (rc == -FI_EAGAIN) {
+        op_put(ctx, op);
+        return 0;
+    }
+    if (rc != 0) {
+        op_put(ctx, op);
+        snprintf(why, sizeof(why), "fi_write: %s", kv_fi_err((int) rc));
+        push_finish(ctx, p, 0, why);
+        return -1;
+    }
+    p->bytes_posted += len;
+    p->inflight++;
+    p->rail_rr[r] = k + 1;
+    rl->inflight++;
+    ctx->poll_last_us = kv_now_us();
+    ctx->writes_inflight++;
+    return 1;
+}
+
+
+/* Staged rank: fill free slots of its ring with batches of copies from
+ * the pool (one event per slot).  1 when it queued something. */
+static int
+stage_fill(kv_ctx_t *ctx, kv_push_t *p, int r)
+{
+    kv_stage_t *s = ctx->stage[r];
+    kv_pool_t *pool = KV_POOL(ctx, r);
+    uint64_t lim = rail_lim(ctx, ctx->topo.rail[r][0]), so, dof, len, room;
+    uint32_t i, added = 0;
+    kv_slot_t *sl;
+
+    while (s->nfree > 0 && !p->rank_done[r]) {
+        for (i = 0; i < s->nslots && s->slot[i].state != KV_SLOT_FREE; i++) {
+        }
+        sl = &s->slot[i];
+        sl->npieces = sl->posted = sl->done = 0;
+        sl->used = 0;
+        while (sl->npieces < KV_SLOT_PIECES && sl->used < s->chunk) {
+            room = s->chunk - sl->used;
+            if (!next_piece(p, r, room < lim ? room : lim, &so, &dof, &len)) {
+                break;
+            }
+            if (so + len > pool->size) {
+                push_finish(ctx, p, 0, "segment outside a pool (bug)");
+                break;
+            }
+            if (s->copy.ops->copy(&s->copy, s->buf + (i * s->chunk)
+                                  + sl->used, (char *) pool->base + so, len,
+                                  0) != 0)
+            {
+                push_finish(ctx, p, 0, "staging copy from GPU failed");
+                break;
+            }
+            sl->piece[sl->npieces].off = sl->used;
+            sl->piece[sl->npieces].dst = dof;
+            sl->piece[sl->npieces].len = len;
+            sl->npieces++;
+            sl->used += len;
+            p->cur_off[r] += len;
+            p->stage_pending++;
+            s->stat_copies++;
+        }
+        if (sl->npieces == 0) {
+            break;
+        }
+        if (s->copy.ops->record(&s->copy, &sl->seq) != 0) {
+            /* wait for the copies already queued before freeing it */
+            push_finish(ctx, p, 0, "staging copy from GPU failed");
+            sl->seq = 0;
+        }
+        sl->state = KV_SLOT_COPYING;
+        sl->push = (uint32_t) (p - ctx->push);
+        sl->gen = p->gen;
+        s->nfree--;
+        s->stat_batches++;
+        added = 1;
+        if (!push_active(p)) {
+            break;
+        }
+    }
+    return (int) added;
+}
+
+
+static void
+slot_free(kv_stage_t *s, kv_slot_t *sl)
+{
+    sl->state = KV_SLOT_FREE;
+    s->nfree++;
+}
+
+
+/* Staged rank: slots whose copies completed go on the wire. */
+static void
+stage_post(kv_ctx_t *ctx, int r)
+{
+    kv_stage_t *s = ctx->stage[r];
+    kv_slot_t *sl;
+    kv_push_t *p;
+    kv_piece_t *pc;
+    uint32_t i, k;
+    int li, q;
+
+    for (i = 0; i < s->nslots; i++) {
+        sl = &s->slot[i];
+        if (sl->state == KV_SLOT_FREE) {
+            continue;
+        }
+        p = &ctx->push[sl->push];
+        if (sl->state == KV_SLOT_COPYING) {
+            q = sl->seq ? s->copy.ops->query(&s->copy, sl->seq) : 1;
+            if (q == 0) {
+                continue;
+            }
+            sl->state = KV_SLOT_READY;
+            if (q < 0 && p->gen == sl->gen && push_active(p)) {
+                push_finish(ctx, p, 0, "staging copy from GPU failed");
+            }
+        }
+        if (p->gen != sl->gen || p->state != KV_PUSH_WRITING) {
+            /* its push failed: nothing more of it goes out */
+            if (p->gen == sl->gen) {
+                p->stage_pending -= sl->npieces - sl->posted;
+            }
+            sl->npieces = sl->posted;
+            if (sl->done == sl->posted) {
+                slot_free(s, sl);
+            }
+            continue;
+        }
+        while (sl->posted < sl->npieces
+               && ctx->writes_inflight
+                  < ctx->cfg.window * (uint32_t) ctx->fab.nrails)
+        {
+            if ((li = pick_rail(ctx, p, r, &k)) < 0) {
+                break;
+            }
+            pc = &sl->piece[sl->posted];
+            if (pc->dst + pc->len
+                > ctx->peers[p->peer].remote.layout.size)
+            {
+                push_finish(ctx, p, 0, "segment outside a pool (bug)");
+                break;
+            }
+            q = post_write(ctx, p, r, li, k, s->buf + (i * s->chunk)
+                           + pc->off, s->desc[li], pc->len, pc->dst, i + 1);
+            if (q <= 0) {
+                break;
+            }
+            sl->posted++;
+            p->stage_pending--;
+        }
+    }
+}
+
+
+/* Post writes of one push, interleaving its ranks, until the windows are
+ * full; no allocation. */
 static void
 push_post(kv_ctx_t *ctx, kv_push_t *p)
 {
-    kv_peer_t *pe = &ctx->peers[p->peer];
-    kv_remote_t *rm = &pe->remote;
-    uint32_t budget = ctx->cfg.window * ctx->fab.nrails, nr, ri;
-    uint64_t lim, len, so, dof;
-    kv_rail_t *r;
-    kv_op_t *op;
-    ssize_t rc;
-    char why[160];
+    kv_remote_t *rm = &ctx->peers[p->peer].remote;
+    uint32_t budget = ctx->cfg.window * (uint32_t) ctx->fab.nrails, k;
+    uint64_t len, so, dof;
+    int r, j, li, rc, progress, done;
+    kv_pool_t *pool;
 
-    nr = (uint32_t) (ctx->fab.nrails < rm->nrails ? ctx->fab.nrails
-                                                  : rm->nrails);
-    while (!p->segs_done && ctx->writes_inflight < budget) {
-        if (!p->cur_valid || p->cur_off == p->cur.len) {
-            if (!kv_segiter_next(&p->it, &p->cur)) {
-                p->segs_done = 1;
-                break;
+    do {
+        progress = 0;
+        for (j = 0; j < ctx->nranks && p->state == KV_PUSH_WRITING; j++) {
+            r = (int) ((p->rank_rr + (uint32_t) j) % (uint32_t) ctx->nranks);
+            if (p->rank_done[r] || rank_held(ctx, p, r)) {
+                continue;
             }
-            p->cur_off = 0;
-            p->cur_valid = 1;
+            if (ctx->stage[r]) {
+                progress |= stage_fill(ctx, p, r);
+                continue;
+            }
+            if (ctx->writes_inflight >= budget
+                || (li = pick_rail(ctx, p, r, &k)) < 0
+                || !next_piece(p, r, rail_lim(ctx, li), &so, &dof, &len))
+            {
+                continue;
+            }
+            pool = KV_POOL(ctx, r);
+            if (so + len > pool->size || dof + len > rm->layout.size) {
+                push_finish(ctx, p, 0, "segment outside a pool (bug)");
+                return;
+            }
+            rc = post_write(ctx, p, r, li, k, (char *) pool->fab_base + so,
+                            pool->desc[li], len, dof, 0);
+            if (rc < 0) {
+                return;
+            }
+            if (rc > 0) {
+                p->cur_off[r] += len;
+                progress = 1;
+            }
         }
-        ri = p->next_rail % nr;
-        r = &ctx->fab.rail[ri];
-        lim = ctx->cfg.max_write < r->max_rma ? ctx->cfg.max_write
-                                              : r->max_rma;
-        len = p->cur.len - p->cur_off;
-        if (len > lim) {
-            len = lim;
-        }
-        so = p->cur.src + p->cur_off;
-        dof = p->cur.dst + p->cur_off;
-        if (so + len > ctx->pool.size || dof + len > rm->layout.size) {
-            push_finish(ctx, p, 0, "segment outside a pool (bug)");
-            return;
-        }
-        if ((op = op_get(ctx)) == NULL) {
-            break;
-        }
-        if (ctx->pool.mirror && kv_pool_stage(ctx, so, len, 0) != 0) {
-            op_put(ctx, op);
-            push_finish(ctx, p, 0, "staging copy from GPU failed");
-            return;
-        }
-        op->kind = KV_OP_WRITE;
-        op->slot = (uint32_t) (p - ctx->push);
-        op->gen = p->gen;
-        op->len = len;
-        op->rail = (int) ri;
-        rc = fi_write(r->ep, (char *) ctx->pool.fab_base + so, len,
-                      r->pool_desc, rm->fiaddr[ri], rm->base[ri] + dof,
-                      rm->key[ri], op);
-        if (rc == -FI_EAGAIN) {
-            op_put(ctx, op);
-            break;
-        }
-        if (rc != 0) {
-            op_put(ctx, op);
-            snprintf(why, sizeof(why), "fi_write: %s", kv_fi_err((int) rc));
-            push_finish(ctx, p, 0, why);
-            return;
-        }
-        p->cur_off += len;
-        p->bytes_posted += len;
-        p->inflight++;
-        p->next_rail++;
-        ctx->writes_inflight++;
+        p->rank_rr++;
+    } while (progress && p->state == KV_PUSH_WRITING);
+
+    if (p->state != KV_PUSH_WRITING) {
+        return;
     }
-    if (p->segs_done && p->inflight == 0 && !p->done_sent) {
+    for (r = 0, done = 1; r < ctx->nranks; r++) {
+        done &= p->rank_done[r];
+    }
+    p->segs_done = done;
+    if (done && p->stage_pending == 0 && p->inflight == 0 && !p->done_sent) {
         post_done(ctx, p);
     }
 }
@@ -1476,7 +1951,23 @@ on_completion(kv_ctx_t *ctx, kv_op_t *op, int err, size_t len)
 
     switch (op->kind) {
     case KV_OP_WRITE:
-        ctx->writes_inflight--;
+        if (op->written_off) {
+            ctx->writes_owed--;
+        } else {
+            ctx->writes_inflight--;
+            ctx->fab.rail[op->rail].inflight--;
+        }
+        if (err == 0) {
+            ctx->fab.rail[op->rail].bytes_out += op->len;
+        }
+        if (op->stage && ctx->stage[op->rank]) {
+            kv_stage_t *s = ctx->stage[op->rank];
+            kv_slot_t *sl = &s->slot[op->stage - 1];
+            sl->done++;
+            if (sl->done == sl->posted && sl->posted == sl->npieces) {
+                slot_free(s, sl);
+            }
+        }
         p = &ctx->push[op->slot];
         if (p->gen == op->gen) {
             p->inflight--;
@@ -1548,6 +2039,7 @@ kv_xfer_progress(kv_ctx_t *ctx)
         for (budget = 0; budget < KV_CQ_TURN_MAX; budget++) {
             n = kv_rail_cq_read(&ctx->fab.rail[rail], ce, 64);
             if (n > 0) {
+                ctx->poll_last_us = kv_now_us();
                 for (k = 0; k < (uint32_t) n; k++) {
                     on_completion(ctx, (kv_op_t *) ce[k].op_context, 0,
                                   ce[k].len);
@@ -1558,6 +2050,11 @@ kv_xfer_progress(kv_ctx_t *ctx)
             } else if (n == -FI_EAVAIL) {
                 if (kv_rail_cq_error(&ctx->fab.rail[rail], &ee) < 0) {
                     break;
+                }
+                if (ee.op_context && fault_lose_write_errors
+                    && ((kv_op_t *) ee.op_context)->kind == KV_OP_WRITE)
+                {
+                    continue;           /* test fault: never reported */
                 }
                 if (ee.op_context) {
                     on_completion(ctx, (kv_op_t *) ee.op_context,
@@ -1571,6 +2068,12 @@ kv_xfer_progress(kv_ctx_t *ctx)
             break;
         }
     }
+    /* staged slots whose copies completed go out first */
+    for (rail = 0; rail < ctx->nranks; rail++) {
+        if (ctx->stage[rail]) {
+            stage_post(ctx, rail);
+        }
+    }
     /* round-robin over pushes so concurrent transfers share the window */
     for (k = 0; k < ctx->npush; k++) {
         i = (ctx->push_rr + k) % ctx->npush;
@@ -1579,7 +2082,60 @@ kv_xfer_progress(kv_ctx_t *ctx)
         }
     }
     ctx->push_rr++;
+    copyin_progress(ctx);
     return kv_xfer_busy(ctx);
+}
+
+
+/*
+ * One pass for the poll loop's choice of timeout: *busy (kv_xfer_busy),
+ * *copies (copies queued on an engine: staging slots, copy-ins), *polled
+ * (some of them on an engine without a wake fd), *live (a receive in
+ * progress from a sender heard from within two heartbeats: it is alive
+ * and writing, and shm's target must progress for its writes to complete).
+ */
+void
+kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
+{
+    uint64_t lim = 2 * (uint64_t) ctx->cfg.heartbeat_ms;
+    uint32_t i;
+    int k;
+
+    memset(ps, 0, sizeof(*ps));
+    ps->busy = ctx->writes_inflight > 0;
+    for (k = 0; k < ctx->nranks; k++) {
+        kv_stage_t *s = ctx->stage[k];
+        for (i = 0; s && i < s->nslots; i++) {
+            if (s->slot[i].state == KV_SLOT_COPYING) {
+                ps->copies = 1;
+                ps->polled |= s->copy.wake_fd < 0;
+            }
+        }
+        if (s && s->nfree < s->nslots) {
+            ps->busy = 1;
+        }
+    }
+    for (i = 0; ctx->push && i < ctx->npush; i++) {
+        ps->busy |= push_active(&ctx->push[i]);
+    }
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        kv_rreq_t *r = &ctx->rreq[i];
+        if (!r->used || r->state != DPD_REQ_TRANSFERRING) {
+            continue;
+        }
+        ps->busy = 1;
+        if (r->peer >= 0 && now < ctx->peers[r->peer].last_heard_ms + lim) {
+            ps->live = 1;
+        }
+        if (r->copyin) {
+            ps->copies = 1;
+            for (k = 0; k < ctx->nranks; k++) {
+                if ((r->copyin & (1 << k)) && ctx->rcopy[k].wake_fd < 0) {
+                    ps->polled = 1;
+                }
+            }
+        }
+    }
 }
 
 
@@ -1590,6 +2146,11 @@ kv_xfer_busy(kv_ctx_t *ctx)
 
     if (ctx->writes_inflight) {
         return 1;
+    }
+    for (i = 0; i < (uint32_t) ctx->nranks; i++) {
+        if (ctx->stage[i] && ctx->stage[i]->nfree < ctx->stage[i]->nslots) {
+            return 1;                  /* copies or writes of a slot */
+        }
     }
     for (i = 0; ctx->push && i < ctx->npush; i++) {
         if (push_active(&ctx->push[i])) {

@@ -501,6 +501,34 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                "\"r-1\",\"receiver_host\":\"10.0.0.4\",\"receiver_init_port\":"
                "[7300,7301],\"receiver_alloc_port\":[7300,7301]}}", &lim);
 
+    /* lmcache as LMCache's proxy: token ids for "prompt", max_tokens - 1;
+     * every top-level member found again by kind */
+    out = ngx_http_dpd_proto_lmcache_prefill_body(&req, "[1,2,3]", &spec,
+                                                  &len);
+    check_body(out, len, "{\"ret_first_tok\":true,\"disagg_spec\":{\"req_id\":"
+               "\"r-1\",\"receiver_host\":\"10.0.0.4\",\"receiver_init_port\":"
+               "[7300,7301],\"receiver_alloc_port\":[7300,7301]}}", &lim);
+
+    out = ngx_http_dpd_proto_lmcache_decode_body(&req, "[1,2,3,4]", 7, 3,
+                                                 &len);
+    check_body(out, len, NULL, &lim);
+
+    {
+        unsigned  k;
+        cJSON    *v;
+
+        for (k = NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS;
+             k <= NGX_HTTP_DPD_KEY_LOGPROBS; k++)
+        {
+            if (k == NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS) {
+                continue;      /* may repeat: the index keeps them all */
+            }
+
+            CHECK(ngx_http_dpd_proto_member(&req, k, &v) == 0);
+            cJSON_Delete(v);
+        }
+    }
+
     out = ngx_http_dpd_proto_kv_agent_prefill_body(&req, "r-1", "node-2",
                                                    &len);
     check_body(out, len, "{\"dpd\":{\"req_id\":\"r-1\",\"decode_node\":"

@@ -9,12 +9,15 @@ TOK_DIR     := ngx_dpd_module/tokenizer
 TOK_LIB     := $(BUILD)/libdpdtok.a
 TOK_PIC_LIB := $(BUILD)/libdpdtok_pic.a
 TOK_SO      := $(BUILD)/libdpdtok.so
-TOK_LIBS    := -lpcre2-8 -lcjson -lutf8proc -lpthread
+TOK_LIBS    := -lpcre2-8 -lcjson -lutf8proc -lpthread -lm
 
 TOK_SRCS    := $(addprefix $(TOK_DIR)/,tok_hash.c tok_utf8.c tok_trie.c \
-                 tok_bpe.c tok_pretok.c tok_encode.c tok_load.c tok_config.c \
-                 tok_chat.c)
-TOK_HDRS    := $(TOK_DIR)/dpd_tokenizer.h $(TOK_DIR)/tok_internal.h
+                 tok_bpe.c tok_pretok.c tok_pretok_fast.c tok_encode.c \
+                 tok_load.c tok_config.c tok_chat.c tok_jinja_value.c \
+                 tok_jinja_lex.c tok_jinja_parse.c tok_jinja_eval.c)
+TOK_HDRS    := $(TOK_DIR)/dpd_tokenizer.h $(TOK_DIR)/tok_internal.h \
+               $(TOK_DIR)/tok_jinja.h $(TOK_DIR)/tok_unicode9.h \
+               $(TOK_DIR)/tok_pretok_class.h
 TOK_OBJS    := $(patsubst $(TOK_DIR)/%.c,$(BUILD)/tok/%.o,$(TOK_SRCS))
 TOK_PIC_OBJS:= $(patsubst $(TOK_DIR)/%.c,$(BUILD)/tok_pic/%.o,$(TOK_SRCS))
 TOK_CFLAGS   = $(CFLAGS) $(CSTD) $(WARN) -I$(TOK_DIR)
@@ -41,6 +44,13 @@ $(TOK_SO): $(TOK_PIC_OBJS) $(TOK_DIR)/libdpdtok.map
 	$(CC) -shared -Wl,--version-script=$(TOK_DIR)/libdpdtok.map \
 	    -o $@ $(TOK_PIC_OBJS) $(TOK_LIBS)
 
+# the fast pre-tokenizer's class table, from the system pcre2 (committed)
+tok-class-table:
+	@mkdir -p $(BUILD)
+	$(CC) -O2 $(TOK_DIR)/gen_pretok_class.c -lpcre2-8 \
+	    -o $(BUILD)/gen_pretok_class
+	$(BUILD)/gen_pretok_class > $(TOK_DIR)/tok_pretok_class.h
+
 $(BUILD)/dpd-tokenize: $(TOK_DIR)/dpd_tokenize.c $(TOK_LIB) $(TOK_HDRS)
 	$(CC) $(TOK_CFLAGS) $< -o $@ $(TOK_LIB) $(TOK_LIBS)
 
@@ -49,11 +59,16 @@ FUZZ_CC      ?= clang
 FUZZ_SECONDS ?= 60
 FUZZ_FLAGS   := -g -O1 -fsanitize=fuzzer,address,undefined \
                 -fno-sanitize-recover=undefined $(CSTD) -I$(TOK_DIR)
-TOK_FUZZ     := $(BUILD)/fuzz/tok_fuzz_load $(BUILD)/fuzz/tok_fuzz_encode
+TOK_FUZZ     := $(BUILD)/fuzz/tok_fuzz_load $(BUILD)/fuzz/tok_fuzz_encode \
+                $(BUILD)/fuzz/tok_fuzz_jinja $(BUILD)/fuzz/tok_fuzz_pretok
 
 $(BUILD)/fuzz/%: $(TOK_DIR)/fuzz/%.c $(TOK_SRCS) $(TOK_HDRS)
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(FUZZ_FLAGS) $< $(TOK_SRCS) -o $@ $(TOK_LIBS)
+
+# the template engine as a plain program, for valgrind on the fuzz seeds
+$(BUILD)/tok_jinja_standalone: $(TOK_DIR)/fuzz/tok_fuzz_jinja.c $(TOK_LIB) $(TOK_HDRS)
+	$(CC) $(TOK_CFLAGS) -DTJ_STANDALONE $< -o $@ $(TOK_LIB) $(TOK_LIBS)
 
 # (ngx_dpd_module/build.mk adds the request-path target)
 fuzz: $(TOK_FUZZ)

@@ -3,15 +3,25 @@
  *
  *   dpd-tokenize --tokenizer tokenizer.json [--config tokenizer_config.json]
  *                [--ids | --count | --render] [--special] [--jsonl]
- *                [--chat] [--template auto|llama3|llama3.1|chatml|none]
+ *                [--chat [--template auto|none|FILE.jinja] [--estimate]]
  *
  * Reads stdin.  Plain mode tokenizes all of it; --jsonl reads one JSON
  * string per line (raw bytes inside the quotes are passed through, so
  * invalid UTF-8 can be tested) and writes one line per input; --chat reads
  * an OpenAI chat request body (or a bare messages array) and tokenizes the
- * rendered prompt; with --jsonl, one request per line.  --render prints
- * the rendered prompt as a JSON string instead of ids.
- * Exit 0 on success, 2 on bad input or usage, 1 on internal failure.
+ * rendered prompt (the model's Jinja chat template, or --template FILE,
+ * with the variables vLLM passes: tools, chat_template_kwargs, ...; as
+ * vLLM, no specials are added to it, --special or not: the template
+ * carries them); with --jsonl, one request per line.  --render prints the
+ * rendered prompt as a JSON string instead of ids.  Without any template a
+ * chat is an error, unless --estimate (--count only): the documented
+ * estimate.  Image and other non-text parts are left out of the count and
+ * said so on stderr, as the gateway does.  With --jsonl a bad line prints
+ * "error: line N: ..." in its place and the rest goes on.  Text is passed
+ * by length everywhere: a NUL byte (or \u0000 in a --jsonl string) is text
+ * like any other character.
+ * Exit 0 on success, 2 on bad input (some bad line) or usage, 1 on
+ * internal failure.
  */
 
 #include <errno.h>
@@ -24,8 +34,9 @@
 
 typedef struct {
     const char           *tokenizer, *config;
-    int                   count, render, special, jsonl, chat;
+    int                   count, render, special, jsonl, chat, estimate;
     dpd_chat_template_t   tmpl;
+    const char           *tmpl_file;
 } opts_t;
 
 static uint32_t  *ids;
@@ -38,11 +49,12 @@ usage(void)
     fprintf(stderr,
         "usage: dpd-tokenize --tokenizer FILE [--config FILE] [--ids|--count"
         "|--render]\n"
-        "                    [--special] [--jsonl] [--chat] [--template "
-        "NAME]\n"
+        "                    [--special] [--jsonl] [--chat [--template "
+        "auto|none|FILE]\n"
+        "                    [--estimate]]\n"
         "  reads stdin; --jsonl: one JSON string (or, with --chat, one chat "
         "request)\n"
-        "  per line; templates: auto llama3 llama3.1 chatml none\n");
+        "  per line; --template FILE: a Jinja chat template file\n");
 }
 
 
@@ -336,27 +348,33 @@ do_chat(const dpd_tok_t *tok, const opts_t *o, const char *body, size_t len,
         cJSON_Delete(root);
         return 2;
     }
-    rc = dpd_chat_render_json(tok, o->tmpl, msgs, &text, &tlen, err,
+    /* the whole request: tools, chat_template_kwargs, documents, ... */
+    rc = dpd_chat_render_json(tok, o->tmpl, root, &text, &tlen, err,
                               sizeof(err));
     if (rc < 0) {
         fprintf(stderr, "dpd-tokenize: %s%s\n", where, err);
         cJSON_Delete(root);
         return 2;
     }
+    if (rc == 2) {
+        fprintf(stderr, "dpd-tokenize: %stext counted only (%s)\n", where,
+                err);
+    }
     if (rc == 1) {
-        if (!o->count) {
-            fprintf(stderr, "dpd-tokenize: %sno known chat template: only "
-                    "--count gives an estimate\n", where);
+        if (!o->estimate || !o->count) {
+            fprintf(stderr, "dpd-tokenize: %sno chat template (the model has "
+                    "none, or --template none): --count --estimate gives the "
+                    "documented estimate\n", where);
             cJSON_Delete(root);
             return 2;
         }
-        n = dpd_chat_count_json(tok, o->tmpl, msgs, &est, err, sizeof(err));
+        n = dpd_chat_count_json(tok, o->tmpl, root, &est, err, sizeof(err));
         cJSON_Delete(root);
         if (n < 0) {
             fprintf(stderr, "dpd-tokenize: %s%s\n", where, err);
             return 2;
         }
-        fprintf(stderr, "dpd-tokenize: no known chat template, the count is "
+        fprintf(stderr, "dpd-tokenize: no chat template, the count is "
                 "an estimate (content tokens + %d per message + %d)\n",
                 DPD_CHAT_EST_PER_MESSAGE, DPD_CHAT_EST_PRIMING);
         printf("%ld\n", n);
@@ -367,7 +385,10 @@ do_chat(const dpd_tok_t *tok, const opts_t *o, const char *body, size_t len,
         print_json_string(text, tlen);
         rc = 0;
     } else {
-        rc = print_tokens(tok, o, text, tlen);
+        /* vLLM encodes the prompt with add_special_tokens=False */
+        opts_t plain = *o;
+        plain.special = 0;
+        rc = print_tokens(tok, &plain, text, tlen);
     }
     free(text);
     return rc;
@@ -380,7 +401,7 @@ run(const dpd_tok_t *tok, const opts_t *o, char *in, size_t len)
     char        *line, *nl, *buf = NULL, where[64];
     const char  *why;
     size_t       llen, blen, lineno = 0;
-    int          rc = 0;
+    int          rc = 0, r;
 
     if (!o->jsonl) {
         if (o->chat) {
@@ -393,27 +414,48 @@ run(const dpd_tok_t *tok, const opts_t *o, char *in, size_t len)
         return print_tokens(tok, o, in, len);
     }
 
-    buf = malloc(len + 1);
+    buf = calloc(1, len + 1);  /* initialised: see tok_buf_add() */
     if (buf == NULL) {
         fprintf(stderr, "dpd-tokenize: out of memory\n");
         return 1;
     }
+    if (o->render && !o->chat) {
+        free(buf);
+        fprintf(stderr, "dpd-tokenize: --render needs --chat\n");
+        return 2;
+    }
+    /*
+     * A bad line gives an "error: line N: ..." output line (the message
+     * also on stderr) and the next lines go on, so output line N is still
+     * input line N; the exit status is then 2.  An internal failure
+     * (out of memory) stops at once with 1.
+     */
     line = in;
-    while (line < in + len && rc == 0) {
+    while (line < in + len) {
         nl = memchr(line, '\n', (size_t) (in + len - line));
         llen = nl ? (size_t) (nl - line) : (size_t) (in + len - line);
         lineno++;
         snprintf(where, sizeof(where), "line %zu: ", lineno);
         if (o->chat) {
-            rc = do_chat(tok, o, line, llen, where);
+            fflush(stdout);
+            r = do_chat(tok, o, line, llen, where);
+            if (r == 2) {
+                printf("error: line %zu: bad chat request (see stderr)\n",
+                       lineno);
+            }
         } else if (json_string_line(line, llen, buf, &blen, &why) != 0) {
             fprintf(stderr, "dpd-tokenize: line %zu: %s\n", lineno, why);
-            rc = 2;
-        } else if (o->render) {
-            fprintf(stderr, "dpd-tokenize: --render needs --chat\n");
-            rc = 2;
+            printf("error: line %zu: %s\n", lineno, why);
+            r = 2;
         } else {
-            rc = print_tokens(tok, o, buf, blen);
+            r = print_tokens(tok, o, buf, blen);
+        }
+        if (r == 1) {
+            rc = 1;
+            break;
+        }
+        if (r != 0) {
+            rc = 2;
         }
         line += llen + 1;
     }
@@ -449,11 +491,12 @@ main(int argc, char **argv)
         } else if (strcmp(a, "--template") == 0) {
             t = dpd_chat_template_from_name(argv[++i]);
             if (t < 0) {
-                fprintf(stderr, "dpd-tokenize: --template: unknown \"%s\" "
-                        "(auto, llama3, llama3.1, chatml, none)\n", argv[i]);
-                return 2;
+                o.tmpl_file = argv[i];     /* a template file */
+            } else {
+                o.tmpl = (dpd_chat_template_t) t;
             }
-            o.tmpl = (dpd_chat_template_t) t;
+        } else if (strcmp(a, "--estimate") == 0) {
+            o.estimate = 1;
         } else if (strcmp(a, "--ids") == 0) {
             o.count = 0;
         } else if (strcmp(a, "--count") == 0) {
@@ -486,11 +529,25 @@ main(int argc, char **argv)
         fprintf(stderr, "dpd-tokenize: %s\n", err);
         return 2;
     }
+    if (o.tmpl_file) {
+        t = dpd_tok_chat_template_file(tok, o.tmpl_file, err, sizeof(err));
+        if (t < 0) {
+            fprintf(stderr, "dpd-tokenize: --template: %s\n", err);
+            dpd_tok_free(tok);
+            return 2;
+        }
+        o.tmpl = (dpd_chat_template_t) t;
+    }
     if (o.chat && o.tmpl == DPD_CHAT_AUTO
         && dpd_tok_chat_template(tok) == DPD_CHAT_NONE)
     {
-        fprintf(stderr, "dpd-tokenize: no chat template detected%s\n",
+        fprintf(stderr, "dpd-tokenize: the model has no chat template%s\n",
                 o.config ? "" : " (no --config given)");
+    }
+    if (o.estimate && !(o.chat && o.count)) {
+        fprintf(stderr, "dpd-tokenize: --estimate needs --chat --count\n");
+        dpd_tok_free(tok);
+        return 2;
     }
 
     in = read_all(stdin, &len);

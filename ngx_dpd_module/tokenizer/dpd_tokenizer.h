@@ -21,13 +21,22 @@ extern "C" {
 
 typedef struct dpd_tok_s  dpd_tok_t;
 
-/* chat template families (dpd_chat_template directive, --template) */
+/*
+ * Which chat template renders a chat (dpd_chat_template directive,
+ * --template): the model's own Jinja template from tokenizer_config.json
+ * (or chat_template.jinja beside it), a template file registered with
+ * dpd_tok_chat_template_file(), or none (the documented estimate).
+ * LLAMA3, LLAMA31 and CHATML are the names of the families once written
+ * out in C: they now mean the model's own template, like AUTO.
+ */
 typedef enum {
-    DPD_CHAT_AUTO = 0,      /* detect from tokenizer_config.json */
-    DPD_CHAT_LLAMA3,        /* Llama 3 / 3.0 template */
-    DPD_CHAT_LLAMA31,       /* Meta's 3.1+ format: default system block */
-    DPD_CHAT_CHATML,        /* ChatML: Qwen 2/2.5/3 plain messages */
-    DPD_CHAT_NONE           /* unknown template: documented estimate */
+    DPD_CHAT_AUTO = 0,      /* the model's template, or none */
+    DPD_CHAT_LLAMA3,        /* (old name) = AUTO */
+    DPD_CHAT_LLAMA31,       /* (old name) = AUTO */
+    DPD_CHAT_CHATML,        /* (old name) = AUTO */
+    DPD_CHAT_NONE,          /* no template: documented estimate */
+    DPD_CHAT_MODEL,         /* the model's template (AUTO resolved) */
+    DPD_CHAT_FILE = 16      /* + k: the k-th registered template file */
 } dpd_chat_template_t;
 
 /*
@@ -78,22 +87,41 @@ int dpd_tok_bound_params(const dpd_tok_t *tok, dpd_tok_bound_t *out);
 /* Number of ids the model knows (vocab + added tokens): ids are < this. */
 uint32_t dpd_tok_vocab_size(const dpd_tok_t *tok);
 
-/* Template detected from tokenizer_config.json (DPD_CHAT_NONE if unknown). */
+/* DPD_CHAT_MODEL if the model ships a chat template, else DPD_CHAT_NONE. */
 dpd_chat_template_t dpd_tok_chat_template(const dpd_tok_t *tok);
 
-/* "auto", "llama3", "llama3.1", "chatml", "none" -> enum; -1 if unknown. */
+/* "auto", "model", "none" (and the old "llama3", "llama3.1", "chatml",
+ * = auto) -> enum; -1 if unknown (a file name, see below). */
 int dpd_chat_template_from_name(const char *name);
 const char *dpd_chat_template_name(dpd_chat_template_t t);
 
 /*
- * Render an OpenAI chat request's "messages" to the prompt text the
- * model's template produces, generation prompt appended.
+ * Compile a Jinja chat template (a file, or src[0..len)) and register it
+ * on tok; returns its dpd_chat_template_t (DPD_CHAT_FILE + k), or -1 with
+ * the parse error in err ("chat template: line 3: ...").  Call it at
+ * load / configuration time only, before tok is shared: registering is
+ * not thread safe, rendering is.
+ */
+int dpd_tok_chat_template_file(dpd_tok_t *tok, const char *path,
+    char *err, size_t errlen);
+int dpd_tok_chat_template_add(dpd_tok_t *tok, const char *src, size_t len,
+    char *err, size_t errlen);
+
+/*
+ * Render an OpenAI chat request to the prompt text vLLM renders: the
+ * model's Jinja template with the variables vLLM passes (messages
+ * prepared as vllm/entrypoints/chat_utils.py does, tools, documents,
+ * add_generation_prompt, continue_final_message, the special tokens,
+ * chat_template_kwargs; see tok_chat.c).
  *
- * messages_json: the JSON text of the messages array (len bytes).
- * On success returns 0, *out is a malloc'ed NUL-terminated string (free()
- * it), *outlen its length.  On bad input returns -1 with a message in err
- * (e.g. "messages[2].content: expected string or array of text parts").
- * If the template is DPD_CHAT_NONE, returns 1 and *out is NULL: use
+ * messages_json: the JSON text of the whole request object (len bytes),
+ * or of a bare messages array (the defaults for everything else).
+ * Returns 0 and *out, a malloc'ed NUL-terminated string (free() it),
+ * *outlen its length; 2 the same but non-text content parts (images,
+ * audio) were not counted, err says where; -1 on a request vLLM refuses
+ * with 400 (message in err: "messages[2].content: ...", or the
+ * template's own raise_exception() text, or "chat template: line 7:
+ * ..."); 1 and *out NULL with DPD_CHAT_NONE or no template: use
  * dpd_chat_count() which gives the documented estimate.
  */
 int dpd_chat_render(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
@@ -114,8 +142,10 @@ long dpd_chat_count(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
     char *err, size_t errlen);
 
 /*
- * The same two entry points on an already parsed cJSON array (the nginx
- * module parses the body once).  messages is a "const cJSON *".
+ * The same two entry points on an already parsed cJSON request object or
+ * messages array (the nginx module parses the body once).  messages is a
+ * "const cJSON *".  dpd_chat_count_json() sets *estimated for the
+ * estimate and when non-text parts were left out (err then says where).
  */
 struct cJSON;
 

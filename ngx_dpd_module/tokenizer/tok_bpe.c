@@ -98,27 +98,23 @@ typedef struct {
     int32_t   next;
 } tok_sym_t;
 
-typedef struct {
-    uint32_t  rank;
-    uint32_t  pos;
-} tok_cand_t;
+/* a candidate is rank << 32 | pos: (rank, leftmost) order is one compare */
+typedef uint64_t  tok_cand_t;
+
+#define tok_cand(rank, pos)  ((uint64_t) (rank) << 32 | (uint32_t) (pos))
+#define tok_cand_rank(c)     ((uint32_t) ((c) >> 32))
+#define tok_cand_pos(c)      ((uint32_t) (c))
 
 
-static inline int
-tok_cand_less(const tok_cand_t *a, const tok_cand_t *b)
+/* c rises from the hole at i to its place */
+static inline void
+tok_heap_up(tok_cand_t *h, size_t i, tok_cand_t c)
 {
-    return a->rank < b->rank || (a->rank == b->rank && a->pos < b->pos);
-}
-
-
-static void
-tok_heap_push(tok_cand_t *h, size_t *n, tok_cand_t c)
-{
-    size_t  i = (*n)++, p;
+    size_t  p;
 
     while (i > 0) {
         p = (i - 1) / 2;
-        if (!tok_cand_less(&c, &h[p])) {
+        if (c >= h[p]) {
             break;
         }
         h[i] = h[p];
@@ -128,29 +124,41 @@ tok_heap_push(tok_cand_t *h, size_t *n, tok_cand_t c)
 }
 
 
-static tok_cand_t
+static inline void
+tok_heap_push(tok_cand_t *h, size_t *n, tok_cand_t c)
+{
+    tok_heap_up(h, (*n)++, c);
+}
+
+
+/*
+ * Floyd's pop: the hole goes down to a leaf by the smaller child (one
+ * compare per level instead of two), then the last entry rises from
+ * there; it usually belongs near the bottom, so that costs little.
+ */
+static inline tok_cand_t
 tok_heap_pop(tok_cand_t *h, size_t *n)
 {
-    tok_cand_t  top = h[0], last = h[--(*n)];
-    size_t      i = 0, c;
+    tok_cand_t  top = h[0];
+    size_t      i = 0, c, m = --(*n);
 
+    if (m == 0) {
+        return top;
+    }
     for ( ;; ) {
         c = 2 * i + 1;
-        if (c >= *n) {
+        if (c + 1 >= m) {
+            if (c < m) {
+                h[i] = h[c];
+                i = c;
+            }
             break;
         }
-        if (c + 1 < *n && tok_cand_less(&h[c + 1], &h[c])) {
-            c++;
-        }
-        if (!tok_cand_less(&h[c], &last)) {
-            break;
-        }
+        c += h[c + 1] < h[c];
         h[i] = h[c];
         i = c;
     }
-    if (*n > 0) {
-        h[i] = last;
-    }
+    tok_heap_up(h, i, h[m]);
     return top;
 }
 
@@ -181,71 +189,166 @@ tok_work_reserve(tok_work_t *w, size_t len)
 }
 
 
-static void
-tok_bpe_small(tok_work_t *w, const char *s, size_t len, uint64_t h)
-{
-    const dpd_tok_t  *tok = w->tok;
-    uint32_t          id[TOK_BPE_SMALL], rk[TOK_BPE_SMALL];
-    uint32_t          mid[TOK_BPE_SMALL], best, x;
-    size_t            i, n = 0, b;
+/*
+ * The word before merges, as Hugging Face's BPE::merge_word: one symbol per
+ * unit (a byte of byte-level text, else a UTF-8 character) found in the
+ * vocabulary; a unit it lacks becomes its bytes' <0xNN> tokens
+ * (byte_fallback, when all exist), else the unknown token (consecutive
+ * ones fused into one with fuse_unk), else nothing.  A pending unknown
+ * token is only written before the next known unit or at the end, as
+ * there: byte-fallback tokens in between come before it.  At most one id
+ * per byte of s.
+ */
+static size_t tok_bpe_word_chars(const dpd_tok_t *tok, const char *s,
+    size_t len, uint32_t *id);
 
+
+static inline size_t
+tok_bpe_word(const dpd_tok_t *tok, const char *s, size_t len, uint32_t *id)
+{
+    size_t    i, n = 0;
+    uint32_t  x;
+
+    if (!tok->byte_level || tok->unk_id != TOK_NO_ID) {
+        return tok_bpe_word_chars(tok, s, len, id);
+    }
     for (i = 0; i < len; i++) {
         x = tok->byte_id[(uint8_t) s[i]];
         if (x != TOK_NO_ID) {
             id[n++] = x;
         }
     }
+    return n;
+}
+
+
+static size_t
+tok_bpe_word_chars(const dpd_tok_t *tok, const char *s, size_t len,
+    uint32_t *id)
+{
+    size_t    i = 0, n = 0, cl, k;
+    uint32_t  x;
+    int       unk = 0;
+    uint8_t   c;
+    while (i < len) {
+        c = (uint8_t) s[i];
+        if (tok->byte_level || c < 0x80) {
+            cl = 1;
+            x = tok->byte_id[c];
+        } else {
+            cl = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+            if (cl > len - i) {
+                cl = len - i;
+            }
+            x = tok_strmap_get(&tok->vocab, s + i, cl);
+        }
+        if (x != TOK_NO_ID) {
+            if (unk) {
+                id[n++] = tok->unk_id;
+                unk = 0;
+            }
+            id[n++] = x;
+            i += cl;
+            continue;
+        }
+        if (tok->byte_fallback) {
+            for (k = 0; k < cl; k++) {
+                if (tok->fb_id[(uint8_t) s[i + k]] == TOK_NO_ID) {
+                    break;
+                }
+            }
+            if (k == cl) {
+                for (k = 0; k < cl; k++) {
+                    id[n++] = tok->fb_id[(uint8_t) s[i + k]];
+                }
+                i += cl;
+                continue;
+            }
+        }
+        if (tok->unk_id != TOK_NO_ID) {
+            if (unk && !tok->fuse_unk) {
+                id[n++] = tok->unk_id;
+            }
+            unk = 1;
+        }
+        i += cl;
+    }
+    if (unk) {
+        id[n++] = tok->unk_id;
+    }
+    return n;
+}
+
+
+/* a symbol of the short path with the pair it starts: one memmove per merge */
+typedef struct {
+    uint32_t  rk;       /* rank of (this, next), UINT32_MAX: none */
+    uint32_t  mid;      /* what the pair merges into */
+    uint32_t  id;
+} tok_ssym_t;
+
+
+static void
+tok_bpe_small(tok_work_t *w, const char *s, size_t len, uint64_t h)
+{
+    const dpd_tok_t  *tok = w->tok;
+    uint32_t          id[TOK_BPE_SMALL], best;
+    tok_ssym_t        y[TOK_BPE_SMALL];
+    size_t            i, n, b;
+
+    n = tok_bpe_word(tok, s, len, id);
     if (n == 0) {
         return;
     }
     /* all first-round lookups are independent: start their cache misses
-     * together, then read (rk and mid hold the slots in the meantime) */
+     * together, then read (rk holds the slots in the meantime) */
     for (i = 0; i + 1 < n; i++) {
-        rk[i] = tok_pairmap_slot(&tok->merges, tok_pair_key(id[i], id[i + 1]));
-        __builtin_prefetch(&tok->merges.slots[rk[i]]);
+        y[i].id = id[i];
+        y[i].rk = tok_pairmap_slot(&tok->merges, tok_pair_key(id[i], id[i + 1]));
+        __builtin_prefetch(&tok->merges.slots[y[i].rk]);
     }
+    y[n - 1].id = id[n - 1];
     for (i = 0; i + 1 < n; i++) {
         if (!tok_pairmap_get_at(&tok->merges, tok_pair_key(id[i], id[i + 1]),
-                                rk[i], &rk[i], &mid[i]))
+                                y[i].rk, &y[i].rk, &y[i].mid))
         {
-            rk[i] = UINT32_MAX;
+            y[i].rk = UINT32_MAX;
         }
     }
-    rk[n - 1] = UINT32_MAX;
+    y[n - 1].rk = UINT32_MAX;
 
     while (n > 1) {
         best = UINT32_MAX;
         b = 0;
         for (i = 0; i + 1 < n; i++) {
-            if (rk[i] < best) {
-                best = rk[i];
+            if (y[i].rk < best) {
+                best = y[i].rk;
                 b = i;
             }
         }
         if (best == UINT32_MAX) {
             break;
         }
-        id[b] = mid[b];
+        y[b].id = y[b].mid;
         n--;
-        memmove(&id[b + 1], &id[b + 2], (n - b - 1) * sizeof(uint32_t));
-        memmove(&rk[b + 1], &rk[b + 2], (n - b - 1) * sizeof(uint32_t));
-        memmove(&mid[b + 1], &mid[b + 2], (n - b - 1) * sizeof(uint32_t));
-        if (b > 0 && !tok_pairmap_get(&tok->merges, id[b - 1], id[b],
-                                      &rk[b - 1], &mid[b - 1]))
+        memmove(&y[b + 1], &y[b + 2], (n - b - 1) * sizeof(tok_ssym_t));
+        if (b > 0 && !tok_pairmap_get(&tok->merges, y[b - 1].id, y[b].id,
+                                      &y[b - 1].rk, &y[b - 1].mid))
         {
-            rk[b - 1] = UINT32_MAX;
+            y[b - 1].rk = UINT32_MAX;
         }
         if (b + 1 < n) {
-            if (!tok_pairmap_get(&tok->merges, id[b], id[b + 1], &rk[b],
-                                 &mid[b]))
+            if (!tok_pairmap_get(&tok->merges, y[b].id, y[b + 1].id,
+                                 &y[b].rk, &y[b].mid))
             {
-                rk[b] = UINT32_MAX;
+                y[b].rk = UINT32_MAX;
             }
         } else {
-            rk[b] = UINT32_MAX;
+            y[b].rk = UINT32_MAX;
         }
     }
     for (i = 0; i < n; i++) {
+        id[i] = y[i].id;
         tok_emit(w->sink, id[i]);
     }
     if (h != 0 && n <= TOK_CACHE_MAXIDS) {
@@ -281,8 +384,11 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
         id = tok->byte_id[(uint8_t) s[0]];
         if (id != TOK_NO_ID) {
             tok_emit(w->sink, id);
+            return;
         }
-        return;
+        if (tok->unk_id == TOK_NO_ID && !tok->byte_fallback) {
+            return;
+        }
     }
     h = tok_hash_bytes(s, len);
     if (tok->ignore_merges) {
@@ -319,20 +425,16 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
     sym = w->sym;
     heap = w->heap;
 
-    /* one symbol per byte; bytes the vocabulary lacks are dropped, as
-     * Hugging Face does without unk_token and byte_fallback */
-    for (i = 0; i < len; i++) {
-        id = tok->byte_id[(uint8_t) s[i]];
-        if (id == TOK_NO_ID) {
-            continue;
-        }
-        sym[n].id = id;
-        sym[n].prev = n - 1;
-        sym[n].next = n + 1;
-        n++;
-    }
+    /* the word's ids go through the heap's space (3 * len candidates of
+     * 8 bytes hold len ids), then into the symbols */
+    n = (int32_t) tok_bpe_word(tok, s, len, (uint32_t *) heap);
     if (n == 0) {
         return;
+    }
+    for (i = 0; i < (size_t) n; i++) {
+        sym[i].id = ((uint32_t *) heap)[i];
+        sym[i].prev = (int32_t) i - 1;
+        sym[i].next = (int32_t) i + 1;
     }
     sym[n - 1].next = -1;
 
@@ -340,21 +442,19 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
         if (tok_pairmap_get(&tok->merges, sym[i].id, sym[i + 1].id,
                             &rank, &merged))
         {
-            c.rank = rank;
-            c.pos = (uint32_t) i;
-            tok_heap_push(heap, &nh, c);
+            tok_heap_push(heap, &nh, tok_cand(rank, i));
         }
     }
 
     while (nh > 0) {
         c = tok_heap_pop(heap, &nh);
-        tok_sym_t *l = &sym[c.pos];
+        tok_sym_t *l = &sym[tok_cand_pos(c)];
         if (l->id == TOK_NO_ID || l->next < 0) {
             continue;
         }
         nx = l->next;
         if (!tok_pairmap_get(&tok->merges, l->id, sym[nx].id, &rank, &merged)
-            || rank != c.rank)
+            || rank != tok_cand_rank(c))
         {
             continue;
         }
@@ -362,27 +462,23 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
         l->next = sym[nx].next;
         sym[nx].id = TOK_NO_ID;
         if (l->next >= 0) {
-            sym[l->next].prev = (int32_t) c.pos;
+            sym[l->next].prev = (int32_t) tok_cand_pos(c);
         }
 
         prev = l->prev;
         if (prev >= 0 && tok_pairmap_get(&tok->merges, sym[prev].id, l->id,
                                          &rank, &merged))
         {
-            c.rank = rank;
-            c.pos = (uint32_t) prev;
             if (nh < w->heap_cap) {
-                tok_heap_push(heap, &nh, c);
+                tok_heap_push(heap, &nh, tok_cand(rank, prev));
             }
         }
         nx = l->next;
         if (nx >= 0 && tok_pairmap_get(&tok->merges, l->id, sym[nx].id,
                                        &rank, &merged))
         {
-            c.rank = rank;
-            c.pos = (uint32_t) (l - sym);
             if (nh < w->heap_cap) {
-                tok_heap_push(heap, &nh, c);
+                tok_heap_push(heap, &nh, tok_cand(rank, l - sym));
             }
         }
     }

@@ -1,682 +1,1279 @@
 /*
- * Chat templates: the prompt text vLLM renders (transformers'
- * apply_chat_template with add_generation_prompt=True) for an OpenAI
- * "messages" array, written out in C for the template families we know:
+ * Chat requests to prompt text as vLLM renders them: the model's own Jinja
+ * chat template (tok_jinja*.c), compiled once when the tokenizer loads,
+ * rendered with the variables vLLM's OpenAI server passes to
+ * transformers' apply_chat_template:
  *
- *   llama3    the Llama 3 template (tokenizer_config.json of Llama 3):
- *             bos + per message "<|start_header_id|>ROLE<|end_header_id|>
- *             \n\n" + content|trim + "<|eot_id|>", then the assistant header.
- *   llama3.1  Meta's 3.1+ template: bos, a system block that always carries
- *             "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul
- *             2024\n\n" (the template's default when no date_string is
- *             passed, which is what vLLM does), the system message (trimmed)
- *             in that block, tool results as "ipython" with the content
- *             JSON-quoted (the template's tojson), tool calls as
- *             {"name": ..., "parameters": ...}.
- *   chatml    the Qwen 3 template: optional first system message, the
- *             <think> handling of assistant turns after the last user query,
- *             tool results wrapped in <tool_response> inside a user turn,
- *             tool calls as <tool_call> JSON, "<|im_start|>assistant\n".
- *             Qwen 2 / 2.5 dialect, when the config's template says so: a
- *             default system message, assistant content as it is.
+ *   messages     prepared as vllm/entrypoints/chat_utils.py does: content
+ *                a string (text parts joined with "\n"; null -> "") or,
+ *                when the template loops over message content (vLLM's
+ *                "openai" content format), a list of {"type": "text",
+ *                "text": ...}; assistant tool calls with
+ *                function.arguments parsed from their JSON string ("" or
+ *                invalid -> {}), an empty tool_calls list dropped;
+ *                "reasoning" as reasoning and reasoning_content; name,
+ *                tool_call_id, task; developer messages' tools;
+ *   tools        each as pydantic's model_dump() of vLLM's tool param:
+ *                {"type", "function": {"name", "description",
+ *                "parameters", ...}, ...}, or none;
+ *   documents    the request's, or none;
+ *   add_generation_prompt (default true), continue_final_message (false);
+ *   the special tokens of tokenizer_config.json (bos_token, eos_token,
+ *   unk_token, sep_token, pad_token, cls_token, mask_token,
+ *   additional_special_tokens), then chat_template_kwargs over all of it.
  *
- * Content is a string or an array of {"type": "text", "text": ...} parts,
- * joined with "\n" as vLLM does for templates that take string content.
- * Roles other than system/user/assistant/tool are rendered where the
- * template puts them (a header with the role's name in the Llama
- * templates, nothing in Qwen 3's).
- * Template arguments (tools, date_string, enable_thinking) are not passed.
+ * continue_final_message cuts the prompt after the last message's text as
+ * transformers does.  A template that raises (raise_exception, an
+ * undefined attribute, a type error) fails the request: vLLM answers 400.
+ * Image, audio and other non-text parts are not counted (the caller is
+ * told: rc 2).  With no template at all, the documented estimate.
  */
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <cjson/cJSON.h>
 
 #include "tok_internal.h"
+#include "tok_jinja.h"
 
 
-typedef struct {
-    char    *p;
-    size_t   len, cap;
-    int      oom;
-} tok_buf_t;
+#define TOK_CHAT_MAX_FILES  16
+
+struct tok_chat_s {
+    tj_template_t      *model;          /* chat_template / "default" */
+    tj_template_t      *tool_use;       /* named "tool_use", or NULL */
+    tj_template_t      *files[TOK_CHAT_MAX_FILES];
+    unsigned            nfiles;
+    tj_arena_t          arena;          /* the special token values */
+    tj_dict_t          *specials;
+};
 
 
-static void
-tok_buf_add(tok_buf_t *b, const char *s, size_t n)
+/* ---- loading (tokenizer_config.json, chat_template.jinja) */
+
+static char *
+tok_chat_read(const char *path, size_t *len)
 {
-    char    *p;
-    size_t   cap;
+    FILE   *f = fopen(path, "rb");
+    char   *buf;
+    long    n;
 
-    if (b->oom) {
-        return;
+    if (f == NULL) {
+        return NULL;
     }
-    if (b->len + n + 1 > b->cap) {
-        cap = (b->cap ? b->cap * 2 : 256);
-        while (cap < b->len + n + 1) {
-            cap *= 2;
-        }
-        p = realloc(b->p, cap);
-        if (p == NULL) {
-            b->oom = 1;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
+    if (fseek(f, 0, SEEK_END) != 0 || (n = ftell(f)) < 0
+        || n > 16 * 1024 * 1024 || fseek(f, 0, SEEK_SET) != 0)
+    {
+        fclose(f);
+        return NULL;
     }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
+    buf = malloc((size_t) n + 1);
+    if (buf == NULL || fread(buf, 1, (size_t) n, f) != (size_t) n) {
+        free(buf);
+        fclose(f);
+        return NULL;
+    }
+    fclose(f);
+    buf[n] = '\0';
+    *len = (size_t) n;
+    return buf;
 }
 
 
-static void
-tok_buf_str(tok_buf_t *b, const char *s)
-{
-    tok_buf_add(b, s, strlen(s));
-}
-
-
-/* ---- messages, validated */
-
-typedef struct {
-    const char    *role;
-    char          *content;     /* malloc'ed, joined text */
-    size_t         len;
-    const char    *reasoning;   /* reasoning_content, may be NULL */
-    const cJSON   *tool_calls;  /* non-empty array or NULL */
-} tok_msg_t;
-
-
-static void
-tok_msgs_free(tok_msg_t *m, size_t n)
-{
-    size_t  i;
-
-    for (i = 0; i < n; i++) {
-        free(m[i].content);
-    }
-    free(m);
-}
-
-
-static int
-tok_msg_content(tok_msg_t *m, const cJSON *c, size_t i, char *err,
+static tj_template_t *
+tok_chat_compile(const char *src, size_t len, const char *what, char *err,
     size_t errlen)
 {
-    tok_buf_t     b = { NULL, 0, 0, 0 };
-    const cJSON  *part, *type, *text;
-    size_t        j = 0;
+    tj_template_t  *t;
+    char            e[400];
 
-    if (c == NULL || cJSON_IsNull(c)) {
-        tok_buf_add(&b, "", 0);
-    } else if (cJSON_IsString(c)) {
-        tok_buf_str(&b, c->valuestring);
-    } else if (cJSON_IsArray(c)) {
-        tok_buf_add(&b, "", 0);
-        cJSON_ArrayForEach(part, c) {
-            type = cJSON_GetObjectItemCaseSensitive(part, "type");
-            text = cJSON_GetObjectItemCaseSensitive(part, "text");
-            if (!cJSON_IsObject(part) || !cJSON_IsString(type)) {
-                tok_err(err, errlen, "messages[%zu].content[%zu]: expected "
-                        "{\"type\": \"text\", \"text\": ...}", i, j);
-                free(b.p);
-                return -1;
-            }
-            if (strcmp(type->valuestring, "text") != 0) {
-                tok_err(err, errlen, "messages[%zu].content[%zu].type: "
-                        "\"%.32s\" is not supported (only text parts)", i, j,
-                        type->valuestring);
-                free(b.p);
-                return -1;
-            }
-            if (!cJSON_IsString(text)) {
-                tok_err(err, errlen, "messages[%zu].content[%zu].text: "
-                        "expected a string", i, j);
-                free(b.p);
-                return -1;
-            }
-            if (j > 0) {
-                tok_buf_add(&b, "\n", 1);
-            }
-            tok_buf_str(&b, text->valuestring);
-            j++;
-        }
-    } else {
-        tok_err(err, errlen, "messages[%zu].content: expected a string or an "
-                "array of text parts", i);
-        return -1;
+    if (memchr(src, '\0', len) != NULL) {
+        tok_err(err, errlen, "%s%sthe chat template holds a NUL byte",
+                what ? what : "", what ? ": " : "");
+        return NULL;
     }
-    if (b.oom) {
-        free(b.p);
-        tok_err(err, errlen, "out of memory");
-        return -1;
-    }
-    m->content = b.p;
-    m->len = b.len;
-    return 0;
-}
-
-
-static int
-tok_msgs_parse(const cJSON *messages, tok_msg_t **out, size_t *n,
-    char *err, size_t errlen)
-{
-    const cJSON  *e, *role, *rc, *tc;
-    tok_msg_t    *m;
-    size_t        cnt, i = 0;
-
-    if (!cJSON_IsArray(messages)) {
-        tok_err(err, errlen, "messages: expected an array");
-        return -1;
-    }
-    cnt = (size_t) cJSON_GetArraySize(messages);
-    if (cnt == 0) {
-        tok_err(err, errlen, "messages: empty array");
-        return -1;
-    }
-    m = calloc(cnt, sizeof(*m));
-    if (m == NULL) {
-        tok_err(err, errlen, "out of memory");
-        return -1;
-    }
-    cJSON_ArrayForEach(e, messages) {
-        if (!cJSON_IsObject(e)) {
-            tok_err(err, errlen, "messages[%zu]: expected an object", i);
-            goto fail;
-        }
-        role = cJSON_GetObjectItemCaseSensitive(e, "role");
-        if (!cJSON_IsString(role)) {
-            tok_err(err, errlen, "messages[%zu].role: missing or not a "
-                    "string", i);
-            goto fail;
-        }
-        /* other roles (developer, ...) go where the template puts them */
-        m[i].role = role->valuestring;
-        if (tok_msg_content(&m[i], cJSON_GetObjectItemCaseSensitive(e,
-                            "content"), i, err, errlen) != 0)
-        {
-            goto fail;
-        }
-        rc = cJSON_GetObjectItemCaseSensitive(e, "reasoning_content");
-        if (cJSON_IsString(rc)) {
-            m[i].reasoning = rc->valuestring;
-        }
-        tc = cJSON_GetObjectItemCaseSensitive(e, "tool_calls");
-        if (tc != NULL && !cJSON_IsNull(tc)) {
-            if (!cJSON_IsArray(tc)) {
-                tok_err(err, errlen, "messages[%zu].tool_calls: expected an "
-                        "array", i);
-                goto fail;
-            }
-            if (cJSON_GetArraySize(tc) > 0) {
-                m[i].tool_calls = tc;
-            }
-        }
-        i++;
-    }
-    *out = m;
-    *n = cnt;
-    return 0;
-
-fail:
-    tok_msgs_free(m, cnt);
-    return -1;
-}
-
-
-/* ---- string helpers with Python semantics */
-
-/* Python str.isspace() for one code point (jinja's trim is str.strip()) */
-static int
-tok_py_space(uint32_t cp)
-{
-    return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20)
-           || cp == 0x85 || cp == 0xA0 || cp == 0x1680
-           || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029
-           || cp == 0x202F || cp == 0x205F || cp == 0x3000;
-}
-
-
-static void
-tok_trim(const char *s, size_t len, size_t *a, size_t *b)
-{
-    size_t    i = 0, j = len, n, k;
-    uint32_t  cp;
-
-    while (i < len) {
-        n = tok_utf8_decode(s + i, len - i, &cp);
-        if (!tok_py_space(cp)) {
-            break;
-        }
-        i += n;
-    }
-    while (j > i) {
-        k = j;
-        do {
-            k--;
-        } while (k > i && ((unsigned char) s[k] & 0xC0) == 0x80);
-        tok_utf8_decode(s + k, j - k, &cp);
-        if (!tok_py_space(cp)) {
-            break;
-        }
-        j = k;
-    }
-    *a = i;
-    *b = j;
-}
-
-
-static void
-tok_buf_trimmed(tok_buf_t *b, const char *s, size_t len)
-{
-    size_t  x, y;
-
-    tok_trim(s, len, &x, &y);
-    tok_buf_add(b, s + x, y - x);
-}
-
-
-/* last occurrence of needle in s[0..len), or NULL */
-static const char *
-tok_memrmem(const char *s, size_t len, const char *needle)
-{
-    size_t       nl = strlen(needle);
-    const char  *last = NULL, *p = s;
-
-    while ((size_t) (s + len - p) >= nl
-           && (p = memmem(p, (size_t) (s + len - p), needle, nl)) != NULL)
-    {
-        last = p;
-        p++;
-    }
-    return last;
-}
-
-
-static void
-tok_strip_nl(const char **s, size_t *len, int left, int right)
-{
-    while (left && *len > 0 && **s == '\n') {
-        (*s)++;
-        (*len)--;
-    }
-    while (right && *len > 0 && (*s)[*len - 1] == '\n') {
-        (*len)--;
-    }
-}
-
-
-/* ---- JSON as Python's json.dumps(ensure_ascii=False) writes it
- * (transformers' tojson filter): ", " and ": " separators. */
-
-static void
-tok_py_json_string(tok_buf_t *b, const char *s)
-{
-    char  tmp[8];
-
-    tok_buf_add(b, "\"", 1);
-    for ( ; *s; s++) {
-        unsigned char c = (unsigned char) *s;
-        switch (c) {
-        case '"':  tok_buf_add(b, "\\\"", 2); break;
-        case '\\': tok_buf_add(b, "\\\\", 2); break;
-        case '\n': tok_buf_add(b, "\\n", 2); break;
-        case '\r': tok_buf_add(b, "\\r", 2); break;
-        case '\t': tok_buf_add(b, "\\t", 2); break;
-        case '\b': tok_buf_add(b, "\\b", 2); break;
-        case '\f': tok_buf_add(b, "\\f", 2); break;
-        default:
-            if (c < 0x20) {
-                snprintf(tmp, sizeof(tmp), "\\u%04x", c);
-                tok_buf_add(b, tmp, 6);
-            } else {
-                tok_buf_add(b, (const char *) &c, 1);
-            }
-        }
-    }
-    tok_buf_add(b, "\"", 1);
-}
-
-
-static void
-tok_py_json(tok_buf_t *b, const cJSON *v)
-{
-    const cJSON  *e;
-    char          num[64];
-    int           first = 1;
-
-    if (cJSON_IsNull(v) || v == NULL) {
-        tok_buf_str(b, "null");
-    } else if (cJSON_IsTrue(v)) {
-        tok_buf_str(b, "true");
-    } else if (cJSON_IsFalse(v)) {
-        tok_buf_str(b, "false");
-    } else if (cJSON_IsString(v)) {
-        tok_py_json_string(b, v->valuestring);
-    } else if (cJSON_IsNumber(v)) {
-        /* cJSON keeps no source text: integral values print as ints */
-        if (v->valuedouble == (double) (long long) v->valuedouble
-            && v->valuedouble > -9007199254740992.0
-            && v->valuedouble < 9007199254740992.0)
-        {
-            snprintf(num, sizeof(num), "%lld", (long long) v->valuedouble);
+    t = tj_compile(src, len, e, sizeof(e));
+    if (t == NULL) {
+        if (what) {
+            tok_err(err, errlen, "%s: %s", what, e);
         } else {
-            /* the shortest form that reads back the same, like repr() */
-            int prec;
-            for (prec = 1; prec <= 17; prec++) {
-                snprintf(num, sizeof(num), "%.*g", prec, v->valuedouble);
-                if (strtod(num, NULL) == v->valuedouble) {
-                    break;
-                }
-            }
+            tok_err(err, errlen, "%s", e);
         }
-        tok_buf_str(b, num);
-    } else if (cJSON_IsArray(v)) {
-        tok_buf_add(b, "[", 1);
-        cJSON_ArrayForEach(e, v) {
-            if (!first) {
-                tok_buf_add(b, ", ", 2);
-            }
-            first = 0;
-            tok_py_json(b, e);
-        }
-        tok_buf_add(b, "]", 1);
-    } else if (cJSON_IsObject(v)) {
-        tok_buf_add(b, "{", 1);
-        cJSON_ArrayForEach(e, v) {
-            if (!first) {
-                tok_buf_add(b, ", ", 2);
-            }
-            first = 0;
-            tok_py_json_string(b, e->string);
-            tok_buf_add(b, ": ", 2);
-            tok_py_json(b, e);
-        }
-        tok_buf_add(b, "}", 1);
-    }
-}
-
-
-/* tool_calls[k].function, or the call itself if it has no "function" */
-static const cJSON *
-tok_call_function(const cJSON *call)
-{
-    const cJSON *f = cJSON_GetObjectItemCaseSensitive(call, "function");
-
-    return cJSON_IsObject(f) ? f : call;
-}
-
-
-/*
- * vLLM hands the template arguments parsed from their JSON string;
- * unparsable or non-string arguments are used as they are.
- */
-static void
-tok_call_arguments(tok_buf_t *b, const cJSON *fn, int raw_string_ok)
-{
-    const cJSON  *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
-    cJSON        *parsed;
-
-    if (cJSON_IsString(args)) {
-        parsed = cJSON_Parse(args->valuestring);
-        if (parsed != NULL) {
-            tok_py_json(b, parsed);
-            cJSON_Delete(parsed);
-            return;
-        }
-        if (raw_string_ok) {
-            tok_buf_str(b, args->valuestring);
-            return;
-        }
-    }
-    tok_py_json(b, args);
-}
-
-
-static const char *
-tok_call_name(const cJSON *fn)
-{
-    const cJSON *n = cJSON_GetObjectItemCaseSensitive(fn, "name");
-
-    return cJSON_IsString(n) ? n->valuestring : "";
-}
-
-
-/* ---- the templates */
-
-static const char *
-tok_bos(const dpd_tok_t *tok)
-{
-    return tok->bos_token ? tok->bos_token : "<|begin_of_text|>";
-}
-
-
-/* One plain Llama 3 turn: header with the role, trimmed content, eot. */
-static void
-tok_llama3_turn(tok_buf_t *b, const tok_msg_t *m)
-{
-    tok_buf_str(b, "<|start_header_id|>");
-    tok_buf_str(b, m->role);
-    tok_buf_str(b, "<|end_header_id|>\n\n");
-    tok_buf_trimmed(b, m->content, m->len);
-    tok_buf_str(b, "<|eot_id|>");
-}
-
-
-static void
-tok_render_llama3(const dpd_tok_t *tok, const tok_msg_t *m, size_t n,
-    tok_buf_t *b)
-{
-    size_t  i;
-
-    for (i = 0; i < n; i++) {
-        if (i == 0) {
-            tok_buf_str(b, tok_bos(tok));
-        }
-        tok_llama3_turn(b, &m[i]);
-    }
-    tok_buf_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
-}
-
-
-static void
-tok_render_llama31(const dpd_tok_t *tok, const tok_msg_t *m, size_t n,
-    tok_buf_t *b)
-{
-    const cJSON  *fn;
-    size_t        i = 0;
-
-    tok_buf_str(b, tok_bos(tok));
-    tok_buf_str(b, "<|start_header_id|>system<|end_header_id|>\n\n");
-    tok_buf_str(b, "Cutting Knowledge Date: December 2023\n");
-    tok_buf_str(b, "Today Date: 26 Jul 2024\n\n");
-    if (strcmp(m[0].role, "system") == 0) {
-        tok_buf_trimmed(b, m[0].content, m[0].len);
-        i = 1;
-    }
-    tok_buf_str(b, "<|eot_id|>");
-
-    for ( ; i < n; i++) {
-        if (m[i].tool_calls) {
-            /* the template supports exactly one call */
-            fn = tok_call_function(cJSON_GetArrayItem(m[i].tool_calls, 0));
-            tok_buf_str(b, "<|start_header_id|>assistant<|end_header_id|>"
-                        "\n\n");
-            tok_buf_str(b, "{\"name\": \"");
-            tok_buf_str(b, tok_call_name(fn));
-            tok_buf_str(b, "\", \"parameters\": ");
-            tok_call_arguments(b, fn, 0);
-            tok_buf_str(b, "}<|eot_id|>");
-        } else if (strcmp(m[i].role, "tool") == 0
-                   || strcmp(m[i].role, "ipython") == 0)
-        {
-            /* strings are iterable in Jinja: the content goes through tojson */
-            tok_buf_str(b, "<|start_header_id|>ipython<|end_header_id|>\n\n");
-            tok_py_json_string(b, m[i].content);
-            tok_buf_str(b, "<|eot_id|>");
-        } else {
-            tok_llama3_turn(b, &m[i]);
-        }
-    }
-    tok_buf_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
-}
-
-
-static int
-tok_is_tool_response(const tok_msg_t *m)
-{
-    static const char  open[] = "<tool_response>", close[] = "</tool_response>";
-
-    return m->len >= sizeof(open) - 1
-           && memcmp(m->content, open, sizeof(open) - 1) == 0
-           && m->len >= sizeof(close) - 1
-           && memcmp(m->content + m->len - (sizeof(close) - 1), close,
-                     sizeof(close) - 1) == 0;
-}
-
-
-static void
-tok_render_chatml_assistant(const tok_msg_t *m, size_t i, size_t n,
-    size_t last_query, tok_buf_t *b)
-{
-    const char    *content = m[i].content, *reason = "", *p, *q;
-    size_t         clen = m[i].len, rlen = 0, k = 0;
-    const cJSON   *call;
-
-    if (m[i].reasoning) {
-        reason = m[i].reasoning;
-        rlen = strlen(reason);
-    } else if ((p = tok_memrmem(content, clen, "</think>")) != NULL) {
-        /* reasoning = content.split('</think>')[0].rstrip('\n')
-         *                     .split('<think>')[-1].lstrip('\n') */
-        q = memmem(content, clen, "</think>", 8);
-        reason = content;
-        rlen = (size_t) (q - content);
-        tok_strip_nl(&reason, &rlen, 0, 1);
-        if ((q = tok_memrmem(reason, rlen, "<think>")) != NULL) {
-            rlen -= (size_t) (q + 7 - reason);
-            reason = q + 7;
-        }
-        tok_strip_nl(&reason, &rlen, 1, 0);
-        /* content = content.split('</think>')[-1].lstrip('\n') */
-        clen -= (size_t) (p + 8 - content);
-        content = p + 8;
-        tok_strip_nl(&content, &clen, 1, 0);
-    }
-
-    tok_buf_str(b, "<|im_start|>assistant\n");
-    if (i + 1 > last_query + 1 && (i == n - 1 || rlen > 0)) {
-        tok_buf_str(b, "<think>\n");
-        p = reason;
-        k = rlen;
-        tok_strip_nl(&p, &k, 1, 1);
-        tok_buf_add(b, p, k);
-        tok_buf_str(b, "\n</think>\n\n");
-        tok_strip_nl(&content, &clen, 1, 0);
-    }
-    tok_buf_add(b, content, clen);
-
-    if (m[i].tool_calls) {
-        k = 0;
-        cJSON_ArrayForEach(call, m[i].tool_calls) {
-            const cJSON *fn = tok_call_function(call);
-            if ((k == 0 && clen > 0) || k > 0) {
-                tok_buf_str(b, "\n");
-            }
-            tok_buf_str(b, "<tool_call>\n{\"name\": \"");
-            tok_buf_str(b, tok_call_name(fn));
-            tok_buf_str(b, "\", \"arguments\": ");
-            tok_call_arguments(b, fn, 1);
-            tok_buf_str(b, "}\n</tool_call>");
-            k++;
-        }
-    }
-    tok_buf_str(b, "<|im_end|>\n");
-}
-
-
-static void
-tok_render_chatml(const dpd_tok_t *tok, const tok_msg_t *m, size_t n,
-    tok_buf_t *b)
-{
-    size_t  i, last_query = n - 1;
-
-    if (strcmp(m[0].role, "system") == 0) {
-        tok_buf_str(b, "<|im_start|>system\n");
-        tok_buf_add(b, m[0].content, m[0].len);
-        tok_buf_str(b, "<|im_end|>\n");
-    } else if (tok->chatml_system) {
-        tok_buf_str(b, "<|im_start|>system\n");
-        tok_buf_str(b, tok->chatml_system);
-        tok_buf_str(b, "<|im_end|>\n");
-    }
-    /* the last user turn that is not a wrapped tool response */
-    for (i = n; i-- > 0; ) {
-        if (strcmp(m[i].role, "user") == 0 && !tok_is_tool_response(&m[i])) {
-            last_query = i;
-            break;
-        }
-    }
-
-    for (i = 0; i < n; i++) {
-        if (strcmp(m[i].role, "user") == 0
-            || (strcmp(m[i].role, "system") == 0 && i > 0))
-        {
-            tok_buf_str(b, "<|im_start|>");
-            tok_buf_str(b, m[i].role);
-            tok_buf_str(b, "\n");
-            tok_buf_add(b, m[i].content, m[i].len);
-            tok_buf_str(b, "<|im_end|>\n");
-        } else if (strcmp(m[i].role, "assistant") == 0 && tok->chatml_plain
-                   && m[i].tool_calls == NULL)
-        {
-            /* Qwen 2 / 2.5: the content as it is */
-            tok_buf_str(b, "<|im_start|>assistant\n");
-            tok_buf_add(b, m[i].content, m[i].len);
-            tok_buf_str(b, "<|im_end|>\n");
-        } else if (strcmp(m[i].role, "assistant") == 0) {
-            tok_render_chatml_assistant(m, i, n, last_query, b);
-        } else if (strcmp(m[i].role, "tool") == 0) {
-            if (i == 0 || strcmp(m[i - 1].role, "tool") != 0) {
-                tok_buf_str(b, "<|im_start|>user");
-            }
-            tok_buf_str(b, "\n<tool_response>\n");
-            tok_buf_add(b, m[i].content, m[i].len);
-            tok_buf_str(b, "\n</tool_response>");
-            if (i == n - 1 || strcmp(m[i + 1].role, "tool") != 0) {
-                tok_buf_str(b, "<|im_end|>\n");
-            }
-        }
-    }
-    tok_buf_str(b, "<|im_start|>assistant\n");
-}
-
-
-static dpd_chat_template_t
-tok_resolve(const dpd_tok_t *tok, dpd_chat_template_t t)
-{
-    if (t == DPD_CHAT_AUTO) {
-        t = tok->detected;
-    }
-    if (t != DPD_CHAT_LLAMA3 && t != DPD_CHAT_LLAMA31
-        && t != DPD_CHAT_CHATML)
-    {
-        t = DPD_CHAT_NONE;
     }
     return t;
 }
 
 
+/* "x" or {"content": "x"} */
+static const char *
+tok_chat_token_str(const cJSON *v)
+{
+    if (cJSON_IsObject(v)) {
+        v = cJSON_GetObjectItemCaseSensitive(v, "content");
+    }
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+
+static int
+tok_chat_specials(struct tok_chat_s *ch, const cJSON *root)
+{
+    static const char *const names[] = { "bos_token", "eos_token",
+        "unk_token", "sep_token", "pad_token", "cls_token", "mask_token" };
+    const cJSON  *v, *e;
+    const char   *s;
+    tj_val_t      lv;
+    size_t        i, n;
+    char         *copy;
+
+    ch->specials = tj_a_dict(&ch->arena);
+    if (ch->specials == NULL) {
+        return -1;
+    }
+    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        v = cJSON_GetObjectItemCaseSensitive(root, names[i]);
+        if ((s = tok_chat_token_str(v)) == NULL || *s == '\0') {
+            continue;
+        }
+        n = strlen(s);
+        copy = tj_arena_alloc(&ch->arena, n + 1);
+        if (copy == NULL) {
+            return -1;
+        }
+        memcpy(copy, s, n + 1);
+        if (tj_a_dict_set(&ch->arena, ch->specials, names[i],
+                          strlen(names[i]), tj_str(copy, n)) != 0)
+        {
+            return -1;
+        }
+    }
+    v = cJSON_GetObjectItemCaseSensitive(root, "additional_special_tokens");
+    if (cJSON_IsArray(v) && cJSON_GetArraySize(v) > 0) {
+        lv.t = TJ_LIST;
+        lv.u.l = tj_a_list(&ch->arena);
+        if (lv.u.l == NULL) {
+            return -1;
+        }
+        cJSON_ArrayForEach(e, v) {
+            if ((s = tok_chat_token_str(e)) == NULL) {
+                continue;
+            }
+            n = strlen(s);
+            copy = tj_arena_alloc(&ch->arena, n + 1);
+            if (copy == NULL || tj_a_list_push(&ch->arena, lv.u.l,
+                                               tj_str(copy, n)) != 0)
+            {
+                return -1;
+            }
+            memcpy(copy, s, n + 1);
+        }
+        if (tj_a_dict_set(&ch->arena, ch->specials,
+                          "additional_special_tokens", 25, lv) != 0)
+        {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+
+void
+tok_chat_free(struct tok_chat_s *ch)
+{
+    unsigned  i;
+
+    if (ch == NULL) {
+        return;
+    }
+    tj_template_free(ch->model);
+    tj_template_free(ch->tool_use);
+    for (i = 0; i < ch->nfiles; i++) {
+        tj_template_free(ch->files[i]);
+    }
+    tj_arena_free(&ch->arena);
+    free(ch);
+}
+
+
+/*
+ * From tokenizer_config.json (root, at path): the special tokens and the
+ * template: "chat_template" a string, or a list of {"name", "template"}
+ * ("default", else the only one; "tool_use" when the request has tools);
+ * a chat_template.jinja file in the same directory wins, as transformers
+ * loads it.  No template at all is not an error (estimates).
+ */
 int
-dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
-    const struct cJSON *messages, char **out, size_t *outlen,
+tok_chat_load(dpd_tok_t *tok, const cJSON *root, const char *path,
     char *err, size_t errlen)
 {
-    tok_msg_t  *m;
-    size_t      n;
-    tok_buf_t   b = { NULL, 0, 0, 0 };
+    struct tok_chat_s  *ch;
+    const cJSON        *v, *e, *name, *t, *def = NULL, *tool = NULL;
+    char               *jpath, *src;
+    const char         *slash;
+    size_t              dl, len;
+    int                 count = 0;
+
+    ch = calloc(1, sizeof(*ch));
+    if (ch == NULL) {
+        tok_err(err, errlen, "out of memory");
+        return -1;
+    }
+    tok->chat = ch;
+    if (tok_chat_specials(ch, root) != 0) {
+        tok_err(err, errlen, "out of memory");
+        return -1;
+    }
+
+    /* chat_template.jinja beside tokenizer_config.json */
+    slash = strrchr(path, '/');
+    dl = slash ? (size_t) (slash - path) + 1 : 0;
+    jpath = malloc(dl + sizeof("chat_template.jinja"));
+    if (jpath == NULL) {
+        tok_err(err, errlen, "out of memory");
+        return -1;
+    }
+    memcpy(jpath, path, dl);
+    memcpy(jpath + dl, "chat_template.jinja", sizeof("chat_template.jinja"));
+    src = tok_chat_read(jpath, &len);
+    if (src != NULL) {
+        ch->model = tok_chat_compile(src, len, jpath, err, errlen);
+        free(src);
+        free(jpath);
+        return ch->model ? 0 : -1;
+    }
+    free(jpath);
+
+    v = cJSON_GetObjectItemCaseSensitive(root, "chat_template");
+    if (v == NULL || cJSON_IsNull(v)) {
+        return 0;
+    }
+    if (cJSON_IsString(v)) {
+        ch->model = tok_chat_compile(v->valuestring, strlen(v->valuestring),
+                                     "chat_template", err, errlen);
+        return ch->model ? 0 : -1;
+    }
+    if (!cJSON_IsArray(v)) {
+        tok_err(err, errlen, "chat_template: expected a string or a list of "
+                "{\"name\", \"template\"}");
+        return -1;
+    }
+    cJSON_ArrayForEach(e, v) {
+        name = cJSON_GetObjectItemCaseSensitive(e, "name");
+        t = cJSON_GetObjectItemCaseSensitive(e, "template");
+        if (!cJSON_IsString(name) || !cJSON_IsString(t)) {
+            tok_err(err, errlen, "chat_template[%d]: expected {\"name\": "
+                    "string, \"template\": string}", count);
+            return -1;
+        }
+        if (strcmp(name->valuestring, "default") == 0) {
+            def = t;
+        } else if (strcmp(name->valuestring, "tool_use") == 0) {
+            tool = t;
+        }
+        count++;
+    }
+    if (def == NULL && count == 1) {
+        def = cJSON_GetObjectItemCaseSensitive(v->child, "template");
+    }
+    if (def) {
+        ch->model = tok_chat_compile(def->valuestring,
+                                     strlen(def->valuestring),
+                                     "chat_template (default)", err, errlen);
+        if (ch->model == NULL) {
+            return -1;
+        }
+    }
+    if (tool) {
+        ch->tool_use = tok_chat_compile(tool->valuestring,
+                                        strlen(tool->valuestring),
+                                        "chat_template (tool_use)", err,
+                                        errlen);
+        if (ch->tool_use == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+
+int
+dpd_tok_chat_template_add(dpd_tok_t *tok, const char *src, size_t len,
+    char *err, size_t errlen)
+{
+    struct tok_chat_s  *ch;
+    tj_template_t      *t;
+
+    if (tok->chat == NULL) {
+        tok->chat = calloc(1, sizeof(*tok->chat));
+        if (tok->chat == NULL) {
+            tok_err(err, errlen, "out of memory");
+            return -1;
+        }
+    }
+    ch = tok->chat;
+    if (ch->nfiles == TOK_CHAT_MAX_FILES) {
+        tok_err(err, errlen, "more than %d chat template files",
+                TOK_CHAT_MAX_FILES);
+        return -1;
+    }
+    t = tok_chat_compile(src, len, NULL, err, errlen);
+    if (t == NULL) {
+        return -1;
+    }
+    ch->files[ch->nfiles] = t;
+    return DPD_CHAT_FILE + (int) ch->nfiles++;
+}
+
+
+int
+dpd_tok_chat_template_file(dpd_tok_t *tok, const char *path, char *err,
+    size_t errlen)
+{
+    char    *src, e[400];
+    size_t   len;
+    int      rc;
+
+    src = tok_chat_read(path, &len);
+    if (src == NULL) {
+        tok_err(err, errlen, "%s: cannot read the chat template file", path);
+        return -1;
+    }
+    rc = dpd_tok_chat_template_add(tok, src, len, e, sizeof(e));
+    free(src);
+    if (rc < 0) {
+        tok_err(err, errlen, "%s: %s", path, e);
+    }
+    return rc;
+}
+
+
+dpd_chat_template_t
+dpd_tok_chat_template(const dpd_tok_t *tok)
+{
+    return tok && tok->chat && tok->chat->model ? DPD_CHAT_MODEL
+                                                : DPD_CHAT_NONE;
+}
+
+
+int
+dpd_chat_template_from_name(const char *name)
+{
+    static const struct {
+        const char           *name;
+        dpd_chat_template_t   t;
+    } names[] = {
+        { "auto", DPD_CHAT_AUTO },
+        { "none", DPD_CHAT_NONE },
+        { "model", DPD_CHAT_MODEL },
+        /* the families once written out in C: the model's own template */
+        { "llama3", DPD_CHAT_AUTO },
+        { "llama3.1", DPD_CHAT_AUTO },
+        { "chatml", DPD_CHAT_AUTO },
+    };
+    size_t  i;
+
+    if (name == NULL) {
+        return -1;
+    }
+    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (strcmp(name, names[i].name) == 0) {
+            return (int) names[i].t;
+        }
+    }
+    return -1;
+}
+
+
+const char *
+dpd_chat_template_name(dpd_chat_template_t t)
+{
+    switch (t) {
+    case DPD_CHAT_AUTO:
+        return "auto";
+    case DPD_CHAT_NONE:
+        return "none";
+    case DPD_CHAT_MODEL:
+        return "model";
+    default:
+        return (int) t >= DPD_CHAT_FILE ? "file" : "unknown";
+    }
+}
+
+
+/* the compiled template for tmpl, NULL: none (estimate) */
+static const tj_template_t *
+tok_chat_pick(const dpd_tok_t *tok, dpd_chat_template_t tmpl, int tools)
+{
+    const struct tok_chat_s  *ch = tok->chat;
+
+    if (ch == NULL) {
+        return NULL;
+    }
+    if ((int) tmpl >= DPD_CHAT_FILE) {
+        unsigned k = (unsigned) tmpl - DPD_CHAT_FILE;
+        return k < ch->nfiles ? ch->files[k] : NULL;
+    }
+    if (tmpl == DPD_CHAT_AUTO || tmpl == DPD_CHAT_MODEL
+        || tmpl == DPD_CHAT_LLAMA3 || tmpl == DPD_CHAT_LLAMA31
+        || tmpl == DPD_CHAT_CHATML)
+    {
+        return tools && ch->tool_use ? ch->tool_use : ch->model;
+    }
+    return NULL;
+}
+
+
+/* ---- the request, prepared as vLLM does */
+
+typedef struct {
+    tj_arena_t      a;
+    char           *err;
+    size_t          errlen;
+    size_t          bytes;          /* text bytes seen: sizes the limits */
+    int             long_str;       /* a string of TJ_STR_MAX bytes or more */
+    int             skipped;        /* non-text parts not counted */
+    char            note[200];
+} tok_prep_t;
+
+
+static int
+tok_prep_oom(tok_prep_t *p)
+{
+    tok_err(p->err, p->errlen, "out of memory");
+    return -1;
+}
+
+
+/* a request string (too long ones are refused after the preparation) */
+static tj_val_t
+tok_cstr(tok_prep_t *p, const char *s)
+{
+    size_t  n = strlen(s);
+
+    if (n >= TJ_STR_MAX) {
+        p->long_str = 1;
+        n = 0;
+    }
+    return tj_str(s, n);
+}
+
+
+static int
+tok_prep_val(tok_prep_t *p, const cJSON *j, tj_val_t *v)
+{
+    if (tj_from_cjson(&p->a, j, v, 0) != 0) {
+        tok_err(p->err, p->errlen, "out of memory or JSON nested too deep");
+        return -1;
+    }
+    return 0;
+}
+
+
+static int
+tok_set_n(tok_prep_t *p, tj_dict_t *d, const char *k, size_t n, tj_val_t v)
+{
+    if (tj_a_dict_set(&p->a, d, tj_intern(k, n), n, v) != 0) {
+        return tok_prep_oom(p);
+    }
+    return 0;
+}
+
+
+static int
+tok_set(tok_prep_t *p, tj_dict_t *d, const char *k, tj_val_t v)
+{
+    return tok_set_n(p, d, k, strlen(k), v);
+}
+
+/* k: tj_intern()'s own pointer already */
+static int
+tok_set_k(tok_prep_t *p, tj_dict_t *d, const char *k, size_t n, tj_val_t v)
+{
+    if (tj_a_dict_set(&p->a, d, k, n, v) != 0) {
+        return tok_prep_oom(p);
+    }
+    return 0;
+}
+
+/* a literal key: its length known here */
+#define tok_set_lit(p, d, k, v)  tok_set_n(p, d, k, sizeof(k) - 1, v)
+
+
+/* the text of one content part (vLLM's MM_PARSER_MAP), NULL if none */
+static int
+tok_part_text(tok_prep_t *p, const cJSON *part, size_t i, size_t j,
+    const char **text)
+{
+    const cJSON  *type, *t;
+    const char   *ty, *field;
+
+    *text = NULL;
+    if (cJSON_IsString(part)) {
+        *text = part->valuestring;
+        return 0;
+    }
+    if (!cJSON_IsObject(part)) {
+        tok_err(p->err, p->errlen, "messages[%zu].content[%zu]: expected a "
+                "string or an object", i, j);
+        return -1;
+    }
+    type = cJSON_GetObjectItemCaseSensitive(part, "type");
+    if (type == NULL || cJSON_IsNull(type)) {
+        if (cJSON_GetObjectItemCaseSensitive(part, "image_url")
+            || cJSON_GetObjectItemCaseSensitive(part, "audio_url")
+            || cJSON_GetObjectItemCaseSensitive(part, "video_url")
+            || cJSON_GetObjectItemCaseSensitive(part, "input_audio")
+            || cJSON_GetObjectItemCaseSensitive(part, "image_embeds"))
+        {
+            goto media;
+        }
+        tok_err(p->err, p->errlen, "messages[%zu].content[%zu]: Missing "
+                "'type' field in multimodal part.", i, j);
+        return -1;
+    }
+    if (!cJSON_IsString(type)) {
+        tok_err(p->err, p->errlen, "messages[%zu].content[%zu]: Invalid "
+                "'type' field in multimodal part.", i, j);
+        return -1;
+    }
+    ty = type->valuestring;
+    if (strcmp(ty, "text") == 0 || strcmp(ty, "input_text") == 0
+        || strcmp(ty, "output_text") == 0)
+    {
+        field = "text";
+    } else if (strcmp(ty, "refusal") == 0) {
+        field = "refusal";
+    } else if (strcmp(ty, "thinking") == 0) {
+        field = "thinking";
+    } else if (strcmp(ty, "image_url") == 0 || strcmp(ty, "input_image") == 0
+               || strcmp(ty, "image_embeds") == 0
+               || strcmp(ty, "audio_url") == 0
+               || strcmp(ty, "input_audio") == 0
+               || strcmp(ty, "audio_embeds") == 0
+               || strcmp(ty, "video_url") == 0
+               || strcmp(ty, "image_pil") == 0)
+    {
+        goto media;
+    } else {
+        tok_err(p->err, p->errlen, "messages[%zu].content[%zu]: Unsupported "
+                "chat content part type: '%.40s'", i, j, ty);
+        return -1;
+    }
+    t = cJSON_GetObjectItemCaseSensitive(part, field);
+    if (t == NULL || cJSON_IsNull(t)) {
+        return 0;       /* vLLM skips a text part without text */
+    }
+    if (!cJSON_IsString(t)) {
+        tok_err(p->err, p->errlen, "messages[%zu].content[%zu].%s: expected "
+                "a string", i, j, field);
+        return -1;
+    }
+    *text = t->valuestring;
+    return 0;
+
+media:
+    if (!p->skipped) {
+        snprintf(p->note, sizeof(p->note), "messages[%zu].content[%zu]: "
+                 "a non-text part is not counted", i, j);
+    }
+    p->skipped++;
+    return 0;
+}
+
+
+static int
+tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
+    int tool_role, tj_val_t *out)
+{
+    const cJSON  *part;
+    const char   *text;
+    tj_buf_t      b = { 0 };
+    tj_val_t      l = { 0 }, item;
+    tj_dict_t    *d;
+    size_t        j = 0, texts = 0, n;
+
+    b.a = &p->a;
+    if (openai && !tool_role) {
+        l.t = TJ_LIST;
+        if ((l.u.l = tj_a_list(&p->a)) == NULL) {
+            return tok_prep_oom(p);
+        }
+    }
+    if (c == NULL || cJSON_IsNull(c)) {
+        *out = openai && !tool_role ? l : tj_str("", 0);
+        return 0;
+    }
+    if (cJSON_IsString(c)) {
+        n = strlen(c->valuestring);
+        p->bytes += n;
+        if (!openai || tool_role) {
+            *out = tj_str(c->valuestring, n);
+            return 0;
+        }
+        part = NULL;
+        text = c->valuestring;
+        goto one;
+    }
+    if (!cJSON_IsArray(c)) {
+        tok_err(p->err, p->errlen, "messages[%zu].content: expected a string "
+                "or an array of content parts", i);
+        return -1;
+    }
+    cJSON_ArrayForEach(part, c) {
+        if (tok_part_text(p, part, i, j++, &text) != 0) {
+            return -1;
+        }
+        if (text == NULL) {
+            continue;
+        }
+        p->bytes += strlen(text);
+        if (openai && !tool_role) {
+one:
+            if ((d = tj_a_dict(&p->a)) == NULL
+                || tok_set_lit(p, d, "type", tj_str("text", 4)) != 0
+                || tok_set_lit(p, d, "text", tok_cstr(p, text)) != 0)
+            {
+                return tok_prep_oom(p);
+            }
+            item.t = TJ_DICT;
+            item.u.d = d;
+            item.n = 0;
+            if (tj_a_list_push(&p->a, l.u.l, item) != 0) {
+                return tok_prep_oom(p);
+            }
+            if (part == NULL && cJSON_IsString(c)) {
+                break;
+            }
+            continue;
+        }
+        if ((texts++ && tj_buf_add(&b, "\n", 1) != 0)
+            || tj_buf_add(&b, text, strlen(text)) != 0)
+        {
+            return tok_prep_oom(p);
+        }
+    }
+    if (openai && !tool_role) {
+        *out = l;
+    } else {
+        *out = b.p ? tj_str(b.p, b.len) : tj_str("", 0);
+    }
+    return 0;
+}
+
+
+/* vLLM's _postprocess_messages for one assistant tool call */
+static int
+tok_prep_call(tok_prep_t *p, const cJSON *call, size_t i, size_t k,
+    tj_val_t *out)
+{
+    const cJSON  *fn, *e, *args;
+    tj_dict_t    *d, *fd;
+    tj_val_t      v;
+
+    if (!cJSON_IsObject(call)) {
+        tok_err(p->err, p->errlen, "messages[%zu].tool_calls[%zu]: expected "
+                "an object", i, k);
+        return -1;
+    }
+    fn = cJSON_GetObjectItemCaseSensitive(call, "function");
+    if (!cJSON_IsObject(fn)) {
+        tok_err(p->err, p->errlen, "messages[%zu].tool_calls[%zu].function: "
+                "expected an object", i, k);
+        return -1;
+    }
+    if ((d = tj_a_dict(&p->a)) == NULL || (fd = tj_a_dict(&p->a)) == NULL) {
+        return tok_prep_oom(p);
+    }
+    cJSON_ArrayForEach(e, call) {
+        if (e == fn) {
+            v.t = TJ_DICT;
+            v.u.d = fd;
+            v.n = 0;
+        } else if (tok_prep_val(p, e, &v) != 0) {
+            return -1;
+        }
+        if (tok_set(p, d, e->string, v) != 0) {
+            return -1;
+        }
+    }
+    cJSON_ArrayForEach(e, fn) {
+        if (e != (args = cJSON_GetObjectItemCaseSensitive(fn, "arguments"))) {
+            if (tok_prep_val(p, e, &v) != 0) {
+                return -1;
+            }
+        } else if (cJSON_IsString(args)) {
+            p->bytes += strlen(args->valuestring);
+            if (tj_json_loads(&p->a, args->valuestring,
+                              strlen(args->valuestring), &v) != 0)
+            {
+                /* "" or not JSON: {} */
+                v.t = TJ_DICT;
+                v.n = 0;
+                if ((v.u.d = tj_a_dict(&p->a)) == NULL) {
+                    return tok_prep_oom(p);
+                }
+            }
+        } else if (cJSON_IsObject(args) || cJSON_IsArray(args)) {
+            if (tok_prep_val(p, args, &v) != 0) {
+                return -1;
+            }
+        } else {
+            v.t = TJ_DICT;
+            v.n = 0;
+            if ((v.u.d = tj_a_dict(&p->a)) == NULL) {
+                return tok_prep_oom(p);
+            }
+        }
+        if (tok_set(p, fd, e->string, v) != 0) {
+            return -1;
+        }
+    }
+    out->t = TJ_DICT;
+    out->u.d = d;
+    out->n = 0;
+    return 0;
+}
+
+
+static int
+tok_prep_message(tok_prep_t *p, const cJSON *m, size_t i, int openai,
+    tj_val_t *out)
+{
+    const cJSON  *role = NULL, *content = NULL, *calls = NULL, *e;
+    const cJSON  *reasoning = NULL, *call_id = NULL, *name = NULL;
+    const cJSON  *task = NULL, *tools = NULL;
+    tj_dict_t    *d;
+    tj_val_t      v, l;
+    const char   *r, *k;
+    size_t        n = 0;
+
+    if (!cJSON_IsObject(m)) {
+        tok_err(p->err, p->errlen, "messages[%zu]: expected an object", i);
+        return -1;
+    }
+    /* one pass over the keys (the request parser refused repeated keys) */
+    cJSON_ArrayForEach(e, m) {
+        k = e->string;
+        switch (k[0]) {
+        case 'r':
+            if (strcmp(k, "role") == 0) {
+                role = e;
+            } else if (strcmp(k, "reasoning") == 0) {
+                reasoning = e;
+            }
+            break;
+        case 'c':
+            if (strcmp(k, "content") == 0) {
+                content = e;
+            }
+            break;
+        case 't':
+            if (strcmp(k, "tool_calls") == 0) {
+                calls = e;
+            } else if (strcmp(k, "tool_call_id") == 0) {
+                call_id = e;
+            } else if (strcmp(k, "task") == 0) {
+                task = e;
+            } else if (strcmp(k, "tools") == 0) {
+                tools = e;
+            }
+            break;
+        case 'n':
+            if (strcmp(k, "name") == 0) {
+                name = e;
+            }
+            break;
+        }
+    }
+    if (!cJSON_IsString(role)) {
+        tok_err(p->err, p->errlen, "messages[%zu].role: missing or not a "
+                "string", i);
+        return -1;
+    }
+    r = role->valuestring;
+    if ((d = tj_a_dict(&p->a)) == NULL) {
+        return tok_prep_oom(p);
+    }
+    if (tok_set_k(p, d, tj_k_role, 4, tok_cstr(p, r)) != 0
+        || tok_prep_content(p, content, i, openai, strcmp(r, "tool") == 0, &v)
+           != 0
+        || tok_set_k(p, d, tj_k_content, 7, v) != 0)
+    {
+        return -1;
+    }
+    if (strcmp(r, "assistant") == 0) {
+        if (calls && !cJSON_IsNull(calls)) {
+            if (!cJSON_IsArray(calls)) {
+                tok_err(p->err, p->errlen, "messages[%zu].tool_calls: "
+                        "expected an array", i);
+                return -1;
+            }
+            if (calls->child) {
+                l.t = TJ_LIST;
+                l.n = 0;
+                if ((l.u.l = tj_a_list(&p->a)) == NULL) {
+                    return tok_prep_oom(p);
+                }
+                cJSON_ArrayForEach(e, calls) {
+                    if (tok_prep_call(p, e, i, n++, &v) != 0) {
+                        return -1;
+                    }
+                    if (tj_a_list_push(&p->a, l.u.l, v) != 0) {
+                        return tok_prep_oom(p);
+                    }
+                }
+                if (tok_set_lit(p, d, "tool_calls", l) != 0) {
+                    return -1;
+                }
+            }
+        }
+        if (reasoning && !cJSON_IsNull(reasoning)) {
+            if (tok_prep_val(p, reasoning, &v) != 0
+                || tok_set_lit(p, d, "reasoning", v) != 0
+                || tok_set_lit(p, d, "reasoning_content", v) != 0)
+            {
+                return -1;
+            }
+        }
+    } else if (strcmp(r, "tool") == 0) {
+        if (call_id) {
+            if (tok_prep_val(p, call_id, &v) != 0
+                || tok_set_lit(p, d, "tool_call_id", v) != 0)
+            {
+                return -1;
+            }
+        }
+    }
+    if (cJSON_IsString(name)
+        && tok_set_lit(p, d, "name", tok_cstr(p, name->valuestring)) != 0)
+    {
+        return -1;
+    }
+    if (cJSON_IsString(task)
+        && tok_set_lit(p, d, "task", tok_cstr(p, task->valuestring)) != 0)
+    {
+        return -1;
+    }
+    if (strcmp(r, "developer") == 0) {
+        if (tok_prep_val(p, tools, &v) != 0 || tok_set_lit(p, d, "tools", v) != 0) {
+            return -1;
+        }
+    }
+    out->t = TJ_DICT;
+    out->u.d = d;
+    out->n = 0;
+    return 0;
+}
+
+
+/* pydantic's model_dump() of ChatCompletionToolsParam */
+static int
+tok_prep_tool(tok_prep_t *p, const cJSON *tool, size_t i, tj_val_t *out)
+{
+    static const char *const fixed[] = { "name", "description", "parameters" };
+    const cJSON  *fn, *e, *type;
+    tj_dict_t    *d, *fd;
+    tj_val_t      v;
+    size_t        k;
+
+    fn = cJSON_GetObjectItemCaseSensitive(tool, "function");
+    if (!cJSON_IsObject(tool) || !cJSON_IsObject(fn)
+        || !cJSON_IsString(cJSON_GetObjectItemCaseSensitive(fn, "name")))
+    {
+        tok_err(p->err, p->errlen, "tools[%zu]: expected {\"type\": "
+                "\"function\", \"function\": {\"name\": ...}}", i);
+        return -1;
+    }
+    type = cJSON_GetObjectItemCaseSensitive(tool, "type");
+    if (type && !(cJSON_IsString(type)
+                  && strcmp(type->valuestring, "function") == 0))
+    {
+        tok_err(p->err, p->errlen, "tools[%zu].type: expected \"function\"",
+                i);
+        return -1;
+    }
+    if ((d = tj_a_dict(&p->a)) == NULL || (fd = tj_a_dict(&p->a)) == NULL) {
+        return tok_prep_oom(p);
+    }
+    v.t = TJ_DICT;
+    v.n = 0;
+    v.u.d = fd;
+    if (tok_set_lit(p, d, "type", tj_str("function", 8)) != 0
+        || tok_set_lit(p, d, "function", v) != 0)
+    {
+        return -1;
+    }
+    for (k = 0; k < 3; k++) {
+        e = cJSON_GetObjectItemCaseSensitive(fn, fixed[k]);
+        if (k == 2 && e && !cJSON_IsNull(e) && !cJSON_IsObject(e)) {
+            tok_err(p->err, p->errlen, "tools[%zu].function.parameters: "
+                    "expected an object", i);
+            return -1;
+        }
+        if (k == 1 && e && !cJSON_IsNull(e) && !cJSON_IsString(e)) {
+            tok_err(p->err, p->errlen, "tools[%zu].function.description: "
+                    "expected a string", i);
+            return -1;
+        }
+        if (tok_prep_val(p, e, &v) != 0 || tok_set(p, fd, fixed[k], v) != 0) {
+            return -1;
+        }
+    }
+    /* extra fields (the model allows them) after the declared ones */
+    cJSON_ArrayForEach(e, fn) {
+        if (strcmp(e->string, "name") && strcmp(e->string, "description")
+            && strcmp(e->string, "parameters"))
+        {
+            if (tok_prep_val(p, e, &v) != 0
+                || tok_set(p, fd, e->string, v) != 0)
+            {
+                return -1;
+            }
+        }
+    }
+    cJSON_ArrayForEach(e, tool) {
+        if (strcmp(e->string, "type") && strcmp(e->string, "function")) {
+            if (tok_prep_val(p, e, &v) != 0
+                || tok_set(p, d, e->string, v) != 0)
+            {
+                return -1;
+            }
+        }
+    }
+    out->t = TJ_DICT;
+    out->u.d = d;
+    out->n = 0;
+    return 0;
+}
+
+
+static int
+tok_prep_bool(tok_prep_t *p, const cJSON *req, const char *key, int dflt,
+    int *out)
+{
+    const cJSON  *v = req ? cJSON_GetObjectItemCaseSensitive(req, key) : NULL;
+
+    if (v == NULL || cJSON_IsNull(v)) {
+        *out = dflt;
+        return 0;
+    }
+    if (!cJSON_IsBool(v)) {
+        tok_err(p->err, p->errlen, "%s: expected a boolean", key);
+        return -1;
+    }
+    *out = cJSON_IsTrue(v);
+    return 0;
+}
+
+
+/*
+ * The template variables of a request (an object with "messages") or of a
+ * bare messages array.  *final: the last message's text for
+ * continue_final_message (NULL if off).
+ */
+static int
+tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in, int openai,
+    tj_dict_t **vars, int *has_tools, tj_val_t *final)
+{
+    const cJSON  *req = NULL, *msgs = in, *e, *kw;
+    tj_dict_t    *g;
+    tj_val_t      v, l;
+    size_t        i = 0;
+    int           agp, cfm;
+
+    *has_tools = 0;
+    *final = tj_undef(NULL, 0);
+    if (cJSON_IsObject(in)) {
+        req = in;
+        msgs = cJSON_GetObjectItemCaseSensitive(in, "messages");
+    }
+    if (!cJSON_IsArray(msgs)) {
+        tok_err(p->err, p->errlen, "messages: expected an array");
+        return -1;
+    }
+    if (msgs->child == NULL) {
+        tok_err(p->err, p->errlen, "messages: empty array");
+        return -1;
+    }
+    if ((g = tj_a_dict(&p->a)) == NULL) {
+        return tok_prep_oom(p);
+    }
+
+    l.t = TJ_LIST;
+    l.n = 0;
+    if ((l.u.l = tj_a_list(&p->a)) == NULL) {
+        return tok_prep_oom(p);
+    }
+    i = 0;
+    cJSON_ArrayForEach(e, msgs) {
+        if (tok_prep_message(p, e, i++, openai, &v) != 0) {
+            return -1;
+        }
+        if (tj_a_list_push(&p->a, l.u.l, v) != 0) {
+            return tok_prep_oom(p);
+        }
+    }
+    if (tok_set_lit(p, g, "messages", l) != 0) {
+        return -1;
+    }
+
+    v = tj_none();
+    e = req ? cJSON_GetObjectItemCaseSensitive(req, "tools") : NULL;
+    if (e && !cJSON_IsNull(e)) {
+        const cJSON *t;
+        if (!cJSON_IsArray(e)) {
+            tok_err(p->err, p->errlen, "tools: expected an array");
+            return -1;
+        }
+        v.t = TJ_LIST;
+        if ((v.u.l = tj_a_list(&p->a)) == NULL) {
+            return tok_prep_oom(p);
+        }
+        i = 0;
+        cJSON_ArrayForEach(t, e) {
+            tj_val_t tv;
+            if (tok_prep_tool(p, t, i++, &tv) != 0) {
+                return -1;
+            }
+            if (tj_a_list_push(&p->a, v.u.l, tv) != 0) {
+                return tok_prep_oom(p);
+            }
+        }
+        *has_tools = 1;
+    }
+    if (tok_set_lit(p, g, "tools", v) != 0) {
+        return -1;
+    }
+    e = req ? cJSON_GetObjectItemCaseSensitive(req, "documents") : NULL;
+    if (e && !cJSON_IsNull(e) && !cJSON_IsArray(e)) {
+        tok_err(p->err, p->errlen, "documents: expected an array of objects");
+        return -1;
+    }
+    if (tok_prep_val(p, e, &v) != 0 || tok_set_lit(p, g, "documents", v) != 0) {
+        return -1;
+    }
+
+    if (tok_prep_bool(p, req, "add_generation_prompt", 1, &agp) != 0
+        || tok_prep_bool(p, req, "continue_final_message", 0, &cfm) != 0)
+    {
+        return -1;
+    }
+    if (agp && cfm) {
+        tok_err(p->err, p->errlen, "Cannot set both `continue_final_message` "
+                "and `add_generation_prompt` to True.");
+        return -1;
+    }
+    if (tok_set_lit(p, g, "add_generation_prompt", tj_bool(agp)) != 0
+        || tok_set_lit(p, g, "continue_final_message", tj_bool(cfm)) != 0)
+    {
+        return -1;
+    }
+
+    /* the special tokens (after the request's variables, which are looked
+     * up most; no name is shared), then the kwargs over everything */
+    if (tok->chat && tok->chat->specials) {
+        for (i = 0; i < tok->chat->specials->n; i++) {
+            const tj_pair_t *sp = &tok->chat->specials->p[i];
+            if (tj_a_dict_set(&p->a, g, sp->k, sp->kn, sp->v) != 0) {
+                return tok_prep_oom(p);
+            }
+        }
+    }
+
+    kw = req ? cJSON_GetObjectItemCaseSensitive(req, "chat_template_kwargs")
+             : NULL;
+    if (kw && !cJSON_IsNull(kw)) {
+        if (!cJSON_IsObject(kw)) {
+            tok_err(p->err, p->errlen, "chat_template_kwargs: expected an "
+                    "object");
+            return -1;
+        }
+        cJSON_ArrayForEach(e, kw) {
+            if (strcmp(e->string, "chat_template") == 0
+                || strcmp(e->string, "tokenize") == 0)
+            {
+                tok_err(p->err, p->errlen, "Found unexpected "
+                        "chat_template_kwargs from request: ['%.40s']",
+                        e->string);
+                return -1;
+            }
+            if (strcmp(e->string, "messages") == 0) {
+                continue;       /* the conversation is the request's */
+            }
+            if (tok_prep_val(p, e, &v) != 0
+                || tok_set(p, g, e->string, v) != 0)
+            {
+                return -1;
+            }
+        }
+        cfm = tj_truthy(*tj_dict_get(g, "continue_final_message", 22));
+    }
+    if (cfm) {
+        /* transformers: the last text block of the final message */
+        const tj_val_t *last = &l.u.l->v[l.u.l->n - 1];
+        const tj_val_t *c = tj_dict_get(last->u.d, "content", 7);
+        *final = tj_str("", 0);
+        if (c && c->t == TJ_STR) {
+            *final = *c;
+        } else if (c && c->t == TJ_LIST) {
+            for (i = c->u.l->n; i-- > 0; ) {
+                const tj_val_t *t = c->u.l->v[i].t == TJ_DICT
+                    ? tj_dict_get(c->u.l->v[i].u.d, "text", 4) : NULL;
+                if (t && t->t == TJ_STR) {
+                    *final = *t;
+                    break;
+                }
+            }
+            if (i == (size_t) -1) {
+                tok_err(p->err, p->errlen, "continue_final_message is set but "
+                        "we could not find any text to continue in the final "
+                        "message!");
+                return -1;
+            }
+        }
+    }
+    *vars = g;
+    return 0;
+}
+
+
+/*
+ * transformers' continue_final_message cut: loc = rendered.rindex(
+ * final.strip()); keep up to loc + len(final.lstrip()) when the text there
+ * is final itself, else up to loc + len(final.strip())
+ */
+static int
+tok_continue_final(char *text, size_t *len, tj_val_t s, char *err,
+    size_t errlen)
+{
+    size_t        a, b, i, loc;
+    const char   *found = NULL, *q;
+    uint32_t      cp;
+
+    for (a = 0; a < s.n; a += i) {
+        i = tj_utf8_next(s.u.s + a, s.n - a, &cp);
+        if (!tj_py_space(cp)) {
+            break;
+        }
+    }
+    for (b = s.n; b > a; b = i) {
+        i = b - 1;
+        while (i > a && ((unsigned char) s.u.s[i] & 0xC0) == 0x80) {
+            i--;
+        }
+        tj_utf8_next(s.u.s + i, b - i, &cp);
+        if (!tj_py_space(cp)) {
+            break;
+        }
+    }
+    if (b == a) {
+        found = text + *len;
+    } else {
+        for (q = text; (size_t) (text + *len - q) >= b - a; q++) {
+            q = memmem(q, (size_t) (text + *len - q), s.u.s + a, b - a);
+            if (q == NULL) {
+                break;
+            }
+            found = q;
+        }
+    }
+    if (found == NULL) {
+        tok_err(err, errlen, "continue_final_message is set but the final "
+                "message does not appear in the chat after applying the chat "
+                "template! This can happen if the chat template deletes "
+                "portions of the final message. Please verify the chat "
+                "template and final message in your chat to ensure they are "
+                "compatible.");
+        return -1;
+    }
+    loc = (size_t) (found - text);
+    if (a == 0 && loc + s.n <= *len && memcmp(found, s.u.s, s.n) == 0) {
+        loc += s.n;
+    } else {
+        loc += b - a;
+    }
+    text[loc] = '\0';
+    *len = loc;
+    return 0;
+}
+
+
+static void
+tok_limits(tj_limits_t *lim, size_t bytes)
+{
+    lim->max_output = 4 * bytes + (4u << 20);
+    lim->max_memory = 16 * bytes + (64u << 20);
+    /* no string of a render reaches TJ_STR_MAX */
+    if (lim->max_output >= TJ_STR_MAX / 2) {
+        lim->max_output = TJ_STR_MAX / 2;
+    }
+    if (lim->max_memory >= TJ_STR_MAX / 2) {
+        lim->max_memory = TJ_STR_MAX / 2;
+    }
+    lim->max_steps = 2000000 + 64 * (unsigned long) bytes;
+    lim->max_depth = 64;
+    lim->out_hint = bytes + 2048;     /* the texts and the template's own */
+}
+
+
+/* render request with t (the fuzzer calls it with its own templates) */
+int
+tok_chat_render_with(const dpd_tok_t *tok, const tj_template_t *t,
+    const cJSON *request, char **out, size_t *outlen, char *err,
+    size_t errlen)
+{
+    tok_prep_t    p;
+    tj_dict_t    *vars;
+    tj_val_t      final;
+    tj_limits_t   lim;
+    int           tools, rc;
+
+    *out = NULL;
+    *outlen = 0;
+    memset(&p, 0, sizeof(p));
+    p.err = err;
+    p.errlen = errlen;
+    if (tok_prep(&p, tok, request, t->openai, &vars, &tools, &final) != 0) {
+        tj_arena_free(&p.a);
+        return -1;
+    }
+    if (p.long_str || p.bytes >= TJ_STR_MAX / 2) {
+        /* values hold 32-bit lengths */
+        tj_arena_free(&p.a);
+        tok_err(err, errlen, "the request's texts are too large to render");
+        return -1;
+    }
+    tok_limits(&lim, p.bytes);
+    rc = tj_render(t, &p.a, vars, &lim, out, outlen, err, errlen);
+    if (rc == 0 && final.t == TJ_STR
+        && tok_continue_final(*out, outlen, final, err, errlen) != 0)
+    {
+        free(*out);
+        *out = NULL;
+        *outlen = 0;
+        rc = -1;
+    }
+    tj_arena_free(&p.a);
+    if (rc != 0) {
+        return -1;
+    }
+    if (p.skipped) {
+        tok_err(err, errlen, "%s", p.note);
+        return 2;
+    }
+    return 0;
+}
+
+
+int
+dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
+    const struct cJSON *request, char **out, size_t *outlen,
+    char *err, size_t errlen)
+{
+    const tj_template_t  *t;
+    const cJSON          *tv;
 
     *out = NULL;
     *outlen = 0;
@@ -684,76 +1281,75 @@ dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
         tok_err(err, errlen, "no tokenizer");
         return -1;
     }
-    if (tok_msgs_parse(messages, &m, &n, err, errlen) != 0) {
-        return -1;
-    }
-    switch (tok_resolve(tok, tmpl)) {
-    case DPD_CHAT_LLAMA3:
-        tok_render_llama3(tok, m, n, &b);
-        break;
-    case DPD_CHAT_LLAMA31:
-        tok_render_llama31(tok, m, n, &b);
-        break;
-    case DPD_CHAT_CHATML:
-        tok_render_chatml(tok, m, n, &b);
-        break;
-    default:
-        tok_msgs_free(m, n);
+    tv = cJSON_IsObject(request)
+         ? cJSON_GetObjectItemCaseSensitive(request, "tools") : NULL;
+    t = tok_chat_pick(tok, tmpl, cJSON_IsArray(tv));
+    if (t == NULL) {
         return 1;
     }
-    tok_msgs_free(m, n);
-    if (b.oom) {
-        free(b.p);
-        tok_err(err, errlen, "out of memory");
-        return -1;
-    }
-    *out = b.p;
-    *outlen = b.len;
-    return 0;
+    return tok_chat_render_with(tok, t, request, out, outlen, err, errlen);
 }
 
 
 long
 dpd_chat_count_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
-    const struct cJSON *messages, int *estimated, char *err, size_t errlen)
+    const struct cJSON *request, int *estimated, char *err, size_t errlen)
 {
-    tok_msg_t  *m;
-    size_t      n, i, len;
-    char       *text;
-    long        total, c;
-    int         rc;
+    const cJSON  *msgs, *m;
+    tok_prep_t    p;
+    size_t        i = 0, len;
+    char         *text;
+    long          total, c;
+    int           rc;
+    tj_val_t      v;
 
     if (estimated) {
         *estimated = 0;
     }
-    rc = dpd_chat_render_json(tok, tmpl, messages, &text, &len, err, errlen);
+    rc = dpd_chat_render_json(tok, tmpl, request, &text, &len, err, errlen);
     if (rc < 0) {
         return -1;
     }
-    if (rc == 0) {
+    if (rc == 0 || rc == 2) {
         total = dpd_tok_count(tok, text, len, 0);
         free(text);
         if (total < 0) {
             tok_err(err, errlen, "tokenizer failure");
         }
+        if (rc == 2 && estimated) {
+            *estimated = 1;     /* err holds the note */
+        }
         return total;
     }
 
-    /* unknown template: content tokens plus a fixed overhead per message */
-    if (tok_msgs_parse(messages, &m, &n, err, errlen) != 0) {
+    /* no template: content tokens plus a fixed overhead per message */
+    msgs = cJSON_IsObject(request)
+           ? cJSON_GetObjectItemCaseSensitive(request, "messages") : request;
+    if (!cJSON_IsArray(msgs) || msgs->child == NULL) {
+        tok_err(err, errlen, cJSON_IsArray(msgs) ? "messages: empty array"
+                                                 : "messages: expected an "
+                                                   "array");
         return -1;
     }
+    memset(&p, 0, sizeof(p));
+    p.err = err;
+    p.errlen = errlen;
     total = DPD_CHAT_EST_PRIMING;
-    for (i = 0; i < n; i++) {
-        c = dpd_tok_count(tok, m[i].content, m[i].len, 0);
+    cJSON_ArrayForEach(m, msgs) {
+        if (tok_prep_message(&p, m, i++, 0, &v) != 0) {
+            tj_arena_free(&p.a);
+            return -1;
+        }
+        v = *tj_dict_get(v.u.d, "content", 7);
+        c = dpd_tok_count(tok, v.u.s, v.n, 0);
         if (c < 0) {
-            tok_msgs_free(m, n);
+            tj_arena_free(&p.a);
             tok_err(err, errlen, "tokenizer failure");
             return -1;
         }
         total += c + DPD_CHAT_EST_PER_MESSAGE;
     }
-    tok_msgs_free(m, n);
+    tj_arena_free(&p.a);
     if (estimated) {
         *estimated = 1;
     }

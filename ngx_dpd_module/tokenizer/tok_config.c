@@ -1,6 +1,6 @@
 /*
- * tokenizer_config.json: the bos/eos strings the chat templates print, the
- * chat template text, and the template family detected from it.
+ * tokenizer_config.json: the bos/eos strings; the chat templates and the
+ * special tokens they see are loaded by tok_chat.c (tok_chat_load).
  */
 
 #include <stdlib.h>
@@ -37,111 +37,6 @@ tok_config_token(const cJSON *root, const char *key, char **out, char *err,
 }
 
 
-/* "chat_template": "..." or [{"name": "default", "template": "..."}, ...] */
-static int
-tok_config_template(const cJSON *root, char **out, char *err, size_t errlen)
-{
-    const cJSON  *v = cJSON_GetObjectItemCaseSensitive(root, "chat_template");
-    const cJSON  *e, *name, *t, *pick = NULL;
-
-    if (v == NULL || cJSON_IsNull(v)) {
-        return 0;
-    }
-    if (cJSON_IsArray(v)) {
-        cJSON_ArrayForEach(e, v) {
-            name = cJSON_GetObjectItemCaseSensitive(e, "name");
-            t = cJSON_GetObjectItemCaseSensitive(e, "template");
-            if (!cJSON_IsString(t)) {
-                continue;
-            }
-            if (pick == NULL || (cJSON_IsString(name)
-                                 && strcmp(name->valuestring, "default") == 0))
-            {
-                pick = t;
-            }
-        }
-        v = pick;
-    }
-    if (!cJSON_IsString(v)) {
-        tok_err(err, errlen, "chat_template: expected a string or a list of "
-                "{\"name\", \"template\"}");
-        return -1;
-    }
-    *out = strdup(v->valuestring);
-    if (*out == NULL) {
-        tok_err(err, errlen, "out of memory");
-        return -1;
-    }
-    return 0;
-}
-
-
-/*
- * Template families by their markers: Llama 3 headers (with Meta's default
- * "Cutting Knowledge Date" system block: 3.1+), ChatML's <|im_start|>.
- */
-dpd_chat_template_t
-tok_detect_template(const char *t)
-{
-    if (t == NULL) {
-        return DPD_CHAT_NONE;
-    }
-    if (strstr(t, "<|start_header_id|>") && strstr(t, "<|eot_id|>")) {
-        return strstr(t, "Cutting Knowledge Date") ? DPD_CHAT_LLAMA31
-                                                   : DPD_CHAT_LLAMA3;
-    }
-    if (strstr(t, "<|im_start|>") && strstr(t, "<|im_end|>")) {
-        return DPD_CHAT_CHATML;
-    }
-    return DPD_CHAT_NONE;
-}
-
-
-/*
- * ChatML dialects: Qwen 2 / 2.5 templates print a default system message
- * when the first message is not a system one, written as a string literal
- * '<|im_start|>system\n...<|im_end|>\n'; Qwen 3's builds that block from
- * messages[0] only.  Take the literal's text (Jinja escapes undone), and
- * note whether the template handles <think> (Qwen 3) or not.
- */
-static int
-tok_chatml_dialect(dpd_tok_t *tok)
-{
-    static const char   mark[] = "<|im_start|>system\\n";
-    const char         *t = tok->chat_template, *p, *e;
-    char               *out;
-    size_t              o = 0;
-
-    tok->chatml_plain = strstr(t, "</think>") == NULL;
-    for (p = strstr(t, mark); p; p = strstr(p + 1, mark)) {
-        p += sizeof(mark) - 1;
-        e = strstr(p, "<|im_end|>");
-        if (e == NULL || e == p || memchr(p, '\'', (size_t) (e - p))
-            || memchr(p, '"', (size_t) (e - p))
-            || memchr(p, '{', (size_t) (e - p)))
-        {
-            continue;       /* an expression, not a literal text */
-        }
-        out = malloc((size_t) (e - p) + 1);
-        if (out == NULL) {
-            return -1;
-        }
-        for ( ; p < e; p++) {
-            if (*p == '\\' && p + 1 < e) {
-                p++;
-                out[o++] = *p == 'n' ? '\n' : *p == 't' ? '\t' : *p;
-            } else {
-                out[o++] = *p;
-            }
-        }
-        out[o] = '\0';
-        tok->chatml_system = out;
-        return 0;
-    }
-    return 0;
-}
-
-
 int
 tok_load_config(dpd_tok_t *tok, const char *path, char *err, size_t errlen)
 {
@@ -165,15 +60,10 @@ tok_load_config(dpd_tok_t *tok, const char *path, char *err, size_t errlen)
                                 sizeof(ferr)) == 0
                && tok_config_token(root, "eos_token", &tok->eos_token, ferr,
                                    sizeof(ferr)) == 0
-               && tok_config_template(root, &tok->chat_template, ferr,
-                                      sizeof(ferr)) == 0)
+               && tok_config_specials(tok, root, ferr, sizeof(ferr)) == 0
+               && tok_chat_load(tok, root, path, ferr, sizeof(ferr)) == 0)
     {
-        tok->detected = tok_detect_template(tok->chat_template);
-        if (tok->detected == DPD_CHAT_CHATML
-            && tok_chatml_dialect(tok) != 0)
-        {
-            tok_err(ferr, sizeof(ferr), "out of memory");
-        }
+        /* the chat templates are tok_chat.c's */
     }
     cJSON_Delete(root);
     if (ferr[0]) {
@@ -184,54 +74,139 @@ tok_load_config(dpd_tok_t *tok, const char *path, char *err, size_t errlen)
 }
 
 
-dpd_chat_template_t
-dpd_tok_chat_template(const dpd_tok_t *tok)
+/* ---- add_bos_token / add_eos_token */
+
+/*
+ * The id of a token string as Hugging Face's token_to_id: the added
+ * tokens first, then the model's vocabulary.
+ */
+static uint32_t
+tok_token_id(const dpd_tok_t *tok, const char *s)
 {
-    return tok ? tok->detected : DPD_CHAT_NONE;
-}
+    size_t    len = strlen(s), rl;
+    uint32_t  i, id;
+    char     *raw;
 
-
-int
-dpd_chat_template_from_name(const char *name)
-{
-    static const struct {
-        const char           *name;
-        dpd_chat_template_t   t;
-    } names[] = {
-        { "auto", DPD_CHAT_AUTO },
-        { "llama3", DPD_CHAT_LLAMA3 },
-        { "llama3.1", DPD_CHAT_LLAMA31 },
-        { "chatml", DPD_CHAT_CHATML },
-        { "none", DPD_CHAT_NONE },
-    };
-    size_t  i;
-
-    if (name == NULL) {
-        return -1;
-    }
-    for (i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        if (strcmp(name, names[i].name) == 0) {
-            return (int) names[i].t;
+    for (i = 0; i < tok->n_added; i++) {
+        if (tok->added[i].len == len
+            && memcmp(tok->added[i].content, s, len) == 0)
+        {
+            return tok->added[i].id;
         }
     }
-    return -1;
+    if (!tok->byte_level) {
+        return tok_strmap_get(&tok->vocab, s, len);
+    }
+    raw = malloc(len + 1);
+    if (raw == NULL) {
+        return TOK_NO_ID;
+    }
+    id = tok_byte_level_decode(s, len, raw, &rl) == 0
+         ? tok_strmap_get(&tok->vocab, raw, rl) : TOK_NO_ID;
+    free(raw);
+    return id != TOK_NO_ID ? id : tok_strmap_get(&tok->other, s, len);
 }
 
 
-const char *
-dpd_chat_template_name(dpd_chat_template_t t)
+static int
+tok_config_flag(const cJSON *root, const char *key, int dflt, int *out,
+    char *err, size_t errlen)
 {
-    switch (t) {
-    case DPD_CHAT_AUTO:
-        return "auto";
-    case DPD_CHAT_LLAMA3:
-        return "llama3";
-    case DPD_CHAT_LLAMA31:
-        return "llama3.1";
-    case DPD_CHAT_CHATML:
-        return "chatml";
-    case DPD_CHAT_NONE:
-        return "none";
+    const cJSON  *v = cJSON_GetObjectItemCaseSensitive(root, key);
+
+    if (v == NULL || cJSON_IsNull(v)) {
+        *out = dflt;
+        return 0;
     }
-    return "unknown";
+    if (!cJSON_IsBool(v)) {
+        tok_err(err, errlen, "%s: expected true or false", key);
+        return -1;
+    }
+    *out = cJSON_IsTrue(v);
+    return 0;
+}
+
+
+static int
+tok_config_special_id(const dpd_tok_t *tok, const char *key,
+    const char *token, uint32_t *id, char *err, size_t errlen)
+{
+    if (token == NULL) {
+        tok_err(err, errlen, "add_%s = true but %s is null", key, key);
+        return -1;
+    }
+    *id = tok_token_id(tok, token);
+    if (*id == TOK_NO_ID) {
+        tok_err(err, errlen, "%s: \"%.64s\" is not a token of the "
+                "tokenizer", key, token);
+        return -1;
+    }
+    return 0;
+}
+
+
+/*
+ * transformers' LlamaTokenizerFast (and CodeLlama's and Gemma's, which
+ * copy it) replaces the post-processor of tokenizer.json when it is
+ * built: TemplateProcessing with bos_token before the text when
+ * add_bos_token (default true) and eos_token after it when add_eos_token
+ * (default false).  So the file's own post-processor, BOS or not, no
+ * longer counts.  The fast class is used for the slow names too (vLLM
+ * loads with use_fast).  Other classes follow tokenizer.json.
+ */
+int
+tok_config_specials(dpd_tok_t *tok, const cJSON *root, char *err,
+    size_t errlen)
+{
+    static const char  *classes[] = {
+        "LlamaTokenizer", "LlamaTokenizerFast",
+        "CodeLlamaTokenizer", "CodeLlamaTokenizerFast",
+        "GemmaTokenizer", "GemmaTokenizerFast",
+    };
+    const cJSON  *cls = cJSON_GetObjectItemCaseSensitive(root,
+                                                         "tokenizer_class");
+    size_t        i;
+    int           bos, eos;
+    uint32_t      bos_id = 0, eos_id = 0, *pre = NULL, *suf = NULL;
+
+    if (!cJSON_IsString(cls)) {
+        return 0;
+    }
+    for (i = 0; i < sizeof(classes) / sizeof(classes[0]); i++) {
+        if (strcmp(cls->valuestring, classes[i]) == 0) {
+            break;
+        }
+    }
+    if (i == sizeof(classes) / sizeof(classes[0])) {
+        return 0;
+    }
+    if (tok_config_flag(root, "add_bos_token", 1, &bos, err, errlen) != 0
+        || tok_config_flag(root, "add_eos_token", 0, &eos, err, errlen) != 0
+        || (bos && tok_config_special_id(tok, "bos_token", tok->bos_token,
+                                         &bos_id, err, errlen) != 0)
+        || (eos && tok_config_special_id(tok, "eos_token", tok->eos_token,
+                                         &eos_id, err, errlen) != 0))
+    {
+        return -1;
+    }
+    if ((bos && (pre = malloc(sizeof(uint32_t))) == NULL)
+        || (eos && (suf = malloc(sizeof(uint32_t))) == NULL))
+    {
+        free(pre);
+        tok_err(err, errlen, "out of memory");
+        return -1;
+    }
+    if (pre) {
+        pre[0] = bos_id;
+    }
+    if (suf) {
+        suf[0] = eos_id;
+    }
+    free(tok->post_prefix);
+    free(tok->post_suffix);
+    tok->post_prefix = pre;
+    tok->n_prefix = bos ? 1 : 0;
+    tok->post_suffix = suf;
+    tok->n_suffix = eos ? 1 : 0;
+    return 0;
 }

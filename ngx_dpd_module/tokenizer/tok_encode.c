@@ -101,6 +101,7 @@ tok_split_added(tok_work_t *w, const tok_trie_t *t, const char *s, size_t len,
     const tok_added_t  *a;
     size_t              pos = 0, seg = 0, mlen = 0, start, stop, ns;
     int32_t             m;
+    int                 top = w->at_start;
 
     if (t->empty) {
         next(w, s, len);
@@ -136,12 +137,14 @@ tok_split_added(tok_work_t *w, const tok_trie_t *t, const char *s, size_t len,
             stop += tok_space_at_start(s + stop, len - stop);
         }
         if (seg < start) {
+            w->at_start = top && seg == 0;
             next(w, s + seg, start - seg);
         }
         tok_emit(w->sink, a->id);
         seg = stop;
     }
     if (seg < len) {
+        w->at_start = top && seg == 0;
         next(w, s + seg, len - seg);
     }
 }
@@ -168,6 +171,11 @@ tok_encode_normalized(tok_work_t *w, const char *s, size_t len)
  * decomposing forms, is a Hangul syllable.  Every other character is a
  * boundary normalization never crosses: NFx(a + b) = NFx(a) + NFx(b) when
  * b starts with one.
+ *
+ * Hugging Face's tables are Unicode 9.0 (unicode-normalization-alignments
+ * 0.1.12): a character assigned later has combining class 0 and no
+ * decomposition or composition there, so it is a boundary too, and is
+ * never the starter a stretch begins with.
  */
 static int
 tok_norm_flagged(uint32_t cp, int decomposes)
@@ -180,24 +188,73 @@ tok_norm_flagged(uint32_t cp, int decomposes)
         return 1;
     }
     p = utf8proc_get_property((utf8proc_int32_t) cp);
-    return p->combining_class != 0 || p->decomp_seqindex != UINT16_MAX
-           || (p->comb_index != UINT16_MAX && (p->comb_index & 0x8000));
+    return (p->combining_class != 0 || p->decomp_seqindex != UINT16_MAX
+            || (p->comb_index != UINT16_MAX && (p->comb_index & 0x8000)))
+           && tok_unicode9_assigned(cp);
 }
 
 
-/* Append s[0..len) normalized by every form of the tokenizer. */
+typedef struct {
+    char    *p;
+    size_t   len;
+    size_t   cap;
+} tok_buf_t;
+
+
 static int
-tok_norm_append(const dpd_tok_t *tok, const char *s, size_t len, char **buf,
-    size_t *blen, size_t *bcap)
+tok_buf_add(tok_buf_t *b, const char *s, size_t n)
+{
+    char  *p;
+
+    if (n == 0) {
+        return 0;
+    }
+    if (b->len + n > b->cap) {
+        size_t  cap = (b->len + n) * 2 + 64;
+
+        p = realloc(b->p, cap);
+        if (p == NULL) {
+            return -1;
+        }
+        /* the slack initialised: pcre2's JIT may read a word past the
+         * subject's end (harmless, but memcheck reports it) */
+        memset(p + b->cap, 0, cap - b->cap);
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    return 0;
+}
+
+
+/* b holds a result, even an empty one */
+static int
+tok_buf_own(tok_buf_t *b)
+{
+    if (b->p == NULL) {
+        b->p = calloc(1, 64);
+        if (b->p == NULL) {
+            return -1;
+        }
+        b->cap = 64;
+    }
+    return 0;
+}
+
+
+/* Append s[0..len) normalized by the Unicode forms k0..k1-1. */
+static int
+tok_norm_append(const dpd_tok_t *tok, int k0, int k1, const char *s,
+    size_t len, tok_buf_t *b)
 {
     utf8proc_uint8_t  *cur = NULL, *dst;
     utf8proc_ssize_t   n = (utf8proc_ssize_t) len;
-    int                k;
-    char              *p;
+    int                k, rc;
 
-    for (k = 0; k < tok->n_norm; k++) {
+    for (k = k0; k < k1; k++) {
         n = utf8proc_map(cur ? cur : (const utf8proc_uint8_t *) s, n, &dst,
-                         (utf8proc_option_t) tok->norm[k]);
+                         (utf8proc_option_t) tok->norm[k].opt);
         free(cur);
         cur = NULL;
         if (n < 0) {
@@ -205,40 +262,25 @@ tok_norm_append(const dpd_tok_t *tok, const char *s, size_t len, char **buf,
         }
         cur = dst;
     }
-    if (*blen + (size_t) n > *bcap) {
-        *bcap = (*blen + (size_t) n) * 2 + 64;
-        p = realloc(*buf, *bcap);
-        if (p == NULL) {
-            free(cur);
-            return -1;
-        }
-        *buf = p;
-    }
-    memcpy(*buf + *blen, cur, (size_t) n);
-    *blen += (size_t) n;
+    rc = tok_buf_add(b, (const char *) cur, (size_t) n);
     free(cur);
-    return 0;
+    return rc;
 }
 
 
 /*
- * A piece between raw-matched added tokens: normalize, then go on.
- * Only the stretches around flagged characters go through utf8proc; the
- * rest, usually everything, is used as it is.
+ * The Unicode forms k0..k1-1 on s.  Only the stretches around flagged
+ * characters go through utf8proc; the rest, usually everything, is used
+ * as it is.  0 with out->p NULL: unchanged.
  */
-static void
-tok_encode_raw_piece(tok_work_t *w, const char *s, size_t len)
+static int
+tok_norm_unicode(const dpd_tok_t *tok, int k0, int k1, const char *s,
+    size_t len, tok_buf_t *out)
 {
-    const dpd_tok_t  *tok = w->tok;
-    size_t            i = 0, j, n, safe = 0, copied = 0, blen = 0, bcap = 0;
-    char             *buf = NULL;
-    uint32_t          cp;
-    int               dec = tok->norm_decomposes;
+    size_t    i = 0, j, n, safe = 0, copied = 0;
+    uint32_t  cp;
+    int       dec = tok->norm_decomposes;
 
-    if (tok->n_norm == 0) {
-        tok_encode_normalized(w, s, len);
-        return;
-    }
     while (i < len) {
         if ((unsigned char) s[i] < 0x80) {
             safe = i++;
@@ -250,6 +292,13 @@ tok_encode_raw_piece(tok_work_t *w, const char *s, size_t len)
             i += n;
             continue;
         }
+        /* the starter before it, unless Hugging Face does not know it */
+        if (safe < i && (unsigned char) s[safe] >= 0x80) {
+            tok_utf8_decode(s + safe, i - safe, &cp);
+            if (!tok_unicode9_assigned(cp)) {
+                safe = i;
+            }
+        }
         /* the stretch: from the last boundary to the next one */
         for (j = i + n; j < len; j += n) {
             if ((unsigned char) s[j] < 0x80) {
@@ -260,50 +309,199 @@ tok_encode_raw_piece(tok_work_t *w, const char *s, size_t len)
                 break;
             }
         }
-        if (safe > copied) {
-            if (blen + (safe - copied) > bcap) {
-                char *p;
-                bcap = (blen + (safe - copied)) * 2 + 64;
-                p = realloc(buf, bcap);
-                if (p == NULL) {
-                    goto nomem;
-                }
-                buf = p;
-            }
-            memcpy(buf + blen, s + copied, safe - copied);
-            blen += safe - copied;
-        }
-        if (tok_norm_append(tok, s + safe, j - safe, &buf, &blen, &bcap)
-            != 0)
+        if (tok_buf_add(out, s + copied, safe - copied) != 0
+            || tok_norm_append(tok, k0, k1, s + safe, j - safe, out) != 0)
         {
-            goto nomem;
+            return -1;
         }
         copied = safe = i = j;
     }
-    if (copied == 0 && buf == NULL) {
+    if (copied == 0 && out->p == NULL) {
+        return 0;
+    }
+    return tok_buf_add(out, s + copied, len - copied);
+}
+
+
+/* Replace: every leftmost, non-overlapping match of the pattern */
+static int
+tok_norm_replace(const tok_norm_t *st, pcre2_match_data *md, const char *s,
+    size_t len, tok_buf_t *out)
+{
+    const char  *p;
+    size_t       at = 0, ms, me, n;
+    PCRE2_SIZE  *ov;
+    uint32_t     cp;
+    int          rc, any = 0;
+
+    if (st->re == NULL) {
+        while (at + st->plen <= len
+               && (p = memmem(s + at, len - at, st->pat, st->plen)) != NULL)
+        {
+            ms = (size_t) (p - s);
+            if (tok_buf_add(out, s + at, ms - at) != 0
+                || tok_buf_add(out, st->str, st->len) != 0)
+            {
+                return -1;
+            }
+            at = ms + st->plen;
+            any = 1;
+        }
+        if (!any) {
+            return 0;
+        }
+        return tok_buf_own(out) != 0 ? -1
+               : tok_buf_add(out, s + at, len - at);
+    }
+
+    ov = pcre2_get_ovector_pointer(md);
+    n = 0;      /* copied up to */
+    while (at <= len) {
+        rc = pcre2_match(st->re, (PCRE2_SPTR) s, len, at, PCRE2_NO_UTF_CHECK,
+                         md, NULL);
+        if (rc == PCRE2_ERROR_NOMATCH) {
+            break;
+        }
+        if (rc < 0) {
+            return -1;
+        }
+        ms = ov[0];
+        me = ov[1];
+        if (tok_buf_add(out, s + n, ms - n) != 0
+            || tok_buf_add(out, st->str, st->len) != 0)
+        {
+            return -1;
+        }
+        any = 1;
+        n = me;
+        if (me == ms) {
+            /* an empty match: the next character is kept, then go on */
+            if (me >= len) {
+                break;
+            }
+            at = me + tok_utf8_decode(s + me, len - me, &cp);
+            if (tok_buf_add(out, s + me, at - me) != 0) {
+                return -1;
+            }
+            n = at;
+        } else {
+            at = me;
+        }
+    }
+    if (!any) {
+        return 0;
+    }
+    return tok_buf_own(out) != 0 ? -1 : tok_buf_add(out, s + n, len - n);
+}
+
+
+/*
+ * Every normalizer stage, in order, on s.  0 with *res NULL when nothing
+ * changed (use s), or *res malloc'ed; -1 when out of memory.
+ */
+static int
+tok_norm_run(const dpd_tok_t *tok, pcre2_match_data *md, const char *s,
+    size_t len, char **res, size_t *reslen)
+{
+    const tok_norm_t  *st;
+    tok_buf_t          b;
+    char              *own = NULL;
+    int                k = 0, g, rc;
+
+    while (k < tok->n_norm) {
+        st = &tok->norm[k];
+        memset(&b, 0, sizeof(b));
+        g = k + 1;
+        switch (st->kind) {
+        case TOK_NORM_UNICODE:
+            while (g < tok->n_norm && tok->norm[g].kind == TOK_NORM_UNICODE) {
+                g++;
+            }
+            rc = tok_norm_unicode(tok, k, g, s, len, &b);
+            break;
+        case TOK_NORM_PREPEND:
+            rc = 0;
+            if (len > 0 && (tok_buf_own(&b) != 0
+                            || tok_buf_add(&b, st->str, st->len) != 0
+                            || tok_buf_add(&b, s, len) != 0))
+            {
+                rc = -1;
+            }
+            break;
+        default:
+            rc = tok_norm_replace(st, md, s, len, &b);
+            break;
+        }
+        if (rc != 0) {
+            free(b.p);
+            free(own);
+            return -1;
+        }
+        if (b.p != NULL) {
+            free(own);
+            own = b.p;
+            s = own;
+            len = b.len;
+        }
+        k = g;
+    }
+    *res = own;
+    *reslen = len;
+    return 0;
+}
+
+
+int
+tok_normalize(const dpd_tok_t *tok, const char *s, size_t len, char **out,
+    size_t *outlen)
+{
+    pcre2_match_data  *md;
+    char              *res;
+    int                rc;
+
+    md = pcre2_match_data_create(1, NULL);
+    if (md == NULL) {
+        return -1;
+    }
+    rc = tok_norm_run(tok, md, s, len, &res, outlen);
+    pcre2_match_data_free(md);
+    if (rc != 0) {
+        return -1;
+    }
+    if (res == NULL) {
+        res = malloc(len + 1);
+        if (res == NULL) {
+            return -1;
+        }
+        memcpy(res, s, len);
+        *outlen = len;
+    }
+    *out = res;
+    return 0;
+}
+
+
+/* A piece between raw-matched added tokens: normalize, then go on. */
+static void
+tok_encode_raw_piece(tok_work_t *w, const char *s, size_t len)
+{
+    char    *buf;
+    size_t   blen;
+
+    if (w->tok->n_norm == 0) {
         tok_encode_normalized(w, s, len);
         return;
     }
-    if (copied < len) {
-        if (blen + (len - copied) > bcap) {
-            char *p;
-            bcap = blen + (len - copied);
-            p = realloc(buf, bcap);
-            if (p == NULL) {
-                goto nomem;
-            }
-            buf = p;
-        }
-        memcpy(buf + blen, s + copied, len - copied);
-        blen += len - copied;
+    if (tok_norm_run(w->tok, w->md, s, len, &buf, &blen) != 0) {
+        w->oom = 1;
+        return;
+    }
+    if (buf == NULL) {
+        tok_encode_normalized(w, s, len);
+        return;
     }
     tok_encode_normalized(w, buf, blen);
     free(buf);
-    return;
-
-nomem:
-    free(buf);
-    w->oom = 1;
 }
 
 
@@ -342,6 +540,7 @@ tok_encode_sink(const dpd_tok_t *tok, const char *text, size_t len,
     memset(&w, 0, sizeof(w));
     w.tok = tok;
     w.sink = sink;
+    w.at_start = 1;
     w.md = pcre2_match_data_create(1, NULL);
     if (w.md == NULL) {
         return -1;
@@ -415,7 +614,7 @@ dpd_tok_count(const dpd_tok_t *tok, const char *text, size_t len,
 int
 dpd_tok_bound_params(const dpd_tok_t *tok, dpd_tok_bound_t *out)
 {
-    int       i;
+    int       i, ascii_may_change = 0;
     uint64_t  other, prefix;
 
     if (tok == NULL || out == NULL) {
@@ -425,10 +624,43 @@ dpd_tok_bound_params(const dpd_tok_t *tok, dpd_tok_bound_t *out)
     other = 1;
     prefix = 1;
 
+    /*
+     * After a stage that can turn ASCII into other text (Prepend,
+     * Replace), a Unicode form's growth applies to every byte.  Prepend
+     * adds its text to each non-empty piece (at least one byte), a String
+     * Replace grows a match by content/pattern at most; a Regex Replace
+     * can match the empty string: no bound.  Every id covers at least one
+     * byte of the normalized text also for the SentencePiece-style files
+     * (a character, one byte of a <0xNN> fallback, or an unknown run).
+     */
     for (i = 0; i < tok->n_norm; i++) {
-        other *= (tok->norm[i] & UTF8PROC_COMPAT) ? TOK_NORM_COMPAT_GROWTH
-                                                  : TOK_NORM_CANON_GROWTH;
-        if (other > TOK_BOUND_FACTOR_MAX) {
+        const tok_norm_t *st = &tok->norm[i];
+        uint64_t          f;
+
+        switch (st->kind) {
+        case TOK_NORM_UNICODE:
+            f = (st->opt & UTF8PROC_COMPAT) ? TOK_NORM_COMPAT_GROWTH
+                                            : TOK_NORM_CANON_GROWTH;
+            if (ascii_may_change) {
+                prefix *= f;
+            } else {
+                other *= f;
+            }
+            break;
+        case TOK_NORM_PREPEND:
+            prefix *= 1 + st->len;
+            ascii_may_change = 1;
+            break;
+        default:
+            if (st->re != NULL) {
+                return -1;
+            }
+            prefix *= st->len > st->plen ? (st->len + st->plen - 1) / st->plen
+                                         : 1;
+            ascii_may_change = 1;
+            break;
+        }
+        if (other > TOK_BOUND_FACTOR_MAX || prefix > TOK_BOUND_FACTOR_MAX) {
             return -1;
         }
     }
@@ -438,9 +670,14 @@ dpd_tok_bound_params(const dpd_tok_t *tok, dpd_tok_bound_t *out)
             && tok->pre[i].add_prefix_space)
         {
             prefix *= 2;
-            if (prefix > TOK_BOUND_FACTOR_MAX) {
-                return -1;
-            }
+        } else if (tok->pre[i].kind == TOK_PRE_METASPACE) {
+            /* ' ' -> the replacement, then one more per piece */
+            prefix *= (uint64_t) tok->pre[i].rep_len
+                      * (tok->pre[i].scheme == TOK_PREPEND_NEVER
+                         ? 1 : 1 + tok->pre[i].rep_len);
+        }
+        if (prefix > TOK_BOUND_FACTOR_MAX) {
+            return -1;
         }
     }
 

@@ -24,8 +24,21 @@ tok_hash_bytes(const char *s, size_t len)
         s += 8;
         len -= 8;
     }
-    w = 0;
-    memcpy(&w, s, len);
+    /* the last 0-7 bytes without a variable-length memcpy (a call): two
+     * overlapping 4-byte loads, or first / middle / last byte; either
+     * covers every byte, so equal (w, len) means equal tails */
+    if (len >= 4) {
+        uint32_t  lo, hi;
+
+        memcpy(&lo, s, 4);
+        memcpy(&hi, s + len - 4, 4);
+        w = (uint64_t) hi << 32 | lo;
+    } else if (len > 0) {
+        w = (uint64_t) (uint8_t) s[0] | (uint64_t) (uint8_t) s[len / 2] << 8
+            | (uint64_t) (uint8_t) s[len - 1] << 16;
+    } else {
+        w = 0;
+    }
     h = (h ^ w) * 0xc4ceb9fe1a85ec53ULL;
     return tok_mix64(h);
 }
@@ -174,17 +187,19 @@ tok_strmap_get_h(const tok_strmap_t *m, const char *s, size_t len, uint64_t h)
 int
 tok_pairmap_init(tok_pairmap_t *m, uint32_t expect)
 {
-    uint32_t  slots = 16;
+    uint32_t  slots = 16, shift = 60;
 
     /* load factor up to 3/4: the pair table is the largest one we keep */
     while ((uint64_t) slots * 3 < (uint64_t) expect * 4 + 4
            && slots < (1u << 30))
     {
         slots <<= 1;
+        shift--;
     }
     memset(m, 0, sizeof(*m));
     m->slots = calloc(slots, sizeof(tok_pairslot_t));
     m->mask = slots - 1;
+    m->shift = shift;
     if (m->slots == NULL) {
         return -1;
     }
@@ -205,7 +220,7 @@ tok_pairmap_put(tok_pairmap_t *m, uint32_t l, uint32_t r, uint32_t rank,
     uint32_t merged)
 {
     uint64_t  key = (((uint64_t) l << 32) | r) + 1;
-    uint32_t  i = (uint32_t) tok_mix64(key) & m->mask;
+    uint32_t  i = tok_pairmap_slot(m, key);
 
     /* the table is sized for all merges at init: never more than 3/4 full */
     if ((uint64_t) (m->n + 1) * 4 > ((uint64_t) m->mask + 1) * 3) {

@@ -62,6 +62,7 @@ typedef struct {
     tok_pairslot_t  *slots;
     uint32_t         mask;
     uint32_t         n;
+    uint32_t         shift;     /* 64 - log2(slots) */
 } tok_pairmap_t;
 
 int tok_pairmap_init(tok_pairmap_t *m, uint32_t expect);
@@ -87,11 +88,16 @@ tok_pair_key(uint32_t l, uint32_t r)
 }
 
 
-/* the first slot to probe for a key: prefetch it before the lookups */
+/*
+ * The first slot to probe for a key: prefetch it before the lookups.
+ * Fibonacci hashing (the product's top bits): one multiply, and every bit
+ * of both ids reaches the slot number; cheaper than tok_mix64 on the
+ * hottest lookup of BPE, with no longer probes on the shipped tables.
+ */
 static inline uint32_t
 tok_pairmap_slot(const tok_pairmap_t *m, uint64_t key)
 {
-    return (uint32_t) tok_mix64(key) & m->mask;
+    return (uint32_t) ((key * 0x9e3779b97f4a7c15ULL) >> m->shift) & m->mask;
 }
 
 
@@ -157,17 +163,40 @@ typedef struct {
     unsigned    normalized:1;
 } tok_added_t;
 
-/* ---- normalizer: a list of Unicode normal forms applied in order */
+/* ---- normalizer stages, applied in order */
 
 #define TOK_MAX_NORM 8
+
+typedef enum {
+    TOK_NORM_UNICODE = 1,   /* NFC / NFD / NFKC / NFKD (opt) */
+    TOK_NORM_PREPEND,       /* Prepend: str before a non-empty piece */
+    TOK_NORM_REPLACE        /* Replace: pat (or re) -> str, every match */
+} tok_norm_kind_t;
+
+typedef struct {
+    tok_norm_kind_t   kind;
+    int               opt;      /* utf8proc options (TOK_NORM_UNICODE) */
+    char             *str;      /* Prepend text, Replace content */
+    size_t            len;
+    char             *pat;      /* Replace String pattern */
+    size_t            plen;
+    pcre2_code       *re;       /* Replace Regex pattern */
+} tok_norm_t;
 
 /* ---- pre-tokenizer stages */
 
 typedef enum {
     TOK_PRE_SPLIT = 1,      /* Split (regex or literal) with a behaviour */
     TOK_PRE_BYTELEVEL,      /* ByteLevel: prefix space, optional GPT-2 regex */
-    TOK_PRE_DIGITS          /* Digits (individual_digits or runs) */
+    TOK_PRE_DIGITS,         /* Digits (individual_digits or runs) */
+    TOK_PRE_METASPACE       /* Metaspace: ' ' -> replacement, prepend, split */
 } tok_pre_kind_t;
+
+typedef enum {
+    TOK_PREPEND_ALWAYS = 0,
+    TOK_PREPEND_FIRST,
+    TOK_PREPEND_NEVER
+} tok_prepend_scheme_t;
 
 typedef enum {
     TOK_SPLIT_REMOVED = 0,
@@ -177,6 +206,14 @@ typedef enum {
     TOK_SPLIT_CONTIGUOUS
 } tok_split_behavior_t;
 
+/* Split regexes with a hand-written matcher (tok_pretok_fast.c) */
+typedef enum {
+    TOK_FAST_NONE = 0,      /* pcre2 */
+    TOK_FAST_LLAMA3,        /* Llama 3 / 3.1: \p{N}{1,3} */
+    TOK_FAST_QWEN2,         /* Qwen 2 / 3: \p{N} */
+    TOK_FAST_GPT2           /* ByteLevel's GPT-2 regex */
+} tok_fast_kind_t;
+
 typedef struct {
     tok_pre_kind_t        kind;
     tok_split_behavior_t  behavior;
@@ -184,6 +221,11 @@ typedef struct {
     int                   add_prefix_space;   /* ByteLevel */
     int                   individual;         /* Digits */
     pcre2_code           *re;                 /* Split, ByteLevel regex */
+    int                   fast;               /* tok_fast_kind_t of re */
+    char                  rep[4];             /* Metaspace replacement */
+    uint8_t               rep_len;
+    uint8_t               scheme;             /* tok_prepend_scheme_t */
+    uint8_t               split;              /* Metaspace split */
 } tok_pre_t;
 
 #define TOK_MAX_PRE 8
@@ -193,8 +235,22 @@ typedef struct {
 struct dpd_tok_s {
     tok_strmap_t   vocab;       /* raw bytes -> id */
     tok_pairmap_t  merges;
-    uint32_t       byte_id[256];/* id of each single byte token */
+    uint32_t       byte_id[256];/* id of each single byte token (byte-level);
+                                   of each ASCII character (otherwise) */
     int            ignore_merges;
+    /*
+     * byte_level: some pre-tokenizer is ByteLevel, the vocabulary is kept
+     * as the bytes its GPT-2 alphabet stands for and BPE starts from
+     * bytes.  Otherwise (SentencePiece-style files) the vocabulary is the
+     * file's UTF-8 and BPE starts from characters, with byte_fallback
+     * (<0xNN> tokens, fb_id) and unk_id (fuse_unk) for characters the
+     * vocabulary lacks, as Hugging Face's BPE::merge_word.
+     */
+    int            byte_level;
+    int            byte_fallback;
+    int            fuse_unk;
+    uint32_t       unk_id;      /* TOK_NO_ID: none */
+    uint32_t       fb_id[256];  /* id of "<0xNN>", TOK_NO_ID if absent */
     uint32_t       vocab_size;  /* max id + 1 */
 
     tok_strmap_t   other;       /* vocab strings outside the byte alphabet */
@@ -205,7 +261,7 @@ struct dpd_tok_s {
     tok_trie_t     trie_raw;    /* added tokens with normalized=false */
     tok_trie_t     trie_norm;   /* added tokens with normalized=true */
 
-    int            norm[TOK_MAX_NORM];  /* utf8proc option sets */
+    tok_norm_t     norm[TOK_MAX_NORM];
     int            n_norm;
     int            norm_decomposes;     /* some form is NFD or NFKD */
 
@@ -220,10 +276,7 @@ struct dpd_tok_s {
     /* tokenizer_config.json */
     char          *bos_token;
     char          *eos_token;
-    char          *chat_template;
-    dpd_chat_template_t  detected;
-    char          *chatml_system;   /* default system text (Qwen 2/2.5) */
-    int            chatml_plain;    /* template has no <think> handling */
+    struct tok_chat_s *chat;        /* chat templates (tok_chat.c) */
 };
 
 /* ---- per-call work area and output sink */
@@ -246,6 +299,7 @@ typedef struct {
     void              *heap;
     size_t             heap_cap;
     int                oom;
+    int                at_start;    /* this piece starts the input text */
 } tok_work_t;
 
 static inline void
@@ -266,6 +320,8 @@ size_t tok_utf8_encode(uint32_t cp, char *out);
 size_t tok_utf8_decode(const char *s, size_t len, uint32_t *cp);
 int tok_is_unicode_space(uint32_t cp);
 int tok_is_word_char(uint32_t cp);
+/* assigned in Unicode 9.0, the tables of Hugging Face's normalizers */
+int tok_unicode9_assigned(uint32_t cp);
 
 /* tok_trie.c */
 int tok_trie_build(tok_trie_t *t, const tok_added_t *added, uint32_t n,
@@ -283,14 +339,27 @@ pcre2_code *tok_regex_compile(const char *pattern, size_t len, int literal,
     char *err, size_t errlen);
 void tok_pretokenize(tok_work_t *w, int stage, const char *s, size_t len);
 
+/* tok_pretok_fast.c */
+int tok_pretok_fast_kind(const char *pattern, size_t len);
+/* end of the match of pattern `kind` that starts at `at` (< len) */
+size_t tok_pretok_fast_next(int kind, const char *s, size_t len, size_t at);
+
 /* tok_encode.c */
 long tok_encode_sink(const dpd_tok_t *tok, const char *text, size_t len,
     int add_special, tok_sink_t *sink);
+/* s normalized by every stage: 0 with *out malloc'ed, or -1 (ENOMEM) */
+int tok_normalize(const dpd_tok_t *tok, const char *s, size_t len,
+    char **out, size_t *outlen);
 
 /* tok_config.c */
 int tok_load_config(dpd_tok_t *tok, const char *path, char *err,
     size_t errlen);
-dpd_chat_template_t tok_detect_template(const char *tmpl);
+struct cJSON;
+int tok_config_specials(dpd_tok_t *tok, const struct cJSON *root, char *err,
+    size_t errlen);
+int tok_chat_load(dpd_tok_t *tok, const struct cJSON *config_root,
+    const char *config_path, char *err, size_t errlen);
+void tok_chat_free(struct tok_chat_s *chat);
 
 /* tok_load.c */
 struct cJSON;

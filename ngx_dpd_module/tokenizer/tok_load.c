@@ -77,6 +77,34 @@ tok_read_file(const char *path, size_t *len, char *err, size_t errlen)
 }
 
 
+/*
+ * A "\u0000" inside a JSON string: cJSON keeps strings NUL-terminated, so
+ * the string would silently end there (a vocabulary entry, a merge or a
+ * template cut short).  Offset of the first one, or -1.
+ */
+static long
+tok_json_nul_at(const char *s, size_t len)
+{
+    const char  *p = s, *end = s + len;
+
+    /*
+     * Called on text cJSON has parsed: a backslash can only start an
+     * escape inside a string, and escapes are taken two characters at a
+     * time from the left, so "\\u0000" (an escaped backslash) is skipped.
+     */
+    while ((p = memchr(p, '\\', (size_t) (end - p))) != NULL) {
+        if (end - p >= 6 && p[1] == 'u' && memcmp(p + 2, "0000", 4) == 0) {
+            return (long) (p - s);
+        }
+        p += 2;
+        if (p >= end) {
+            break;
+        }
+    }
+    return -1;
+}
+
+
 cJSON *
 tok_parse_json(const char *path, const char *buf, size_t len, char *err,
     size_t errlen)
@@ -84,8 +112,18 @@ tok_parse_json(const char *path, const char *buf, size_t len, char *err,
     cJSON       *root;
     const char  *ep;
     size_t       line = 1, i, off;
+    long         nul;
 
     root = cJSON_ParseWithLength(buf, len);
+    if (root != NULL && (nul = tok_json_nul_at(buf, len)) >= 0) {
+        cJSON_Delete(root);
+        for (i = 0; i < (size_t) nul; i++) {
+            line += buf[i] == '\n';
+        }
+        tok_err(err, errlen, "%s: a \\u0000 in a string at byte %ld (line "
+                "%zu) is not supported", path, nul, line);
+        return NULL;
+    }
     if (root == NULL) {
         ep = cJSON_GetErrorPtr();
         off = (ep && ep >= buf && ep <= buf + len) ? (size_t) (ep - buf) : 0;
@@ -176,7 +214,11 @@ tok_load_vocab(dpd_tok_t *tok, const cJSON *vocab, char *err, size_t errlen)
             raw = p;
             rawcap = klen + 64;
         }
-        if (tok_byte_level_decode(e->string, klen, raw, &rawlen) == 0) {
+        if (!tok->byte_level) {
+            rc = tok_strmap_put(&tok->vocab, e->string, klen, id);
+        } else if (tok_byte_level_decode(e->string, klen, raw, &rawlen)
+                   == 0)
+        {
             rc = tok_strmap_put(&tok->vocab, raw, rawlen, id);
         } else {
             /* not reachable from byte-level text; kept to check merges */
@@ -201,6 +243,12 @@ static int
 tok_merge_side(const dpd_tok_t *tok, const char *s, size_t len, char *raw,
     uint32_t *id, size_t *rawlen)
 {
+    if (!tok->byte_level) {
+        memcpy(raw, s, len);
+        *rawlen = len;
+        *id = tok_strmap_get(&tok->vocab, s, len);
+        return *id == TOK_NO_ID ? -1 : 1;
+    }
     if (tok_byte_level_decode(s, len, raw, rawlen) == 0) {
         *id = tok_strmap_get(&tok->vocab, raw, *rawlen);
         return *id == TOK_NO_ID ? -1 : 1;
@@ -341,7 +389,8 @@ tok_load_model(dpd_tok_t *tok, cJSON *model, char *err, size_t errlen)
 {
     const cJSON  *v;
     unsigned      b;
-    char          c;
+    char          c, ubuf[256];
+    size_t        ulen;
 
     if (!cJSON_IsObject(model)) {
         tok_err(err, errlen, "model: missing or not an object");
@@ -362,10 +411,13 @@ tok_load_model(dpd_tok_t *tok, cJSON *model, char *err, size_t errlen)
         tok_err(err, errlen, "model.dropout: unsupported (must be null)");
         return -1;
     }
-    if (tok_json_bool(model, "byte_fallback", 0)) {
-        tok_err(err, errlen, "model.byte_fallback: unsupported (true)");
+    tok->byte_fallback = tok_json_bool(model, "byte_fallback", 0);
+    if (tok->byte_fallback && tok->byte_level) {
+        tok_err(err, errlen, "model.byte_fallback: unsupported with a "
+                "ByteLevel pre-tokenizer");
         return -1;
     }
+    tok->fuse_unk = tok_json_bool(model, "fuse_unk", 0);
     v = cJSON_GetObjectItemCaseSensitive(model, "continuing_subword_prefix");
     if (v != NULL && !cJSON_IsNull(v)
         && !(cJSON_IsString(v) && v->valuestring[0] == '\0'))
@@ -387,6 +439,13 @@ tok_load_model(dpd_tok_t *tok, cJSON *model, char *err, size_t errlen)
     {
         return -1;
     }
+    for (b = 0; b < 256; b++) {
+        char  code[8];
+
+        snprintf(code, sizeof(code), "<0x%02X>", b);
+        tok->fb_id[b] = tok->byte_fallback
+                        ? tok_strmap_get(&tok->vocab, code, 6) : TOK_NO_ID;
+    }
     /* the parsed vocab is no longer needed: give its memory to the merges */
     cJSON_DeleteItemFromObjectCaseSensitive(model, "vocab");
 
@@ -402,6 +461,42 @@ tok_load_model(dpd_tok_t *tok, cJSON *model, char *err, size_t errlen)
     for (b = 0; b < 256; b++) {
         c = (char) b;
         tok->byte_id[b] = tok_strmap_get(&tok->vocab, &c, 1);
+    }
+    tok->unk_id = TOK_NO_ID;
+    v = cJSON_GetObjectItemCaseSensitive(model, "unk_token");
+    if (v != NULL && !cJSON_IsNull(v)) {
+        if (!cJSON_IsString(v)) {
+            tok_err(err, errlen, "model.unk_token: not a string");
+            return -1;
+        }
+        /* Hugging Face fails each encode that needs it: refuse the file */
+        ulen = strlen(v->valuestring);
+        if (tok->byte_level) {
+            if (ulen <= sizeof(ubuf)
+                && tok_byte_level_decode(v->valuestring, ulen, ubuf, &ulen)
+                   == 0)
+            {
+                tok->unk_id = tok_strmap_get(&tok->vocab, ubuf, ulen);
+            }
+            if (tok->unk_id == TOK_NO_ID) {
+                tok->unk_id = tok_strmap_get(&tok->other, v->valuestring,
+                                             strlen(v->valuestring));
+            }
+        } else {
+            tok->unk_id = tok_strmap_get(&tok->vocab, v->valuestring,
+                                         strlen(v->valuestring));
+        }
+        for (b = 0; tok->byte_level && b < 256; b++) {
+            if (tok->byte_id[b] == TOK_NO_ID) {
+                break;
+            }
+        }
+        /* byte-level with every byte in the vocabulary never needs it */
+        if (tok->unk_id == TOK_NO_ID && !(tok->byte_level && b == 256)) {
+            tok_err(err, errlen, "model.unk_token: \"%.64s\" is not in "
+                    "model.vocab", v->valuestring);
+            return -1;
+        }
     }
     return 0;
 }
@@ -421,6 +516,10 @@ tok_added_vocab_id(const dpd_tok_t *tok, const char *s, size_t len,
     size_t    rl;
     uint32_t  v;
 
+    if (!tok->byte_level) {
+        v = tok_strmap_get(&tok->vocab, s, len);
+        return v != TOK_NO_ID ? v : id;
+    }
     if (len <= sizeof(small) && tok_byte_level_decode(s, len, small, &rl) == 0
         && (v = tok_strmap_get(&tok->vocab, small, rl)) != TOK_NO_ID)
     {
@@ -491,33 +590,33 @@ tok_load_added(dpd_tok_t *tok, const cJSON *arr, char *err, size_t errlen)
 }
 
 
-/* Normalized added tokens are matched in their normalized form. */
+/*
+ * Normalized added tokens are matched in their normalized form, by the
+ * whole normalizer (Prepend included), as Hugging Face builds its trie.
+ */
 static int
 tok_normalize_added(dpd_tok_t *tok, char *err, size_t errlen)
 {
-    uint32_t            i;
-    int                 k;
-    utf8proc_uint8_t   *dst;
-    utf8proc_ssize_t    n;
+    uint32_t  i;
+    char     *out;
+    size_t    olen;
 
+    if (tok->n_norm == 0) {
+        return 0;
+    }
     for (i = 0; i < tok->n_added; i++) {
         tok_added_t *a = &tok->added[i];
         if (!a->normalized) {
             continue;
         }
-        for (k = 0; k < tok->n_norm; k++) {
-            n = utf8proc_map((const utf8proc_uint8_t *) a->content,
-                             (utf8proc_ssize_t) a->len, &dst,
-                             (utf8proc_option_t) tok->norm[k]);
-            if (n < 0) {
-                tok_err(err, errlen, "added_tokens[%u].content: cannot "
-                        "normalize", i);
-                return -1;
-            }
-            free(a->content);
-            a->content = (char *) dst;
-            a->len = (size_t) n;
+        if (tok_normalize(tok, a->content, a->len, &out, &olen) != 0) {
+            tok_err(err, errlen, "added_tokens[%u].content: cannot "
+                    "normalize", i);
+            return -1;
         }
+        free(a->content);
+        a->content = out;
+        a->len = olen;
     }
     return 0;
 }
@@ -579,8 +678,11 @@ static int
 tok_load_normalizer(dpd_tok_t *tok, const cJSON *n, const char *path,
     char *err, size_t errlen)
 {
-    const char  *type;
-    int          rc, opt;
+    const cJSON  *v, *pat;
+    const char   *type;
+    char          rerr[256];
+    int           rc, opt = 0;
+    tok_norm_t   *st;
 
     if ((rc = tok_json_type(n, path, &type, err, errlen)) <= 0) {
         return rc;
@@ -589,6 +691,13 @@ tok_load_normalizer(dpd_tok_t *tok, const cJSON *n, const char *path,
         return tok_load_seq(tok, n, "normalizers", path,
                             tok_load_normalizer, err, errlen);
     }
+    if (tok->n_norm == TOK_MAX_NORM) {
+        tok_err(err, errlen, "%s: too many normalizers", path);
+        return -1;
+    }
+    st = &tok->norm[tok->n_norm];
+    memset(st, 0, sizeof(*st));
+
     if (strcmp(type, "NFC") == 0) {
         opt = UTF8PROC_STABLE | UTF8PROC_COMPOSE;
     } else if (strcmp(type, "NFD") == 0) {
@@ -597,16 +706,78 @@ tok_load_normalizer(dpd_tok_t *tok, const cJSON *n, const char *path,
         opt = UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
     } else if (strcmp(type, "NFKD") == 0) {
         opt = UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+
+    } else if (strcmp(type, "Prepend") == 0) {
+        v = cJSON_GetObjectItemCaseSensitive(n, "prepend");
+        if (!cJSON_IsString(v)) {
+            tok_err(err, errlen, "%s.prepend: missing or not a string", path);
+            return -1;
+        }
+        st->kind = TOK_NORM_PREPEND;
+        st->len = strlen(v->valuestring);
+        st->str = strdup(v->valuestring);
+        if (st->str == NULL) {
+            tok_err(err, errlen, "%s: out of memory", path);
+            return -1;
+        }
+        tok->n_norm++;
+        return 0;
+
+    } else if (strcmp(type, "Replace") == 0) {
+        v = cJSON_GetObjectItemCaseSensitive(n, "content");
+        pat = cJSON_GetObjectItemCaseSensitive(n, "pattern");
+        if (!cJSON_IsString(v)) {
+            tok_err(err, errlen, "%s.content: missing or not a string", path);
+            return -1;
+        }
+        st->kind = TOK_NORM_REPLACE;
+        st->len = strlen(v->valuestring);
+        st->str = strdup(v->valuestring);
+        if (st->str == NULL) {
+            tok_err(err, errlen, "%s: out of memory", path);
+            return -1;
+        }
+        tok->n_norm++;      /* freed with the tokenizer from here on */
+        if (cJSON_IsObject(pat)
+            && cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(pat,
+                                                                 "String")))
+        {
+            st->plen = strlen(v->valuestring);
+            if (st->plen == 0) {
+                tok_err(err, errlen, "%s.pattern.String: empty", path);
+                return -1;
+            }
+            st->pat = strdup(v->valuestring);
+            if (st->pat == NULL) {
+                tok_err(err, errlen, "%s: out of memory", path);
+                return -1;
+            }
+            return 0;
+        }
+        if (cJSON_IsObject(pat)
+            && cJSON_IsString(v = cJSON_GetObjectItemCaseSensitive(pat,
+                                                                 "Regex")))
+        {
+            st->re = tok_regex_compile(v->valuestring, strlen(v->valuestring),
+                                       0, rerr, sizeof(rerr));
+            if (st->re == NULL) {
+                tok_err(err, errlen, "%s.pattern.Regex: %s", path, rerr);
+                return -1;
+            }
+            return 0;
+        }
+        tok_err(err, errlen, "%s.pattern: expected {\"String\": ...} or "
+                "{\"Regex\": ...}", path);
+        return -1;
+
     } else {
         tok_err(err, errlen, "%s.type: unsupported \"%.32s\" (NFC, NFD, NFKC, "
-                "NFKD, Sequence)", path, type);
+                "NFKD, Prepend, Replace, Sequence)", path, type);
         return -1;
     }
-    if (tok->n_norm == TOK_MAX_NORM) {
-        tok_err(err, errlen, "%s: too many normalizers", path);
-        return -1;
-    }
-    tok->norm[tok->n_norm++] = opt;
+    st->kind = TOK_NORM_UNICODE;
+    st->opt = opt;
+    tok->n_norm++;
     if (!(opt & UTF8PROC_COMPOSE)) {
         tok->norm_decomposes = 1;
     }
@@ -669,6 +840,10 @@ tok_load_pre(dpd_tok_t *tok, const cJSON *p, const char *path, char *err,
                     literal ? "String" : "Regex", rerr);
             return -1;
         }
+        if (!literal) {
+            pre->fast = tok_pretok_fast_kind(v->valuestring,
+                                             strlen(v->valuestring));
+        }
         v = cJSON_GetObjectItemCaseSensitive(p, "behavior");
         b = cJSON_IsString(v) ? v->valuestring : "";
         if (strcmp(b, "Removed") == 0) {
@@ -701,15 +876,60 @@ tok_load_pre(dpd_tok_t *tok, const cJSON *p, const char *path, char *err,
                 tok_err(err, errlen, "%s: %s", path, rerr);
                 return -1;
             }
+            pre->fast = tok_pretok_fast_kind(TOK_GPT2_REGEX,
+                                             sizeof(TOK_GPT2_REGEX) - 1);
         }
 
     } else if (strcmp(type, "Digits") == 0) {
         pre->kind = TOK_PRE_DIGITS;
         pre->individual = tok_json_bool(p, "individual_digits", 0);
 
+    } else if (strcmp(type, "Metaspace") == 0) {
+        uint32_t  cp;
+        size_t    n;
+
+        pre->kind = TOK_PRE_METASPACE;
+        v = cJSON_GetObjectItemCaseSensitive(p, "replacement");
+        /* one character, as Hugging Face's serde char */
+        if (!cJSON_IsString(v) || v->valuestring[0] == '\0'
+            || (n = tok_utf8_decode(v->valuestring, strlen(v->valuestring),
+                                    &cp)) != strlen(v->valuestring)
+            || cp == 0xFFFD)
+        {
+            tok_err(err, errlen, "%s.replacement: expected one character",
+                    path);
+            return -1;
+        }
+        memcpy(pre->rep, v->valuestring, n);
+        pre->rep_len = (uint8_t) n;
+        v = cJSON_GetObjectItemCaseSensitive(p, "prepend_scheme");
+        b = cJSON_IsString(v) ? v->valuestring : "always";
+        if (strcmp(b, "always") == 0) {
+            pre->scheme = TOK_PREPEND_ALWAYS;
+        } else if (strcmp(b, "first") == 0) {
+            pre->scheme = TOK_PREPEND_FIRST;
+        } else if (strcmp(b, "never") == 0) {
+            pre->scheme = TOK_PREPEND_NEVER;
+        } else {
+            tok_err(err, errlen, "%s.prepend_scheme: unsupported \"%.32s\" "
+                    "(first, always, never)", path, b);
+            return -1;
+        }
+        /* the legacy add_prefix_space: false must say never */
+        v = cJSON_GetObjectItemCaseSensitive(p, "add_prefix_space");
+        if (cJSON_IsFalse(v)) {
+            if (pre->scheme != TOK_PREPEND_NEVER) {
+                tok_err(err, errlen, "%s.add_prefix_space: false does not "
+                        "match prepend_scheme", path);
+                return -1;
+            }
+            pre->scheme = TOK_PREPEND_NEVER;
+        }
+        pre->split = (uint8_t) tok_json_bool(p, "split", 1);
+
     } else {
         tok_err(err, errlen, "%s.type: unsupported \"%.32s\" (Split, "
-                "ByteLevel, Digits, Sequence)", path, type);
+                "ByteLevel, Digits, Metaspace, Sequence)", path, type);
         return -1;
     }
     tok->n_pre++;
@@ -849,15 +1069,43 @@ tok_load_post(dpd_tok_t *tok, const cJSON *p, const char *path, char *err,
 
 /* ---- the whole file */
 
+/* Is there a ByteLevel pre-tokenizer, at any depth of Sequences? */
+static int
+tok_has_byte_level(const cJSON *p, int depth)
+{
+    const cJSON  *t, *e;
+
+    if (!cJSON_IsObject(p) || depth > 16) {
+        return 0;
+    }
+    t = cJSON_GetObjectItemCaseSensitive(p, "type");
+    if (cJSON_IsString(t) && strcmp(t->valuestring, "ByteLevel") == 0) {
+        return 1;
+    }
+    e = cJSON_GetObjectItemCaseSensitive(p, "pretokenizers");
+    if (cJSON_IsString(t) && strcmp(t->valuestring, "Sequence") == 0
+        && cJSON_IsArray(e))
+    {
+        cJSON_ArrayForEach(t, e) {
+            if (tok_has_byte_level(t, depth + 1)) {
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+
 static int
 tok_load_json(dpd_tok_t *tok, cJSON *root, char *err, size_t errlen)
 {
-    int  i, byte_level = 0;
-
     if (!cJSON_IsObject(root)) {
         tok_err(err, errlen, "tokenizer.json: not a JSON object");
         return -1;
     }
+    /* the vocabulary's form depends on it: decided before the model */
+    tok->byte_level = tok_has_byte_level(
+        cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"), 0);
     if (tok_load_model(tok, cJSON_GetObjectItemCaseSensitive(root, "model"),
                        err, errlen) != 0
         || tok_load_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root,
@@ -870,14 +1118,6 @@ tok_load_json(dpd_tok_t *tok, cJSON *root, char *err, size_t errlen)
                          "post_processor"), "post_processor", err, errlen)
            != 0)
     {
-        return -1;
-    }
-    for (i = 0; i < tok->n_pre; i++) {
-        byte_level |= tok->pre[i].kind == TOK_PRE_BYTELEVEL;
-    }
-    if (!byte_level) {
-        tok_err(err, errlen, "pre_tokenizer: no ByteLevel pre-tokenizer "
-                "(only byte-level BPE is supported)");
         return -1;
     }
     if (tok_normalize_added(tok, err, errlen) != 0) {
@@ -908,7 +1148,6 @@ tok_load_root(cJSON *root, const char *name, char *err, size_t errlen)
         tok_err(err, errlen, "out of memory");
         return NULL;
     }
-    tok->detected = DPD_CHAT_NONE;
     /* never 0: a zeroed cache entry must not match any tokenizer */
     tok->gen = __atomic_add_fetch(&tok_gen_counter, 1, __ATOMIC_RELAXED);
 
@@ -993,6 +1232,13 @@ dpd_tok_free(dpd_tok_t *tok)
     free(tok->added);
     tok_trie_free(&tok->trie_raw);
     tok_trie_free(&tok->trie_norm);
+    for (k = 0; k < tok->n_norm; k++) {
+        free(tok->norm[k].str);
+        free(tok->norm[k].pat);
+        if (tok->norm[k].re) {
+            pcre2_code_free(tok->norm[k].re);
+        }
+    }
     for (k = 0; k < tok->n_pre; k++) {
         if (tok->pre[k].re) {
             pcre2_code_free(tok->pre[k].re);
@@ -1002,7 +1248,6 @@ dpd_tok_free(dpd_tok_t *tok)
     free(tok->post_suffix);
     free(tok->bos_token);
     free(tok->eos_token);
-    free(tok->chat_template);
-    free(tok->chatml_system);
+    tok_chat_free(tok->chat);
     free(tok);
 }

@@ -6,6 +6,7 @@
  * Hugging Face compiles its regexes with Oniguruma, where \s is the Unicode
  * White_Space property.  pcre2's \s with UCP also takes U+180E, so \s and
  * \S are rewritten to the explicit White_Space set before compiling.
+ * The shipped models' patterns skip pcre2 (tok_pretok_fast.c).
  */
 
 #include <stdlib.h>
@@ -128,6 +129,7 @@ typedef struct {
     size_t       ps, pe;        /* pending piece */
     int          pmatch;        /* pending piece is a (merged-next) match */
     int          prev_match;
+    int          at_start;      /* the piece split starts the input */
 } tok_splitter_t;
 
 
@@ -135,6 +137,7 @@ static void
 tok_split_emit(tok_splitter_t *sp, size_t a, size_t b)
 {
     if (b > a) {
+        sp->w->at_start = sp->at_start && a == 0;
         tok_pretokenize(sp->w, sp->stage + 1, sp->s + a, b - a);
     }
 }
@@ -224,6 +227,49 @@ tok_work_jit_stack(tok_work_t *w)
 }
 
 
+/* A hand-written matcher: it matches at every position, never empty. */
+static void
+tok_split_fast(tok_work_t *w, int stage, int fast, int behavior, int invert,
+    const char *s, size_t len)
+{
+    tok_splitter_t    sp;
+    size_t            at, me;
+    int               top = w->at_start, direct;
+    const tok_pre_t  *nx = &w->tok->pre[stage + 1];
+
+    if (behavior == TOK_SPLIT_ISOLATED) {
+        /* straight to BPE when what is left is nothing or a ByteLevel
+         * that only maps bytes (the shipped models) */
+        direct = stage + 1 == w->tok->n_pre
+                 || (stage + 2 == w->tok->n_pre
+                     && nx->kind == TOK_PRE_BYTELEVEL
+                     && !nx->add_prefix_space && nx->re == NULL);
+        /* every match is a piece */
+        for (at = 0; at < len && !w->oom; at = me) {
+            me = tok_pretok_fast_next(fast, s, len, at);
+            w->at_start = top && at == 0;
+            if (direct) {
+                tok_bpe(w, s + at, me - at);
+            } else {
+                tok_pretokenize(w, stage + 1, s + at, me - at);
+            }
+        }
+        return;
+    }
+    memset(&sp, 0, sizeof(sp));
+    sp.w = w;
+    sp.stage = stage;
+    sp.s = s;
+    sp.at_start = w->at_start;
+    sp.behavior = behavior;
+    for (at = 0; at < len; at = me) {
+        me = tok_pretok_fast_next(fast, s, len, at);
+        tok_split_item(&sp, at, me, !invert);
+    }
+    tok_split_finish(&sp);
+}
+
+
 static void
 tok_split_regex(tok_work_t *w, int stage, const pcre2_code *re,
     int behavior, int invert, const char *s, size_t len)
@@ -238,6 +284,7 @@ tok_split_regex(tok_work_t *w, int stage, const pcre2_code *re,
     sp.w = w;
     sp.stage = stage;
     sp.s = s;
+    sp.at_start = w->at_start;
     sp.behavior = behavior;
 
     ov = pcre2_get_ovector_pointer(w->md);
@@ -308,6 +355,7 @@ tok_split_digits(tok_work_t *w, int stage, int individual, const char *s,
     sp.w = w;
     sp.stage = stage;
     sp.s = s;
+    sp.at_start = w->at_start;
     sp.behavior = individual ? TOK_SPLIT_ISOLATED : TOK_SPLIT_CONTIGUOUS;
 
     while (i < len) {
@@ -324,6 +372,82 @@ tok_split_digits(tok_work_t *w, int stage, int individual, const char *s,
         tok_split_item(&sp, last, len, 0);
     }
     tok_split_finish(&sp);
+}
+
+
+/*
+ * Metaspace: every ' ' becomes the replacement; the replacement is put
+ * before a piece that does not start with it (always, or only on the piece
+ * at the start of the input: first); with split, each replacement starts a
+ * new piece (MergedWithNext).
+ */
+static void
+tok_metaspace(tok_work_t *w, int stage, const tok_pre_t *p, const char *s,
+    size_t len)
+{
+    tok_splitter_t  sp;
+    char            small[512], *buf, *o;
+    size_t          i, n, cap, last;
+    int             pre;
+
+    pre = p->scheme == TOK_PREPEND_ALWAYS
+          || (p->scheme == TOK_PREPEND_FIRST && w->at_start);
+    /* after the replacement: does it start with one? */
+    if (pre) {
+        pre = s[0] == ' ' ? 0
+              : !(len >= p->rep_len && memcmp(s, p->rep, p->rep_len) == 0);
+    }
+    cap = (len + 1) * p->rep_len;
+    buf = cap <= sizeof(small) ? small : malloc(cap);
+    if (buf == NULL) {
+        w->oom = 1;
+        return;
+    }
+    o = buf;
+    if (pre) {
+        memcpy(o, p->rep, p->rep_len);
+        o += p->rep_len;
+    }
+    for (i = 0; i < len; i++) {
+        if (s[i] == ' ') {
+            memcpy(o, p->rep, p->rep_len);
+            o += p->rep_len;
+        } else {
+            *o++ = s[i];
+        }
+    }
+    n = (size_t) (o - buf);
+
+    if (!p->split) {
+        tok_pretokenize(w, stage + 1, buf, n);
+    } else {
+        memset(&sp, 0, sizeof(sp));
+        sp.w = w;
+        sp.stage = stage;
+        sp.s = buf;
+        sp.behavior = TOK_SPLIT_MERGED_NEXT;
+        sp.at_start = w->at_start;
+        last = 0;
+        for (i = 0; i + p->rep_len <= n; ) {
+            if (memcmp(buf + i, p->rep, p->rep_len) == 0) {
+                if (last < i) {
+                    tok_split_item(&sp, last, i, 0);
+                }
+                tok_split_item(&sp, i, i + p->rep_len, 1);
+                i += p->rep_len;
+                last = i;
+            } else {
+                i++;
+            }
+        }
+        if (last < n) {
+            tok_split_item(&sp, last, n, 0);
+        }
+        tok_split_finish(&sp);
+    }
+    if (buf != small) {
+        free(buf);
+    }
 }
 
 
@@ -345,11 +469,19 @@ tok_pretokenize(tok_work_t *w, int stage, const char *s, size_t len)
 
     switch (p->kind) {
     case TOK_PRE_SPLIT:
+        if (p->fast) {
+            tok_split_fast(w, stage, p->fast, p->behavior, p->invert, s, len);
+            return;
+        }
         tok_split_regex(w, stage, p->re, p->behavior, p->invert, s, len);
         return;
 
     case TOK_PRE_DIGITS:
         tok_split_digits(w, stage, p->individual, s, len);
+        return;
+
+    case TOK_PRE_METASPACE:
+        tok_metaspace(w, stage, p, s, len);
         return;
 
     case TOK_PRE_BYTELEVEL:
@@ -361,7 +493,10 @@ tok_pretokenize(tok_work_t *w, int stage, const char *s, size_t len)
             }
             buf[0] = ' ';
             memcpy(buf + 1, s, len);
-            if (p->re) {
+            if (p->fast) {
+                tok_split_fast(w, stage, p->fast, TOK_SPLIT_ISOLATED, 0, buf,
+                               len + 1);
+            } else if (p->re) {
                 tok_split_regex(w, stage, p->re, TOK_SPLIT_ISOLATED, 0, buf,
                                 len + 1);
             } else {
@@ -372,7 +507,9 @@ tok_pretokenize(tok_work_t *w, int stage, const char *s, size_t len)
             }
             return;
         }
-        if (p->re) {
+        if (p->fast) {
+            tok_split_fast(w, stage, p->fast, TOK_SPLIT_ISOLATED, 0, s, len);
+        } else if (p->re) {
             tok_split_regex(w, stage, p->re, TOK_SPLIT_ISOLATED, 0, s, len);
         } else {
             tok_pretokenize(w, stage + 1, s, len);

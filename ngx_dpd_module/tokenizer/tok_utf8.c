@@ -9,6 +9,7 @@
 #include <utf8proc.h>
 
 #include "tok_internal.h"
+#include "tok_unicode9.h"
 
 
 /*
@@ -238,4 +239,25 @@ tok_is_word_char(uint32_t cp)
     default:
         return 0;
     }
+}
+
+
+/* binary search of the Unicode 9.0 ranges */
+int
+tok_unicode9_assigned(uint32_t cp)
+{
+    size_t  lo = 0, hi = sizeof(tok_unicode9_ranges)
+                         / sizeof(tok_unicode9_ranges[0]), mid;
+
+    while (lo < hi) {
+        mid = lo + (hi - lo) / 2;
+        if (cp < tok_unicode9_ranges[mid][0]) {
+            hi = mid;
+        } else if (cp > tok_unicode9_ranges[mid][1]) {
+            lo = mid + 1;
+        } else {
+            return 1;
+        }
+    }
+    return 0;
 }

@@ -74,6 +74,23 @@ my @bad = (
       . '"pool":{"layers":2,"block_bytes":4096,'
       . '"blocks":4,"memory":"tpu:0"}}', qr/not host or cuda:<dev>/,
       "bad memory kind" ],
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
+      . '"pool":{"layers":2,"block_bytes":4096,"blocks":4,"ranks":9}}',
+      qr/"ranks" must be an integer in \[1, 8\]/, "more ranks than 8" ],
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
+      . '"pool":{"layers":2,"block_bytes":4096,"blocks":4},'
+      . '"transfer":{"staging":"sometimes"}}',
+      qr/transfer\.staging: "sometimes" is not auto, off or host/,
+      "bad staging mode" ],
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
+      . '"pool":{"layers":2,"block_bytes":4096,"blocks":4},'
+      . '"transfer":{"stage_slots":0}}',
+      qr/"stage_slots" must be an integer in \[1, 1024\]/,
+      "zero staging slots" ],
+    [ '{"node_id":"a","role":"decode","listen":"127.0.0.1:1",'
+      . '"rails":[' . join(",", map { '"r' . $_ . '"' } 1 .. 33) . '],'
+      . '"pool":{"layers":2,"block_bytes":4096,"blocks":4}}',
+      qr/"rails": at most 32 names/, "33 rails" ],
 );
 for my $b (@bad) {
     write_file("$dir/bad.json", $b->[0]);
@@ -266,4 +283,36 @@ for my $c (@cases) {
 my ($s3, $rc3) = status_json($path);
 ok($rc3 == 0 && !$s3->{writer_alive}, "after SIGTERM the file stays valid "
    . "and says the writer stopped");
+# --- the API socket: a live agent's is never taken; on exit an agent ------
+# --- removes its socket file only while that file is still its own ------
+{
+    my $cfg = agent_config(id => "sock-a", role => "router",
+                           port => kv_port($po + 5));
+    my $a = start_agent($cfg);
+    ok(log_text($a) =~ /info: ready$/m, "socket: first agent ready");
+    my $cfg2 = agent_config(id => "sock-b", role => "router",
+                            port => kv_port($po + 6));
+    $cfg2->{api_socket} = $cfg->{api_socket};
+    $cfg2->{state_path} = "$dir/sock-b.state";
+    my $b = start_agent($cfg2, keep_socket => 1);
+    ok(!agent_alive($b), "socket: a second agent on a live agent's socket "
+       . "exits");
+    like(log_text($b), qr/api: \Q$cfg->{api_socket}\E is in use by a running agent/,
+         "socket: ... and says why");
+    my $r = api($a, { verb => "info" });
+    ok($r && $r->{ok}, "socket: the first agent still answers on it");
+
+    # a new agent took the path while the old one shuts down: the old one
+    # leaves the new socket in place
+    rename $cfg->{api_socket}, "$dir/sock-a.old" or die "rename: $!";
+    my $c = start_agent($cfg2);   # same path, binds it afresh
+    ok(log_text($c) =~ /info: ready$/m, "socket: a new agent on the path");
+    stop_agent($a);
+    ok(-S $cfg->{api_socket}, "socket: the old agent's exit left the new "
+       . "agent's socket file");
+    $r = api($c, { verb => "info" });
+    ok($r && $r->{ok}, "socket: the new agent answers");
+    stop_agent($c);
+    ok(!-e $cfg->{api_socket}, "socket: an agent removes its own file");
+}
 done_testing();

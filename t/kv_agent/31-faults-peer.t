@@ -106,7 +106,9 @@ sub wait_state {
     # the agent keeps serving others
     $r = fill_and_push($p, "k2", "decode-1");
     $r = api($p, { verb => "wait", req_id => "k2", timeout_ms => 20000 });
-    is($r->{state}, "done", "prefill still pushes to decode-1");
+    is($r->{state}, "done", "prefill still pushes to decode-1")
+        or diag(explain($r), explain(api($p, { verb => "info" })->{stats}),
+                log_text($p));
     my $r1 = api($d1, { verb => "wait", req_id => "k2", timeout_ms => 5000 });
     is($r1->{state}, "ready", "decode-1 has the blocks");
     api($_, { verb => "release", req_id => "k2" }) for $p, $d1;
@@ -135,7 +137,8 @@ sub wait_state {
     api($p, { verb => "release", req_id => "k1" });
     $r = fill_and_push($p, "k1", "decode-0");
     $r = api($p, { verb => "wait", req_id => "k1", timeout_ms => 20000 });
-    is($r->{state}, "done", "push to the returned peer succeeds");
+    is($r->{state}, "done", "push to the returned peer succeeds")
+        or diag(explain($r), log_text($p));
     $r = api($d, { verb => "wait", req_id => "k1", timeout_ms => 5000 });
     is($r->{state}, "ready", "... and lands");
     my $sum_p = api($p, { verb => "checksum", blocks_runs => [[0, 512]] });
@@ -180,6 +183,40 @@ sub wait_state {
     ok($self && !$self->{alive}, "own node record no longer alive");
     $r = api($p, { verb => "wait", req_id => "k4", timeout_ms => 10000 });
     is($r->{state}, "failed", "the sender's push failed too");
+    stop_agent($p);
+    stop_agent($d1);
+}
+# --- a provider that never reports the dead peer's writes ---------------
+# (ofi_rxm may drop the operations queued on a connection it closes).  The
+# window is per rail and shared by all peers: the failed push's writes
+# must leave it, or every later push, to any peer, waits forever.
+{
+    my $p = start_agent(cfg("prefill-0", "prefill", 0, [$D, $D1]),
+                        env => { KV_TEST_FAULT => "lose_write_errors" });
+    my $d = start_agent(cfg("decode-0", "decode", 1, [$P]));
+    my $d1 = start_agent(cfg("decode-1", "decode", 2, [$P]));
+    ok(wait_connected($p, ["decode-0", "decode-1"]), "lost completions: "
+       . "prefill connected") or diag(log_text($p));
+    fill_and_push($p, "w1", "decode-0");
+    ok(wait_state($d, "w1", qr/transferring/, 5), "decode-0 receiving w1");
+    my $deadline = time + 5;
+    while (time < $deadline) {
+        last if api($p, { verb => "poll", req_id => "w1" })->{bytes_done};
+        sleep 0.002;
+    }
+    stop_agent($d, 'KILL');
+    my $r = api($p, { verb => "wait", req_id => "w1", timeout_ms => 10000 });
+    is($r->{state}, "failed", "push to the killed peer fails");
+    my $st = api($p, { verb => "info" })->{stats};
+    is($st->{writes_inflight}, 0, "its writes left the window (owed: "
+       . "$st->{writes_owed})");
+    fill_and_push($p, "w2", "decode-1");
+    $r = api($p, { verb => "wait", req_id => "w2", timeout_ms => 20000 });
+    is($r->{state}, "done", "a push to another peer still goes through")
+        or diag(explain($r), log_text($p));
+    my $r1 = api($d1, { verb => "wait", req_id => "w2", timeout_ms => 5000 });
+    is($r1->{state}, "ready", "... and lands");
+    ok(agent_alive($p), "sender still running");
     stop_agent($p);
     stop_agent($d1);
 }

@@ -26,4 +26,12 @@ my $out = `KV_GPU_DRY_RUN=1 KV_GPU_PORT=@{[kv_port(960)]} KV_GPU_PROVIDERS='tcp;
 is($? >> 8, 0, "gpu-check.sh dry run (host pools) passes") or diag($out);
 like($out, qr/PASS tcp;ofi_rxm agent-allocated: 512 blocks/,
      "dry run pushed and compared 512 blocks");
+like($out, qr/PASS tcp;ofi_rxm TP=2: every rank's 256 blocks bit-exact/,
+     "dry run: the tensor-parallel step (2 ranks, staged) too");
+# without a GPU the real run says so and checks nothing (exit 2)
+if (!$gpu) {
+    $out = `timeout 60 $root/tools/gpu-check.sh 2>&1`;
+    is($? >> 8, 2, "no GPU: gpu-check.sh exits 2");
+    like($out, qr/SKIP: no NVIDIA GPU visible/, "... saying why");
+}
 done_testing();

@@ -123,6 +123,7 @@ sub agent_config {
 }
 
 # start_agent($cfg, wrap => [...], wait => 1, env => {K => V},
+#             keep_socket => 1 (the API socket file is not removed first),
 #             pre_exec => sub { ... })   (pre_exec runs in the child, whose
 #                                         pid the agent keeps)
 sub start_agent {
@@ -136,7 +137,7 @@ sub start_agent {
     chmod 0600, $cfgfile;           # it holds the link keys
     my $log = "$dir/$name.log";
     my $skip = -s $log // 0;        # a node started again appends to it
-    unlink $cfg->{api_socket} if $cfg->{api_socket};
+    unlink $cfg->{api_socket} if $cfg->{api_socket} && !$o{keep_socket};
     if ($ENV{KV_TEST_VALGRIND} && !$o{wrap}) {
         # KV_TEST_VALGRIND=1: every agent under memcheck, one log per
         # process in the test's directory (KV_TEST_KEEP=1 keeps it)

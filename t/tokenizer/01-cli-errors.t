@@ -81,12 +81,12 @@ is($out, "2\n", '--jsonl "\\u0000hello": counted in full');
 for my $chat ('{"messages":[{"role":"user","content":"hi\\u0000hello hello"}]}',
               '[{"role":"user","content":"hi","name":"\\u0000"}]',
               "[{\"role\":\"user\",\"content\":\"hi\"}]\0") {
-    ($rc, $err, $out) = run_in("--tokenizer '$good' --chat --count --template chatml", $chat);
+    ($rc, $err, $out) = run_in("--tokenizer '$good' --chat --count --estimate", $chat);
     is($rc, 2, "--chat with a NUL character: exit 2 (" . substr($chat, 0, 40) . ")");
     like($err, qr/holds a NUL character \(\\u0000\) at byte \d+: refused/, '  ... saying why');
     is($out, '', '  ... and no count');
 }
-($rc, $err, $out) = run_in("--tokenizer '$good' --chat --count --template chatml",
+($rc, $err, $out) = run_in("--tokenizer '$good' --chat --count --estimate",
                            '[{"role":"user","content":"a\\\\u0000b"}]');
 is($rc, 0, '--chat: an escaped backslash before "u0000" is no NUL') or diag $err;
 
@@ -113,7 +113,27 @@ my @bad = (
      qr/pre_tokenizer\.pretokenizers\[0\]\.behavior: unsupported "Bogus"/],
     ['pre type', sub { $_[0]{pre_tokenizer}{pretokenizers}[1]{type} = 'Whitespace' },
      qr/pre_tokenizer\.pretokenizers\[1\]\.type: unsupported "Whitespace"/],
-    ['no ByteLevel', sub { pop @{$_[0]{pre_tokenizer}{pretokenizers}} }, qr/pre_tokenizer: no ByteLevel/],
+    ['unk missing', sub { pop @{$_[0]{pre_tokenizer}{pretokenizers}}; $_[0]{model}{unk_token} = '<nope>' },
+     qr/model\.unk_token: "<nope>" is not in model\.vocab/],
+    ['unk type', sub { $_[0]{model}{unk_token} = 5 }, qr/model\.unk_token: not a string/],
+    ['metaspace rep', sub { $_[0]{pre_tokenizer} = { type => 'Metaspace', replacement => 'ab' } },
+     qr/pre_tokenizer\.replacement: expected one character/],
+    ['metaspace scheme', sub { $_[0]{pre_tokenizer} = { type => 'Metaspace', replacement => "\x{2581}", prepend_scheme => 'sometimes' } },
+     qr/pre_tokenizer\.prepend_scheme: unsupported "sometimes"/],
+    ['metaspace prefix', sub { $_[0]{pre_tokenizer} = { type => 'Metaspace', replacement => "\x{2581}",
+                                                         add_prefix_space => JSON::PP::false } },
+     qr/pre_tokenizer\.add_prefix_space: false does not match prepend_scheme/],
+    ['replace empty', sub { $_[0]{normalizer} = { type => 'Replace', pattern => { String => '' }, content => 'x' } },
+     qr/normalizer\.pattern\.String: empty/],
+    ['replace regex', sub { $_[0]{normalizer} = { type => 'Sequence', normalizers => [
+                              { type => 'Replace', pattern => { Regex => '(' }, content => 'x' }] } },
+     qr/normalizer\.normalizers\[0\]\.pattern\.Regex: bad regex/],
+    ['replace shape', sub { $_[0]{normalizer} = { type => 'Replace', pattern => 'x', content => 'y' } },
+     qr/normalizer\.pattern: expected/],
+    ['replace content', sub { $_[0]{normalizer} = { type => 'Replace', pattern => { String => 'x' } } },
+     qr/normalizer\.content: missing or not a string/],
+    ['prepend', sub { $_[0]{normalizer} = { type => 'Prepend', prepend => 1 } },
+     qr/normalizer\.prepend: missing or not a string/],
     ['normalizer', sub { $_[0]{normalizer} = { type => 'Sequence', normalizers => [{ type => 'NFC' }, { type => 'Lowercase' }] } },
      qr/normalizer\.normalizers\[1\]\.type: unsupported "Lowercase"/],
     ['added content', sub { delete $_[0]{added_tokens}[0]{content} }, qr/added_tokens\[0\]\.content: missing/],
@@ -148,7 +168,8 @@ like($err, qr/config-bad\.json: bos_token: expected a string/, 'bad config: name
 # command line misuse: exit 2 with a clear message
 for my $c (['', qr/--tokenizer FILE is required/],
            ["--tokenizer '$good' --frobnicate", qr/unknown option "--frobnicate"/],
-           ["--tokenizer '$good' --template jinja", qr/--template: unknown "jinja"/],
+           ["--tokenizer '$good' --template jinja",
+            qr/--template: jinja: cannot read the chat template file/],
            ["--tokenizer", qr/--tokenizer needs a value/]) {
     my ($args, $re) = @$c;
     ($rc, $err) = run_in($args, "x");
@@ -160,5 +181,31 @@ is($rc, 2, 'bad JSONL line: exit 2');
 like($err, qr/line 2: expected a JSON string/, 'bad JSONL line: names the line');
 ($rc, $err) = run_in("--tokenizer '$good' --jsonl", "\"unterminated\n");
 like($err, qr/line 1: unterminated JSON string/, 'unterminated JSONL string');
+
+# a bad line in --jsonl: an error line in its place, the others go on
+($rc, $err, $out) = run_in("--tokenizer '$good' --jsonl --ids",
+                           "\"hello\"\nnot json\n\"he\\u0000\"\n\n\"hello\"\n\"x\\q\"\n");
+is($rc, 2, 'bad lines in the middle: exit 2 at the end');
+is($out, "259\nerror: line 2: expected a JSON string\n256 0\n"
+         . "error: line 4: expected a JSON string\n259\nerror: line 6: bad escape\n",
+   'bad lines in the middle: an error line for each, the other lines tokenized');
+like($err, qr/line 2: expected a JSON string.*line 4:.*line 6: bad escape/s,
+     'bad lines in the middle: each named on stderr');
+($rc, $err, $out) = run_in("--tokenizer '$good' --jsonl --count", "\"hello\"\n\"hello\"\n");
+is($rc, 0, 'all lines good: exit 0');
+is($out, "1\n1\n", 'all lines good: one count each');
+($rc, $err, $out) = run_in("--tokenizer '$good' --jsonl --chat --count --estimate",
+                           "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}\n{bad\n"
+                           . "[{\"role\":\"user\",\"content\":\"hi\"}]\n");
+is($rc, 2, '--chat --jsonl with a bad request: exit 2');
+like($out, qr/^\d+\nerror: line 2: [^\n]*\n\d+\n\z/, '--chat --jsonl: error line in its place');
+
+# a \u0000 inside a tokenizer.json string would be cut short by cJSON
+my $nul = tiny();
+$nul->{model}{vocab}{"a\x00b"} = 262;
+($rc, $err) = run_in("--tokenizer '" . write_tok('nul', $nul) . "' --count", "x");
+is($rc, 2, 'tokenizer.json with \\u0000 in a string: exit 2');
+like($err, qr/nul\.json: a \\u0000 in a string at byte \d+ \(line 1\) is not supported/,
+     '  ... saying where');
 
 done_testing();

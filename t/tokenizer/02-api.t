@@ -17,7 +17,7 @@ my $exe = corpus_dir() . '/api_test';
 my $inc = root() . '/ngx_dpd_module/tokenizer';
 my ($rc, $err) = run_cmd("cc -std=c11 -D_GNU_SOURCE -O1 -g -Wall -Wextra -I'$inc' "
                          . "'$FindBin::Bin/api_test.c' '$lib' -lpcre2-8 -lcjson "
-                         . "-lutf8proc -lpthread -o '$exe'", 60);
+                         . "-lutf8proc -lpthread -lm -o '$exe'", 60);
 is($rc, 0, 'api_test builds') or diag $err;
 
 my $out = `timeout 120 '$exe' '${\ llama3()}' '${\ qwen3()}' '$corpus'`;

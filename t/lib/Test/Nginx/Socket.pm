@@ -380,11 +380,15 @@ sub parse_response ($$$$) {
     my $left;
 
     if (defined $te && $te =~ /\bchunked\b/i) {
+        # as the real module: a chunked body that is cut short (a timeout
+        # under --- abort too) or malformed is one failure and leaves no
+        # response at all (no status, headers or body to compare)
         my ($decoded, $rest, $err) = dechunk($body);
-        if (defined $err && !$lenient) {
-            $res->content($decoded);
-            return ($res, $raw_headers, undef,
-                    "$name - invalid chunked body received: $err");
+        if (defined $err) {
+            return (undef, undef, undef,
+                    $err eq 'no last chunk found'
+                    ? "$name - no last chunk found - $body"
+                    : "$name - invalid chunked data received ($err)");
         }
         $res->content($decoded);
         $left = $rest;
@@ -928,13 +932,14 @@ of each block rather than at the start of the next one; HUP reloads
 inside the server root unless the test sets them, because Debian's nginx
 defaults to /var/lib/nginx.
 
-=item * After C<--- abort> a truncated chunked body is not reported as
-invalid; the decoded part is compared.
-
 =item * A block without C<--- config> reuses the running nginx of the
 previous block (as the real module does); it also gets its
 C<--- user_files> written.  Under valgrind nginx is stopped after every
 block, so such a block restarts nginx with the previous configuration.
+
+=item * A client timeout without C<--- abort> fails the block and, unlike
+the real module (whose timeout handler turns off Test::Builder's ending),
+leaves the plan and the exit status in place.
 
 =item * No HTTP/2, HTTP/3, stap, TCP/UDP mock servers, HUP reloads,
 TEST_NGINX_CHECK_LEAK or benchmark modes, curl output.

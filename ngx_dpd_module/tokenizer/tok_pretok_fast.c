@@ -1,0 +1,332 @@
+/*
+ * Hand-written matchers for the Split regexes the shipped models use, so
+ * the common case skips pcre2 (about 450 instructions per pre-token even
+ * with JIT).  A pattern is recognised by its exact string at load; any
+ * other pattern stays on pcre2.  Each matcher gives what pcre2_match gives
+ * on the rewritten pattern (tok_pretok.c: \s is White_Space, without
+ * U+180E) with PCRE2_UTF | PCRE2_UCP: the first alternative that matches at
+ * the leftmost position, with pcre2's backtracking worked out by hand.
+ * These patterns match at every position and never match empty, so a
+ * matcher only returns where the match that starts at `at` ends.
+ *
+ * Llama 3 (Qwen 2/3: \p{N} instead of \p{N}{1,3}):
+ *   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
+ *   | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ * GPT-2 (ByteLevel use_regex):
+ *   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+
+ *   |\s+(?!\S)|\s+
+ *
+ * Classes: a table generated from pcre2 (gen_pretok_class.c; utf8proc has
+ * a newer Unicode than pcre2 10.42, U+1123F is a letter there and not in
+ * pcre2), checked for every code point by t/tokenizer/04-pretok-fast.t.
+ * The input is valid UTF-8 (lossy-decoded first); a truncated sequence at
+ * the end is read as one byte of "other" rather than read past the end.
+ */
+
+#include <sys/types.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tok_internal.h"
+
+#define TOK_C_OTHER  0
+#define TOK_C_L      1
+#define TOK_C_N      2
+#define TOK_C_WS     3
+
+
+static const char  tok_pat_llama3[] =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}"
+    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+static const char  tok_pat_qwen2[] =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}"
+    "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+static const char  tok_pat_gpt2[] =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+"
+    "|\\s+(?!\\S)|\\s+";
+
+
+#include "tok_pretok_class.h"
+
+/* the first block is U+0000..U+00FF */
+#define tok_ascii_class  tok_class_blocks[0]
+
+
+/* DPD_TOK_PCRE2_ONLY=1 (read at load) keeps every pattern on pcre2: for
+ * before/after measurements in one build */
+int
+tok_pretok_fast_kind(const char *pattern, size_t len)
+{
+    const char  *off = getenv("DPD_TOK_PCRE2_ONLY");
+
+    if (off != NULL && off[0] == '1') {
+        return TOK_FAST_NONE;
+    }
+    if (len == sizeof(tok_pat_llama3) - 1
+        && memcmp(pattern, tok_pat_llama3, len) == 0)
+    {
+        return TOK_FAST_LLAMA3;
+    }
+    if (len == sizeof(tok_pat_qwen2) - 1
+        && memcmp(pattern, tok_pat_qwen2, len) == 0)
+    {
+        return TOK_FAST_QWEN2;
+    }
+    if (len == sizeof(tok_pat_gpt2) - 1
+        && memcmp(pattern, tok_pat_gpt2, len) == 0)
+    {
+        return TOK_FAST_GPT2;
+    }
+    return TOK_FAST_NONE;
+}
+
+
+static inline int
+tok_class_cp(uint32_t cp)
+{
+    return tok_class_blocks[tok_class_stage1[cp >> 8]][cp & 0xFF];
+}
+
+
+/* Class of the character at p (p < e), its length in *n, its code point in
+ * *cp. */
+static inline int
+tok_class_at(const u_char *p, const u_char *e, size_t *n, uint32_t *cp)
+{
+    uint32_t  c = p[0];
+
+    if (c < 0x80) {
+        *n = 1;
+        *cp = c;
+        return tok_ascii_class[c];
+    }
+    if (c >= 0xF0 && c < 0xF8 && e - p >= 4) {
+        c = ((c & 0x07) << 18) | ((p[1] & 0x3F) << 12) | ((p[2] & 0x3F) << 6)
+            | (p[3] & 0x3F);
+        *n = 4;
+    } else if (c >= 0xE0 && c < 0xF0 && e - p >= 3) {
+        c = ((c & 0x0F) << 12) | ((p[1] & 0x3F) << 6) | (p[2] & 0x3F);
+        *n = 3;
+    } else if (c >= 0xC0 && c < 0xE0 && e - p >= 2) {
+        c = ((c & 0x1F) << 6) | (p[1] & 0x3F);
+        *n = 2;
+    } else {
+        /* not valid UTF-8 (the callers lossy-decode first): one byte */
+        *n = 1;
+        *cp = 0xFFFD;
+        return TOK_C_OTHER;
+    }
+    *cp = c;
+    return tok_class_cp(c);
+}
+
+
+/* End of the run of characters of class k from p. */
+static inline const u_char *
+tok_run(const u_char *p, const u_char *e, int k)
+{
+    size_t    n;
+    uint32_t  cp;
+
+    while (p < e) {
+        if (*p < 0x80) {
+            if (tok_ascii_class[*p] != k) {
+                break;
+            }
+            p++;
+            continue;
+        }
+        if (tok_class_at(p, e, &n, &cp) != k) {
+            break;
+        }
+        p += n;
+    }
+    return p;
+}
+
+
+/*
+ * (?i:'s|'t|'re|'ve|'m|'ll|'d) at p (p[0] == '\''): the end, or NULL.
+ * Caseless with UCP: 's' also matches U+017F (long s), 'k' is not used,
+ * and no other of these letters has a third case form.
+ */
+static const u_char *
+tok_contraction(const u_char *p, const u_char *e, int caseless)
+{
+    u_char  c1, c2;
+
+    if (e - p < 2) {
+        return NULL;
+    }
+    c1 = p[1];
+    if (caseless) {
+        if (c1 == 0xC5 && e - p >= 3 && p[2] == 0xBF) {
+            return p + 3;                           /* 'U+017F */
+        }
+        if (c1 >= 'A' && c1 <= 'Z') {
+            c1 |= 0x20;
+        }
+    }
+    switch (c1) {
+    case 's': case 't': case 'm': case 'd':
+        return p + 2;
+    case 'r': case 'v': case 'l':
+        if (e - p < 3) {
+            return NULL;
+        }
+        c2 = p[2];
+        if (caseless && c2 >= 'A' && c2 <= 'Z') {
+            c2 |= 0x20;
+        }
+        if ((c1 == 'l' && c2 == 'l') || (c1 != 'l' && c2 == 'e')) {
+            return p + 3;
+        }
+        return NULL;
+    }
+    return NULL;
+}
+
+
+/* \s*[\r\n]+|\s+(?!\S)|\s+ at p (a White_Space character); with crlf 0,
+ * only the last two. */
+static const u_char *
+tok_spaces(const u_char *p, const u_char *e, int crlf)
+{
+    const u_char  *q = p, *last = NULL, *nl = NULL;
+    size_t         n;
+    uint32_t       cp;
+
+    while (q < e) {
+        if (*q < 0x80) {
+            if (tok_ascii_class[*q] != TOK_C_WS) {
+                break;
+            }
+            if (*q == '\r' || *q == '\n') {
+                nl = q;
+            }
+            last = q++;
+            continue;
+        }
+        if (tok_class_at(q, e, &n, &cp) != TOK_C_WS) {
+            break;
+        }
+        last = q;
+        q += n;
+    }
+    /* \s* backs off to the last \r or \n of the run, [\r\n]+ takes it */
+    if (crlf && nl != NULL) {
+        return nl + 1;
+    }
+    /* \s+(?!\S): all of it at the end, else all but the last character */
+    if (q == e || last == p) {
+        return q;
+    }
+    return last;
+}
+
+
+static const u_char *
+tok_match_llama3(const u_char *p, const u_char *e, int maxd)
+{
+    const u_char  *q, *r;
+    size_t         n, n1;
+    uint32_t       cp, cp1;
+    int            k, k1;
+
+    k = tok_class_at(p, e, &n, &cp);
+
+    if (cp == '\'' && (q = tok_contraction(p, e, 1)) != NULL) {
+        return q;
+    }
+    if (k == TOK_C_L) {
+        return tok_run(p + n, e, TOK_C_L);
+    }
+    if (k == TOK_C_N) {
+        q = p + n;
+        while (--maxd > 0 && q < e
+               && tok_class_at(q, e, &n1, &cp1) == TOK_C_N)
+        {
+            q += n1;
+        }
+        return q;
+    }
+    /* [^\r\n\p{L}\p{N}]\p{L}+ */
+    k1 = -1;
+    if (cp != '\r' && cp != '\n' && p + n < e) {
+        k1 = tok_class_at(p + n, e, &n1, &cp1);
+        if (k1 == TOK_C_L) {
+            return tok_run(p + n + n1, e, TOK_C_L);
+        }
+    }
+    /* ' ?[^\s\p{L}\p{N}]+[\r\n]*' */
+    r = NULL;
+    if (k == TOK_C_OTHER) {
+        r = tok_run(p + n, e, TOK_C_OTHER);
+    } else if (cp == ' ' && k1 == TOK_C_OTHER) {
+        r = tok_run(p + n + n1, e, TOK_C_OTHER);
+    }
+    if (r != NULL) {
+        while (r < e && (*r == '\r' || *r == '\n')) {
+            r++;
+        }
+        return r;
+    }
+    return tok_spaces(p, e, 1);
+}
+
+
+static const u_char *
+tok_match_gpt2(const u_char *p, const u_char *e)
+{
+    const u_char  *q;
+    size_t         n, n1;
+    uint32_t       cp, cp1;
+    int            k;
+
+    k = tok_class_at(p, e, &n, &cp);
+
+    if (cp == '\'' && (q = tok_contraction(p, e, 0)) != NULL) {
+        return q;
+    }
+    if (cp == ' ' && p + n < e) {
+        k = tok_class_at(p + n, e, &n1, &cp1);
+        if (k != TOK_C_WS) {
+            return tok_run(p + n + n1, e, k);
+        }
+        k = TOK_C_WS;
+    }
+    if (k != TOK_C_WS) {
+        return tok_run(p + n, e, k);
+    }
+    return tok_spaces(p, e, 0);
+}
+
+
+size_t
+tok_pretok_fast_next(int kind, const char *s, size_t len, size_t at)
+{
+    const u_char  *p = (const u_char *) s + at, *e = (const u_char *) s + len;
+    size_t         r;
+
+    switch (kind) {
+    case TOK_FAST_LLAMA3:
+        r = (size_t) (tok_match_llama3(p, e, 3) - (const u_char *) s);
+        break;
+    case TOK_FAST_QWEN2:
+        r = (size_t) (tok_match_llama3(p, e, 1) - (const u_char *) s);
+        break;
+    default:
+        r = (size_t) (tok_match_gpt2(p, e) - (const u_char *) s);
+        break;
+    }
+
+    /* never empty, never past the end (the callers loop on it): a matcher
+     * bug costs a wrong split of one character, not a hung worker */
+    if (r <= at || r > len) {
+        for (r = at + 1; r < len && ((u_char) s[r] & 0xc0) == 0x80; r++) {
+            /* the rest of the character */
+        }
+    }
+
+    return r;
+}

@@ -1,0 +1,232 @@
+# ngx_http_dpd_module: chats are counted with the model's own Jinja chat
+# template and the variables vLLM passes (tools, chat_template_kwargs, the
+# parsed tool-call arguments), or with a template file named by
+# dpd_chat_template; a request the template refuses gets vLLM's 400 with
+# the template's message.  Expected counts come from outside the project:
+# Python's Jinja2 set up as transformers does (t/tokenizer/jinja-render.py)
+# and the Hugging Face tokenizer (t/tokenizer/hf-oracle.js).
+use strict;
+use warnings;
+
+use Test::Nginx::Socket;
+use DPD::Emu;
+use JSON::PP ();
+use File::Temp qw(tempdir);
+use FindBin;
+
+my ($llama_tj, $llama_tc) = DPD::Emu->tokenizer_files('llama3');
+my ($qwen_tj, $qwen_tc) = DPD::Emu->tokenizer_files('qwen3');
+plan(skip_all => 'tokenizer fixtures missing (make deps)')
+    unless $llama_tj && $qwen_tj && $qwen_tc;
+plan(skip_all => 'python3-jinja2 or node missing (make deps)')
+    if system("python3 -c 'import jinja2' 2>/dev/null") != 0
+       || system('node -v >/dev/null 2>&1') != 0;
+plan('no_plan');
+
+my $root = "$FindBin::Bin/..";
+my $tmp = tempdir(CLEANUP => 1);
+my $JSON = JSON::PP->new->utf8->canonical;
+my $l2 = "$root/t/tokenizer/data/llama2-template.jinja";
+
+# the count vLLM reports for a request: rendered by Jinja2, ids by HF
+sub oracle_count {
+    my ($tj, $src, $req) = @_;
+    open(my $f, '>', "$tmp/req.jsonl") or die;
+    print $f $JSON->encode($req), "\n";
+    close $f;
+    my $r = `python3 '$root/t/tokenizer/jinja-render.py' $src < '$tmp/req.jsonl'`;
+    my $text = $JSON->decode($r)->{text};
+    die "oracle render failed: $r" unless defined $text;
+    open($f, '>', "$tmp/text.jsonl") or die;
+    print $f JSON::PP->new->utf8->allow_nonref->encode($text), "\n";
+    close $f;
+    my $ids = `node '$root/t/tokenizer/hf-oracle.js' '$tj' < '$tmp/text.jsonl'`;
+    chomp $ids;
+    my @ids = split / /, $ids;
+    return scalar @ids;
+}
+
+my $tools = [{ type => 'function', function => {
+    name => 'get_weather', description => 'Weather for a city.',
+    parameters => { type => 'object', properties => {
+        city => { type => 'string' } }, required => ['city'] } } }];
+
+our %REQ = (
+    tools => { model => 'm', tools => $tools, messages => [
+        { role => 'user', content => 'Weather in Paris?' },
+        { role => 'assistant', content => undef, tool_calls => [
+            { id => 'c1', type => 'function', function => {
+                name => 'get_weather', arguments => '{"city": "Paris"}' } }] },
+        { role => 'tool', tool_call_id => 'c1', content => '22 degrees' },
+        { role => 'user', content => 'And tomorrow?' }] },
+    kwargs => { model => 'm', chat_template_kwargs => { enable_thinking => JSON::PP::false },
+                messages => [{ role => 'user', content => 'Hi there' }] },
+    emptyargs => { model => 'm', messages => [
+        { role => 'user', content => 'Now?' },
+        { role => 'assistant', content => '', tool_calls => [
+            { id => 'c1', type => 'function', function => { name => 'now', arguments => '' } }] },
+        { role => 'user', content => 'ok' }] },
+    llama2 => { model => 'm', messages => [
+        { role => 'system', content => 'Be brief.' },
+        { role => 'user', content => 'Hello' },
+        { role => 'assistant', content => ' Hi! ' },
+        { role => 'user', content => [{ type => 'text', text => 'Bye' }] }] },
+);
+
+our %WANT = (
+    tools => oracle_count($qwen_tj, "'$qwen_tc'", $REQ{tools}),
+    kwargs => oracle_count($qwen_tj, "'$qwen_tc'", $REQ{kwargs}),
+    emptyargs => oracle_count($qwen_tj, "'$qwen_tc'", $REQ{emptyargs}),
+    llama2 => oracle_count($llama_tj, "'$l2' '$llama_tc'", $REQ{llama2}),
+);
+our %BODY = map { $_ => $JSON->encode($REQ{$_}) } keys %REQ;
+
+open(my $bad, '>', "$tmp/bad.jinja") or die;
+print $bad "{% for m in messages %}\n{{ m.content }\n{% endfor %}\n";
+close $bad;
+
+$ENV{TEST_NGINX_LLAMA3} = $llama_tj;
+$ENV{TEST_NGINX_QWEN3} = $qwen_tj;
+$ENV{TEST_NGINX_LLAMA2_TMPL} = $l2;
+$ENV{TEST_NGINX_BAD_TMPL} = "$tmp/bad.jinja";
+
+add_block_preprocessor(sub {
+    my $block = shift;
+
+    if (!defined $block->http_config) {
+        $block->set_value('http_config', <<'_EOC_');
+    dpd_tokenizer $TEST_NGINX_QWEN3;
+_EOC_
+    }
+    if (!defined $block->config) {
+        $block->set_value('config', <<'_EOC_');
+    location /v1/ {
+        dpd on;
+        add_header X-Dpd-Tokens $dpd_prompt_tokens always;
+        proxy_pass http://127.0.0.1:$TEST_NGINX_SERVER_PORT/decoder/;
+    }
+    location /decoder/ { return 200 "decoder reached\n"; }
+_EOC_
+    }
+});
+
+no_shuffle();
+log_level('info');
+run_tests();
+
+__DATA__
+
+=== TEST 1: Qwen 3: tools are rendered into the system block, tool calls parsed
+--- request eval
+"POST /v1/chat/completions\n$::BODY{tools}"
+--- response_headers eval
+"X-Dpd-Tokens: $::WANT{tools}"
+--- response_body
+decoder reached
+
+
+=== TEST 2: Qwen 3: chat_template_kwargs (enable_thinking false) reach the template
+--- request eval
+"POST /v1/chat/completions\n$::BODY{kwargs}"
+--- response_headers eval
+"X-Dpd-Tokens: $::WANT{kwargs}"
+--- response_body
+decoder reached
+
+
+=== TEST 3: Qwen 3: empty tool-call arguments become {} as in vLLM
+--- request eval
+"POST /v1/chat/completions\n$::BODY{emptyargs}"
+--- response_headers eval
+"X-Dpd-Tokens: $::WANT{emptyargs}"
+--- response_body
+decoder reached
+
+
+=== TEST 4: dpd_chat_template FILE overrides the model's template
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /v1/ {
+        dpd on;
+        dpd_chat_template $TEST_NGINX_LLAMA2_TMPL;
+        add_header X-Dpd-Tokens $dpd_prompt_tokens always;
+        proxy_pass http://127.0.0.1:$TEST_NGINX_SERVER_PORT/decoder/;
+    }
+    location /decoder/ { return 200 "decoder reached\n"; }
+--- request eval
+"POST /v1/chat/completions\n$::BODY{llama2}"
+--- response_headers eval
+"X-Dpd-Tokens: $::WANT{llama2}"
+--- response_body
+decoder reached
+
+
+=== TEST 5: the template raises: vLLM's 400 with the template's message, not a guess
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /v1/ {
+        dpd on;
+        dpd_chat_template $TEST_NGINX_LLAMA2_TMPL;
+        proxy_pass http://127.0.0.1:$TEST_NGINX_SERVER_PORT/decoder/;
+    }
+    location /decoder/ { return 200 "decoder reached\n"; }
+--- request
+POST /v1/chat/completions
+{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+--- error_code: 400
+--- response_body_like: ^\{"error":\{"message":"Conversation roles must alternate user/assistant/user/assistant/\.\.\.","type":"invalid_request_error","param":null,"code":400\}\}$
+
+
+=== TEST 6: a template file that does not parse fails nginx -t with the line
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /v1/ { dpd on; dpd_chat_template $TEST_NGINX_BAD_TMPL; }
+--- must_die
+--- error_log
+chat template: line 2: unexpected
+
+
+=== TEST 7: a template file before dpd_tokenizer in its block is compiled on that tokenizer
+--- http_config
+    dpd_chat_template $TEST_NGINX_LLAMA2_TMPL;
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+--- config
+    location /v1/ {
+        dpd on;
+        add_header X-Dpd-Tokens $dpd_prompt_tokens always;
+        proxy_pass http://127.0.0.1:$TEST_NGINX_SERVER_PORT/decoder/;
+    }
+    location /decoder/ { return 200 "decoder reached\n"; }
+--- request eval
+"POST /v1/chat/completions\n$::BODY{llama2}"
+--- response_headers eval
+"X-Dpd-Tokens: $::WANT{llama2}"
+--- response_body
+decoder reached
+
+
+=== TEST 8: a template file where no block has dpd_tokenizer is refused
+--- http_config
+--- config
+    location /v1/ {
+        dpd_chat_template $TEST_NGINX_LLAMA2_TMPL;
+        return 204;
+    }
+--- must_die
+--- error_log
+needs "dpd_tokenizer" in the block or a block around it
+
+
+=== TEST 9: Qwen 3: an image part is left out, the text counted, said in the log
+--- request
+POST /v1/chat/completions
+{"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+--- response_headers_like
+X-Dpd-Tokens: ^\d+$
+--- response_body
+decoder reached
+--- error_log
+text counted only (messages[0].content[1]: a non-text part is not counted)
