@@ -22,10 +22,18 @@
 # read + parse + count) is measured in separate, logged passes.
 #
 # Stall: a client posts ~100k-token prompts (words no cache has seen) one
-# after the other to the inline server (exact) or to the thread server,
-# while wrk measures the latency of short requests (1 connection) on the
-# same worker; "added p99" is their p99 minus the p99 without the stream.
-# nginx is not pinned for that part (the pool's thread needs a core).
+# after the other to a plain proxy_pass server, to the inline server
+# (short: dpd on, counted in place) or to the thread server, while wrk
+# measures the latency of short requests (1 connection) on the same
+# worker; "added p99" is their p99 minus the p99 without the stream, the
+# median of STALL_ROUNDS interleaved rounds.  These servers proxy to a
+# second nginx (one worker) that reads the whole request body before it
+# answers, as vLLM does: the in-worker backend above answers before the
+# body is read, and a keepalive upstream connection reused after such an
+# early answer delays the next request on it by ~40 ms (Linux's delayed
+# ACK), for plain proxy_pass as much as for the module, which would hide
+# what the count costs.  nginx is not pinned for that part (the pool's
+# thread needs a core).
 #
 # Soak: SOAK seconds of mixed requests (short, 4096-token, 100k-token in
 # the thread pool, disaggregated, malformed) after WARM_SOAK seconds of
@@ -43,8 +51,9 @@
 # than req/s when other jobs share the machine).  Instruction counts per
 # request (repeatable on a shared machine): bench/request_cost.sh.
 # Knobs (env): DURATION=8 ROUNDS=3 CONNS=16 THRESHOLD=4096 STALL=10
-#              SOAK=60 WARM_SOAK=10 (SOAK=0: skip)
-#              BENCH_PORT_BASE=18690 (uses BASE .. BASE+9)
+#              STALL_ROUNDS=3 SOAK=60 WARM_SOAK=10 (SOAK=0: skip)
+#              PARTS="ratio decision stall soak" (the parts to run)
+#              BENCH_PORT_BASE=18690 (uses BASE .. BASE+12)
 set -euo pipefail
 
 . "$(dirname "$0")/lib.sh"
@@ -63,7 +72,13 @@ DISAGG=$((BASE + 6))
 PREF=$((BASE + 7))
 THREAD=$((BASE + 8))
 SHORT=$((BASE + 9))
+STALLPLAIN=$((BASE + 10))
+READER=$((BASE + 11))
+CANNED=$((BASE + 12))
 STALL=${STALL:-10}
+STALL_ROUNDS=${STALL_ROUNDS:-3}
+PARTS=${PARTS:-ratio decision stall soak}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 SOAK=${SOAK:-60}
 WARM_SOAK=${WARM_SOAK:-10}
 
@@ -102,6 +117,7 @@ http {
 
     upstream back { server 127.0.0.1:$BACK; keepalive 64; }
     upstream pref { server 127.0.0.1:$PREF; keepalive 64; }
+    upstream reader { server 127.0.0.1:$READER; keepalive 64; }
 
     proxy_http_version 1.1;
     proxy_set_header Connection "";
@@ -143,7 +159,7 @@ http {
             dpd on;
             dpd_threshold $THRESHOLD;
             dpd_count_thread_pool dpdcount;
-            proxy_pass http://back;
+            proxy_pass http://reader;
         }
     }
     server {
@@ -151,8 +167,12 @@ http {
         location /v1/ {
             dpd on;
             dpd_threshold $THRESHOLD;
-            proxy_pass http://back;
+            proxy_pass http://reader;
         }
+    }
+    server {
+        listen 127.0.0.1:$STALLPLAIN;
+        location /v1/ { proxy_pass http://reader; }
     }
     server {
         listen 127.0.0.1:$PLAIN;
@@ -199,6 +219,41 @@ http {
     }
 }
 EOF
+# the stall part's backend, like a vLLM pod: its own process, and it reads
+# the whole request body before it answers (proxy_pass buffers the body;
+# only the headers go on to the canned answer)
+mkdir -p "$WORK/reader"
+cat >"$WORK/reader/nginx.conf" <<EOF
+worker_processes 1;
+pid $WORK/reader/nginx.pid;
+error_log $WORK/reader/error.log warn;
+events { worker_connections 1024; }
+http {
+    access_log off;
+    keepalive_requests 100000;
+    client_body_temp_path $WORK/reader;
+    proxy_temp_path $WORK/reader;
+    client_max_body_size 16m;
+    client_body_buffer_size 1m;
+    server {
+        listen 127.0.0.1:$READER;
+        location / {
+            proxy_pass http://127.0.0.1:$CANNED;
+            proxy_pass_request_body off;
+            proxy_set_header Content-Length "";
+        }
+    }
+    server {
+        listen 127.0.0.1:$CANNED;
+        location / {
+            default_type text/event-stream;
+            return 200 '$SSE';
+        }
+    }
+}
+EOF
+"$NGINX" -p "$WORK/reader" -c "$WORK/reader/nginx.conf" -e "$WORK/reader/error.log"
+PIDS+=("$(sleep 0.2; cat "$WORK/reader/nginx.pid")")
 "${PIN_NGINX[@]}" "$NGINX" -p "$WORK" -c "$WORK/nginx.conf" -e "$WORK/error.log"
 sleep 0.3
 
@@ -289,7 +344,9 @@ run_wrk() {
 
 median() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
 
+part ratio &&
 echo "# nginx 1 worker, wrk 1 thread x $CONNS connections, ${DURATION}s x $ROUNDS rounds each, dpd_threshold $THRESHOLD"
+part ratio &&
 for t in 100 1000 4096; do
     case $t in
     100)  tok=$T100;  servers="BACK PLAIN EXACT BOUND DISAGG" ;;
@@ -336,6 +393,7 @@ for t in 100 1000 4096; do
 done
 
 # decision time, logged passes: 3 s of requests per size and mode
+part decision &&
 for mode in exact bound; do
     port=$([[ $mode == exact ]] && echo "$EXACTLOG" || echo "$BOUNDLOG")
     for t in 100 4096; do
@@ -387,16 +445,31 @@ EOF
 }
 
 taskset -apc 0-$(($(nproc) - 1)) "$WORKER" >/dev/null 2>&1 || true
-base=$(stall_p99 none)
-inl=$(stall_p99 "$EXACT")
-thr=$(stall_p99 "$THREAD")
-printf "stall, %s-token prompts streamed: short-request p99 %.3f ms alone; inline count %.3f ms (added %.3f ms); dpd_count_thread_pool %.3f ms (added %.3f ms)\n" \
-    "$TLONG" "$base" "$inl" "$(echo "$inl - $base" | bc -l)" \
+if part stall; then
+for s in none STALLPLAIN SHORT THREAD; do : >"$WORK/stall-$s"; done
+for r in $(seq 1 "$STALL_ROUNDS"); do
+    stall_p99 none >>"$WORK/stall-none"
+    for s in STALLPLAIN SHORT THREAD; do
+        stall_p99 "${!s}" >>"$WORK/stall-$s"
+    done
+done
+base=$(median <"$WORK/stall-none")
+pln=$(median <"$WORK/stall-STALLPLAIN")
+inl=$(median <"$WORK/stall-SHORT")
+thr=$(median <"$WORK/stall-THREAD")
+printf "stall, %s-token prompts streamed (median of %d rounds of %ss): short-request p99 %.3f ms alone; the stream through plain proxy_pass %.3f ms (added %.3f ms); inline count %.3f ms (added %.3f ms); dpd_count_thread_pool %.3f ms (added %.3f ms)\n" \
+    "$TLONG" "$STALL_ROUNDS" "$STALL" "$base" \
+    "$pln" "$(echo "$pln - $base" | bc -l)" \
+    "$inl" "$(echo "$inl - $base" | bc -l)" \
     "$thr" "$(echo "$thr - $base" | bc -l)"
+for s in none STALLPLAIN SHORT THREAD; do
+    printf "    p99 rounds %-10s: %s\n" "$s" "$(tr '\n' ' ' <"$WORK/stall-$s")"
+done
+fi
 
 # --- soak: RSS over mixed requests --------------------------------------
 
-if (( SOAK > 0 )); then
+if (( SOAK > 0 )) && part soak; then
     cat >"$WORK/mixed.lua" <<EOF
 local files = { "$WORK/body-100.json", "$WORK/body-4096.json",
                 "$WORK/body-long.json", "$WORK/body-100.json",
