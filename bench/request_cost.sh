@@ -129,7 +129,7 @@ http {
 }
 EOF
 
-valgrind --tool=callgrind --separate-threads=yes \
+valgrind --tool=callgrind --separate-threads=yes --compress-strings=no \
     --callgrind-out-file="$WORK/cg.%p" \
     "$NGINX" -p "$WORK/gw" -c "$WORK/gw/nginx.conf" \
     >"$WORK/valgrind.log" 2>&1 &

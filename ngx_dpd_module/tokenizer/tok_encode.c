@@ -99,6 +99,7 @@ tok_split_added(tok_work_t *w, const tok_trie_t *t, const char *s, size_t len,
 {
     const dpd_tok_t    *tok = w->tok;
     const tok_added_t  *a;
+    const char         *q;
     size_t              pos = 0, seg = 0, mlen = 0, start, stop, ns;
     int32_t             m;
     int                 top = w->at_start;
@@ -108,7 +109,14 @@ tok_split_added(tok_work_t *w, const tok_trie_t *t, const char *s, size_t len,
         return;
     }
     while (pos < len) {
-        if (!t->first[(unsigned char) s[pos]]) {
+        if (t->single >= 0) {
+            q = memchr(s + pos, t->single, len - pos);
+            if (q == NULL) {
+                break;
+            }
+            pos = (size_t) (q - s);
+
+        } else if (!t->first[(unsigned char) s[pos]]) {
             pos++;
             continue;
         }

@@ -149,6 +149,7 @@ typedef struct {
     tok_trie_edge_t  *edges;
     uint32_t          n_nodes;
     uint8_t           first[256];   /* 1 if some token starts with byte */
+    int               single;       /* the only such byte, or -1 */
     int               empty;
 } tok_trie_t;
 

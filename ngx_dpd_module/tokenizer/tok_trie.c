@@ -119,6 +119,19 @@ tok_trie_build(tok_trie_t *t, const tok_added_t *added, uint32_t n,
     t->n_nodes = nn;
     t->empty = (m == 0);
 
+    /* one first byte (Llama 3, Qwen: every added token starts with '<'):
+     * the text is searched for it with memchr */
+    t->single = -1;
+    for (i = 0, j = 0; i < 256; i++) {
+        if (t->first[i]) {
+            t->single = (int) i;
+            j++;
+        }
+    }
+    if (j != 1) {
+        t->single = -1;
+    }
+
     free(idx);
     free(path);
     free(parent);

@@ -69,8 +69,19 @@ tok_utf8_sanitize_len(const char *s, size_t len, int *valid)
     *valid = 1;
     while (i < len) {
         if (p[i] < 0x80) {
+            /* most prompt text is ASCII: 8 bytes at a time */
             i++;
             out++;
+            while (len - i >= 8) {
+                uint64_t  v;
+
+                memcpy(&v, p + i, 8);
+                if (v & 0x8080808080808080ULL) {
+                    break;
+                }
+                i += 8;
+                out += 8;
+            }
             continue;
         }
         n = tok_utf8_seq(p + i, len - i, &bad);
