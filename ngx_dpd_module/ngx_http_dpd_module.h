@@ -287,6 +287,9 @@ void ngx_http_dpd_count_bound_init(ngx_http_dpd_tokenizer_t *t);
 void ngx_http_dpd_openai_cleanup(ngx_http_dpd_ctx_t *ctx);
 void ngx_http_dpd_openai_init_process(void);
 
+/* cJSON's allocator for the calling thread (ngx_http_dpd_openai.c) */
+ngx_pool_t *ngx_http_dpd_tree_scope(ngx_pool_t *pool);
+
 /*
  * Parses, checks and counts the body.  NGX_OK (ctx->err_* set for bad
  * input), NGX_ERROR, or NGX_AGAIN: handed to the location's

@@ -736,6 +736,27 @@ ngx_http_dpd_tree_free(void *p)
 }
 
 
+/*
+ * cJSON's allocator for the calling thread until the next call: trees
+ * made meanwhile come from pool (a prefill's request and reply are a few
+ * dozen nodes: malloc() and free() for each cost more than the rest of
+ * their handling), and cJSON_Delete() leaves them to it.  So every tree
+ * made in a scope must be dropped or pool-owned before the scope ends.
+ * Returns the allocator's pool before the call (NULL: malloc()).
+ */
+
+ngx_pool_t *
+ngx_http_dpd_tree_scope(ngx_pool_t *pool)
+{
+    ngx_pool_t  *prev;
+
+    prev = ngx_http_dpd_tree_pool;
+    ngx_http_dpd_tree_pool = pool;
+
+    return prev;
+}
+
+
 static void
 ngx_http_dpd_tree_release(void *data)
 {

@@ -446,6 +446,7 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_pin_t          *pin;
     ngx_http_request_body_t     *rb;
     ngx_http_post_subrequest_t  *ps;
+    ngx_pool_t                  *tree;
     ngx_http_dpd_proto_t        *proto;
     ngx_http_dpd_prefill_ctx_t  *p;
 
@@ -499,7 +500,13 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         }
     }
 
-    if (proto->prefill_body(r, ctx, pcf, &body) != NGX_OK) {
+    /* the hooks' trees live and die in the call: see tree_scope() */
+
+    tree = ngx_http_dpd_tree_scope(r->pool);
+    rc = proto->prefill_body(r, ctx, pcf, &body);
+    (void) ngx_http_dpd_tree_scope(tree);
+
+    if (rc != NGX_OK) {
         return NGX_ERROR;
     }
 
@@ -800,6 +807,7 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 {
     ngx_int_t                    rc;
     const char                  *why;
+    ngx_pool_t                  *tree;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
@@ -855,7 +863,9 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                                          NULL);
     }
 
+    tree = ngx_http_dpd_tree_scope(r->pool);
     rc = ngx_http_dpd_proto(pcf)->reply(r, ctx, pcf, &why);
+    (void) ngx_http_dpd_tree_scope(tree);
 
     switch (rc) {
 

@@ -916,28 +916,67 @@ dpd_print_number(const cJSON *item, char *out)
 static size_t
 dpd_print_string(const char *s, char *out)
 {
-    size_t                n;
+    size_t                n, len, i, run;
+    uint64_t              v, q, b;
     unsigned char         c;
     const unsigned char  *p;
     static const char     hex[] = "0123456789abcdef";
 
+    p = (const unsigned char *) (s ? s : "");
+    len = strlen((const char *) p);
     n = 2;
 
     if (out) {
         *out++ = '"';
     }
 
-    for (p = (const unsigned char *) (s ? s : ""); *p; p++) {
-        c = *p;
+    for (i = 0; i < len; /* void */) {
 
-        if (c >= 32 && c != '"' && c != '\\') {
-            if (out) {
-                *out++ = (char) c;
+        /*
+         * prompt text is long runs that need no escape: find the run's
+         * end 8 bytes at a time (a byte below 0x20, a quote or a
+         * backslash ends it; the tests are exact for "some byte is"),
+         * then copy it at once
+         */
+
+        run = i;
+
+        while (len - run >= 8) {
+            memcpy(&v, p + run, 8);
+            q = v ^ (DPD_ONES * '"');
+            b = v ^ (DPD_ONES * '\\');
+
+            if ((((v - DPD_ONES * 0x20) & ~v) | ((q - DPD_ONES) & ~q)
+                 | ((b - DPD_ONES) & ~b))
+                & (DPD_ONES * 0x80))
+            {
+                break;
             }
 
-            n++;
-            continue;
+            run += 8;
         }
+
+        while (run < len && p[run] >= 32 && p[run] != '"'
+               && p[run] != '\\')
+        {
+            run++;
+        }
+
+        if (run > i) {
+            if (out) {
+                memcpy(out, p + i, run - i);
+                out += run - i;
+            }
+
+            n += run - i;
+            i = run;
+
+            if (i == len) {
+                break;
+            }
+        }
+
+        c = p[i++];
 
         switch (c) {
         case '"':  c = '"';  break;
