@@ -403,7 +403,7 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
         if (tc != NULL) {
             const tok_cache_ent_t *e = &tc->e[h & (TOK_CACHE_SLOTS - 1)];
             if (e->hash == h && e->gen == tok->gen && e->len == len
-                && memcmp(e->bytes, s, len) == 0)
+                && tok_bytes_eq(e->bytes, s, len))
             {
                 for (i = 0; i < e->nids; i++) {
                     tok_emit(w->sink, e->ids[i]);

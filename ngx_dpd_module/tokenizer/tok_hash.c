@@ -113,7 +113,7 @@ tok_strmap_put(tok_strmap_t *m, const char *s, size_t len, uint32_t id)
     while (m->slots[i] != 0) {
         if ((m->slots[i] & 0xffffffff00000000ULL) == tag) {
             e = &m->ent[(uint32_t) m->slots[i] - 1];
-            if (e->len == len && memcmp(m->pool + e->off, s, len) == 0) {
+            if (e->len == len && tok_bytes_eq(m->pool + e->off, s, len)) {
                 e->id = id;
                 return 1;
             }
@@ -174,7 +174,7 @@ tok_strmap_get_h(const tok_strmap_t *m, const char *s, size_t len, uint64_t h)
     while ((v = m->slots[i]) != 0) {
         if ((v & 0xffffffff00000000ULL) == tag) {
             e = &m->ent[(uint32_t) v - 1];
-            if (e->len == len && memcmp(m->pool + e->off, s, len) == 0) {
+            if (e->len == len && tok_bytes_eq(m->pool + e->off, s, len)) {
                 return e->id;
             }
         }

@@ -15,6 +15,7 @@
 #include <pcre2.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "dpd_tokenizer.h"
 
@@ -79,6 +80,45 @@ tok_mix64(uint64_t x)
     x *= 0xc4ceb9fe1a85ec53ULL;
     x ^= x >> 33;
     return x;
+}
+
+/*
+ * a == b over len bytes, for the short strings of the hot lookups (a
+ * pre-token is a few bytes): no call, and no load outside either string
+ */
+static inline int
+tok_bytes_eq(const char *a, const char *b, size_t len)
+{
+    uint64_t  x, y;
+    uint32_t  u, v;
+
+    while (len >= 8) {
+        memcpy(&x, a, 8);
+        memcpy(&y, b, 8);
+        if (x != y) {
+            return 0;
+        }
+        a += 8;
+        b += 8;
+        len -= 8;
+    }
+    if (len >= 4) {
+        memcpy(&u, a, 4);
+        memcpy(&v, b, 4);
+        if (u != v) {
+            return 0;
+        }
+        memcpy(&u, a + len - 4, 4);
+        memcpy(&v, b + len - 4, 4);
+        return u == v;
+    }
+    while (len > 0) {
+        if (*a++ != *b++) {
+            return 0;
+        }
+        len--;
+    }
+    return 1;
 }
 
 static inline uint64_t
