@@ -44,9 +44,9 @@ for my $prov ('tcp;ofi_rxm', 'shm') {
                  )bytes of pinned memory, host copy engine/,
                  "$prov/$slots: sender ring set up")
                 or diag(log_text($pa));
-            like(log_text($da), qr/rank 0: writes land in a pinned host (?#
-                 )mirror, copied in before ready/,
-                 "$prov/$slots: receiver lands in a mirror");
+            like(log_text($da), qr/rank 0: writes land in a bounded ring (?#
+                 )of 8 slot\(s\) x 4194304 bytes of pinned memory/,
+                 "$prov/$slots: receiver lands in a bounded ring");
             my $j = run_kvpush("--prefill", $pa->{sock},
                 "--decode", "decode-0=$da->{sock}", "--nblocks", 256,
                 "--dst", "explicit", "--req", "stg");
