@@ -136,7 +136,7 @@ for prov in $PROVIDERS; do
     start p && start d || { fail "$prov: agents did not start"; continue; }
     connected "$T/p.sock" d || { fail "$prov: no control link"; continue; }
     grep -h "rail 0:" "$T/p.log" | sed 's/^.*info: /  /'
-    if grep -q "pinned host mirror\|stage: rank" "$T/p.log" "$T/d.log"; then
+    if grep -q "bounded ring of\|stage: rank" "$T/p.log" "$T/d.log"; then
         say "  memory path: GPU staged through pinned host memory (no FI_HMEM)"
     elif grep -q "hmem yes" "$T/p.log"; then
         say "  memory path: FI_HMEM (GPU memory registered directly)"

@@ -3,7 +3,8 @@
 # "host" sends every pool through the code GPU pools without FI_HMEM use
 # (a bounded ring of pinned slots filled by batched asynchronous copies,
 # written while the next slots are copied; the receiver lands writes in a
-# mirror and copies them in with batched asynchronous copies before it
+# bounded ring of granted slots and copies each chunk in with batched
+# asynchronous copies before the slot is granted again and before it
 # says ready), with the host copy engine standing in for CUDA.  Checked
 # byte for byte over tcp;ofi_rxm and shm, coalesced and not, one slot
 # (serial) and eight, one rank and two.
