@@ -24,6 +24,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 
 #include <cjson/cJSON.h>
@@ -194,6 +195,22 @@ kv_ring_release(kv_ctx_t *ctx, kv_rreq_t *r)
 }
 
 
+/* A grant number nobody can guess (a fabric message's sender is not
+ * authenticated): random high bits; the low 24 count, so live grants
+ * (at most ranks x recv_slots) never share one; never 0. */
+static uint64_t
+grant_number(kv_ctx_t *ctx)
+{
+    uint64_t g = 0;
+
+    if (getrandom(&g, sizeof(g), 0) != sizeof(g)) {
+        g = kv_now_us() * 0x9e3779b97f4a7c15ULL;
+    }
+    g = (g & ~0xffffffULL) | (++ctx->grant_seq & 0xffffff);
+    return g ? g : 1;
+}
+
+
 /* Hand free slots to the requests that still have chunks to receive, a
  * fair share each, as push_credit messages. */
 void
@@ -255,7 +272,7 @@ kv_ring_grant(kv_ctx_t *ctx)
                 sl->state = KV_RS_GRANTED;
                 sl->rreq = i;
                 sl->chunk = r->granted[k]++;
-                sl->grant = ++ctx->grant_seq;
+                sl->grant = grant_number(ctx);
                 sl->len = rank_bytes(ctx, r) - off < g->chunk
                           ? rank_bytes(ctx, r) - off : g->chunk;
                 g->nfree--;

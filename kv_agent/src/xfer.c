@@ -1900,7 +1900,8 @@ post_write(kv_ctx_t *ctx, kv_push_t *p, int r, int li, uint32_t k,
 /* fi_send of the chunk notice of credit c (rank r): 1 sent, 0 later, -1
  * error */
 static int
-send_notice(kv_ctx_t *ctx, kv_push_t *p, int r, kv_credit_t *c)
+send_notice(kv_ctx_t *ctx, kv_push_t *p, int r, kv_credit_t *c,
+    uint32_t slot_as)
 {
     kv_rail_t *rl = &ctx->fab.rail[0];
     kv_chunk_msg_t *m;
@@ -1916,7 +1917,7 @@ send_notice(kv_ctx_t *ctx, kv_push_t *p, int r, kv_credit_t *c)
     memset(m, 0, sizeof(*m));
     m->magic = KV_CHUNK_MAGIC;
     m->rank = (uint32_t) r;
-    m->slot = c->slot;
+    m->slot = slot_as;
     m->grant = c->grant;
     m->hash = p->hash;
     snprintf(m->req_id, sizeof(m->req_id), "%s", p->req_id);
@@ -1953,7 +1954,7 @@ post_notices(kv_ctx_t *ctx, kv_push_t *p)
             if (c->state != KV_CR_WRITTEN || c->done != c->len) {
                 continue;
             }
-            rc = send_notice(ctx, p, r, c);
+            rc = send_notice(ctx, p, r, c, c->slot);
             if (rc == 0) {
                 return 0;              /* next turn */
             }
@@ -1962,7 +1963,12 @@ post_notices(kv_ctx_t *ctx, kv_push_t *p)
                 return -1;
             }
             if (fault_repeat_notice) {
-                send_notice(ctx, p, r, c);   /* test: a repeat */
+                /* test: a repeat, then the same grant for a slot the
+                 * push does not hold, then a slot that does not exist */
+                send_notice(ctx, p, r, c, c->slot);
+                send_notice(ctx, p, r, c, (c->slot + 1)
+                            % ctx->peers[p->peer].remote.ring_slots);
+                send_notice(ctx, p, r, c, KV_RING_MAX + 7);
             }
             c->state = KV_CR_FREE;     /* the receiver's to grant again */
             p->cr_live--;

@@ -7,7 +7,7 @@
 # reused hundreds of times), an odd chunk size, a sender with and without
 # its own ring, two ranks (ready only after both), a throttled copy
 # engine, a request failing mid-push (no slot leaked, the next one exact),
-# a repeated notice (ignored), an old sender (refused with a clear error).
+# repeated and stray notices (ignored), an old sender (refused with a clear error).
 use strict;
 use warnings;
 use FindBin;
@@ -185,17 +185,20 @@ SKIP: {
     push_ok($p, $d, 8, "th2", "after the failure");
     stop_agent($_) for $p, $d;
 
-    # every chunk notice sent twice: the repeats are ignored
+    # every chunk notice sent again, for another slot with the same grant,
+    # and for a slot out of range: all ignored, the bytes exact
     ($p, $d) = pair2(prov => 'tcp;ofi_rxm', port => $po, ptransfer => $t,
         dtransfer => $t, what => "repeats",
         penv => { KV_TEST_FAULT => "repeat_notice" });
     $po += 2;
     push_ok($p, $d, 16, "rep", "repeated notices");
     $s = ring_settles($d, 2);
-    is($s->{recv_ring_bad_notices}, 16 * $BB / 65536,
-       "every repeated notice refused");
+    is($s->{recv_ring_bad_notices}, 3 * 16 * $BB / 65536,
+       "every repeated or stray notice refused");
     like(log_text($d), qr/does not match a slot it holds; ignored/,
-         "the receiver says why");
+         "the receiver says why (a repeat, another slot)");
+    like(log_text($d), qr/names rank 0 slot 39, which does not exist/,
+         "... and for a slot out of range");
     stop_agent($_) for $p, $d;
 
     # a sender that does not speak ring credits: refused, clearly
