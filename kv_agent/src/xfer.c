@@ -857,13 +857,31 @@ kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
                  dpd_state_role_name(ctx->peers[peer].conf.role));
         goto fail;
     }
-    if (has_ring(ctx)) {
+    {
+        /* the sender says which of our ranks it writes through our ring
+         * ("ring_ranks", a bit per rank); it must be exactly ours: a
+         * write at pool offsets into a ring would land past it */
         cJSON *jc = cJSON_GetObjectItemCaseSensitive(j, "credits");
-        if (!cJSON_IsNumber(jc) || jc->valuedouble < KV_RING_PROTO) {
+        cJSON *jm = cJSON_GetObjectItemCaseSensitive(j, "ring_ranks");
+        uint32_t mine = 0, theirs;
+        int k;
+        for (k = 0; k < ctx->nranks; k++) {
+            mine |= ctx->rring[k] ? 1u << k : 0;
+        }
+        theirs = cJSON_IsNumber(jm) && jm->valuedouble >= 0
+                 && jm->valuedouble < 256 ? (uint32_t) jm->valuedouble : 0;
+        if (mine && (!cJSON_IsNumber(jc) || jc->valuedouble < KV_RING_PROTO))
+        {
             /* an older sender would write at pool offsets: refuse */
             snprintf(err, sizeof(err), "%s lands staged writes in a ring "
                      "of granted slots; the sender's kv_agent does not "
                      "follow ring credits (upgrade it)", ctx->cfg.node_id);
+            goto fail;
+        }
+        if (theirs != mine) {
+            snprintf(err, sizeof(err), "the sender's view of %s's landing "
+                     "ring is stale (ranks 0x%x, ours 0x%x): reconnect",
+                     ctx->cfg.node_id, theirs, mine);
             goto fail;
         }
     }
@@ -1393,7 +1411,12 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
     cJSON_AddStringToObject(j, "req_id", req_id);
     cJSON_AddNumberToObject(j, "nblocks", n);
     if (!fault_no_credits) {
+        uint32_t mask = 0;
+        for (i = 0; p->ring && i < (uint32_t) ctx->nranks; i++) {
+            mask |= pe->remote.ring[i] ? 1u << i : 0;
+        }
         cJSON_AddNumberToObject(j, "credits", KV_RING_PROTO);
+        cJSON_AddNumberToObject(j, "ring_ranks", mask);
     }
     if (dst_given) {
         cJSON_AddItemToObject(j, "dst_runs", kv_runs_json(dst, n));
