@@ -9,7 +9,7 @@
 KVA_DIR    := kv_agent
 KVA_OBJDIR := $(BUILD)/obj/kv_agent
 KVA_SRCS   := util.c layout.c config.c auth.c state.c status.c fabric.c \
-              topo.c copy.c stage.c \
+              topo.c copy.c stage.c ring.c \
               bench.c pool.c ctrl.c xfer.c api.c loop.c main.c \
               lmcache_notify.c
 KVA_OBJS   := $(addprefix $(KVA_OBJDIR)/,$(KVA_SRCS:.c=.o))

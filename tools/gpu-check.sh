@@ -13,8 +13,8 @@
 #      push moves every rank's 256 blocks to the same rank on the decoder
 #      and every rank's checksum (read back from device memory) is
 #      compared.  Without FI_HMEM (tcp;ofi_rxm) the staging path must show
-#      ring batches (pinned slots, cudaMemcpyAsync + events, the receiver's
-#      batched copy-in); with FI_HMEM (shm with CUDA) the decoder must have
+#      ring batches (pinned slots, cudaMemcpyAsync + events) and the
+#      receiver's ring chunks copied in (recv_ring_chunks); with FI_HMEM (shm with CUDA) the decoder must have
 #      flushed the GPUDirect RDMA writes before ready (gpu_flushes).
 # Prints PASS/FAIL per step, which memory path was used (FI_HMEM or pinned
 # staging), and exits non-zero on any failure; 2 ("SKIP") when there is no
@@ -136,7 +136,7 @@ for prov in $PROVIDERS; do
     start p && start d || { fail "$prov: agents did not start"; continue; }
     connected "$T/p.sock" d || { fail "$prov: no control link"; continue; }
     grep -h "rail 0:" "$T/p.log" | sed 's/^.*info: /  /'
-    if grep -q "pinned host mirror\|stage: rank" "$T/p.log" "$T/d.log"; then
+    if grep -q "bounded ring of\|stage: rank" "$T/p.log" "$T/d.log"; then
         say "  memory path: GPU staged through pinned host memory (no FI_HMEM)"
     elif grep -q "hmem yes" "$T/p.log"; then
         say "  memory path: FI_HMEM (GPU memory registered directly)"
@@ -239,6 +239,8 @@ for prov in $PROVIDERS; do
             path="staging ring"
             echo "$pinfo" | grep -q '"stage_batches":[1-9]' ||
                 { fail "$prov TP=$NG: the staged sender shows no stage batches"; ok=0; }
+            echo "$dinfo" | grep -q '"recv_ring_chunks":[1-9]' ||
+                { fail "$prov TP=$NG: the staged receiver copied no chunk in through its ring"; ok=0; }
         fi
         ms=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", (b - a) * 1000 }')
         [ "$ok" = 1 ] && pass "$prov TP=$NG ($path): $NG ranks x 256 blocks GPU->GPU bit-exact on every GPU, $ms ms"

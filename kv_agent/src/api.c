@@ -322,6 +322,28 @@ verb_info(kv_ctx_t *ctx)
                             (double) ctx->stat_ctrl_timeouts);
     cJSON_AddNumberToObject(o, "revocations", (double) ctx->stat_revocations);
     cJSON_AddNumberToObject(o, "gpu_flushes", (double) ctx->stat_flushes);
+    {
+        /* the staged receiver's landing memory: bounded, resident */
+        uint64_t rb = 0;
+        uint32_t rs = 0, rf = 0;
+        for (i = 0; i < ctx->nranks; i++) {
+            kv_rring_t *g = ctx->rring[i];
+            if (g) {
+                rb += (uint64_t) g->nslots * g->chunk;
+                rs += g->nslots;
+                rf += g->nfree;
+            }
+        }
+        cJSON_AddNumberToObject(o, "recv_ring_bytes", (double) rb);
+        cJSON_AddNumberToObject(o, "recv_ring_slots", rs);
+        cJSON_AddNumberToObject(o, "recv_ring_free", rf);
+        cJSON_AddNumberToObject(o, "recv_ring_grants",
+                                (double) ctx->stat_ring_grants);
+        cJSON_AddNumberToObject(o, "recv_ring_chunks",
+                                (double) ctx->stat_ring_chunks);
+        cJSON_AddNumberToObject(o, "recv_ring_bad_notices",
+                                (double) ctx->stat_ring_bad);
+    }
     for (i = 0; i < ctx->nranks; i++) {
         if (ctx->stage[i]) {
             cJSON_AddNumberToObject(o, "stage_copies",

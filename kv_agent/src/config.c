@@ -364,6 +364,17 @@ parse_staging(kv_config_t *c, cJSON *o, char *err, size_t elen)
         return -1;
     }
     c->stage_slots = (uint32_t) v;
+    /* a staged receiver's landing ring (ring.c) */
+    if (get_u64(o, "recv_chunk", &c->recv_chunk, 4096, 1ULL << 30, err,
+                elen))
+    {
+        return -1;
+    }
+    v = c->recv_slots;
+    if (get_u64(o, "recv_slots", &v, 1, KV_RING_MAX, err, elen)) {
+        return -1;
+    }
+    c->recv_slots = (uint32_t) v;
     return 0;
 }
 
@@ -416,7 +427,7 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
     };
     static const char *const tr_keys[] = {
         "window", "max_write", "coalesce", "staging", "stage_chunk",
-        "stage_slots", NULL
+        "stage_slots", "recv_chunk", "recv_slots", NULL
     };
     static const char *const api_keys[] = {
         "max_message", "max_clients", "debug_verbs", NULL
@@ -598,6 +609,8 @@ defaults(kv_config_t *c)
     c->ranks = 1;
     c->stage_chunk = 4u << 20;
     c->stage_slots = 8;
+    c->recv_chunk = 4u << 20;
+    c->recv_slots = 8;
     c->max_msg = KV_MSG_MAX_DEF;
     c->max_clients = 256;
     c->hello_timeout_ms = 1000;

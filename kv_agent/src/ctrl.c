@@ -329,6 +329,22 @@ hello_ok_json(kv_ctx_t *ctx, int peer, const uint8_t proof[KV_MAC_LEN])
             }
         }
     }
+    for (i = 0; give_key && ctx->fab_ok && i < ctx->nranks
+                && !ctx->rring[i]; i++) {
+    }
+    if (give_key && ctx->fab_ok && ctx->cfg.has_pool && i < ctx->nranks) {
+        /* staged ranks land writes in a ring of slots we grant (their
+         * keys above are the ring's): a sender must follow credits */
+        kv_rring_t *rg = ctx->rring[i];
+        g = cJSON_AddObjectToObject(j, "ring");
+        cJSON_AddNumberToObject(g, "version", KV_RING_PROTO);
+        cJSON_AddNumberToObject(g, "slots", rg->nslots);
+        cJSON_AddNumberToObject(g, "chunk", (double) rg->chunk);
+        a = cJSON_AddArrayToObject(g, "ranks");
+        for (i = 0; i < ctx->nranks; i++) {
+            cJSON_AddItemToArray(a, cJSON_CreateBool(ctx->rring[i] != NULL));
+        }
+    }
     if (ctx->cfg.has_pool) {
         g = cJSON_AddObjectToObject(j, "pool");
         kv_layout_json(g, &ctx->cfg.layout);
@@ -450,6 +466,7 @@ learn_remote(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j, char *err, size_t elen)
     cJSON *g = cJSON_GetObjectItemCaseSensitive(j, "pool");
     cJSON *jrr = cJSON_GetObjectItemCaseSensitive(j, "rank_rails");
     cJSON *jrk = cJSON_GetObjectItemCaseSensitive(j, "rank_keys");
+    cJSON *jring = cJSON_GetObjectItemCaseSensitive(j, "ring");
     kv_remote_t *rm = &pe->remote;
     size_t lens[KV_MAX_RAILS];
     uint8_t haskey[KV_MAX_RANKS][KV_MAX_RAILS];
@@ -498,6 +515,33 @@ learn_remote(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j, char *err, size_t elen)
         }
     }
     rm->nranks = nranks;
+    rm->ring_slots = 0;
+    rm->ring_chunk = 0;
+    memset(rm->ring, 0, sizeof(rm->ring));
+    if (jring) {
+        cJSON *v = cJSON_GetObjectItemCaseSensitive(jring, "version");
+        cJSON *sl = cJSON_GetObjectItemCaseSensitive(jring, "slots");
+        cJSON *ch = cJSON_GetObjectItemCaseSensitive(jring, "chunk");
+        cJSON *rr = cJSON_GetObjectItemCaseSensitive(jring, "ranks");
+        if (!cJSON_IsNumber(v) || v->valuedouble != KV_RING_PROTO) {
+            snprintf(err, elen, "the peer's receiver ring speaks another "
+                     "version (this agent speaks %d)", KV_RING_PROTO);
+            return -1;
+        }
+        if (!cJSON_IsNumber(sl) || sl->valuedouble < 1
+            || sl->valuedouble > KV_RING_MAX || !cJSON_IsNumber(ch)
+            || ch->valuedouble < 4096 || ch->valuedouble > (1 << 30)
+            || !cJSON_IsArray(rr) || cJSON_GetArraySize(rr) != nranks)
+        {
+            snprintf(err, elen, "bad receiver ring in hello");
+            return -1;
+        }
+        rm->ring_slots = (uint32_t) sl->valuedouble;
+        rm->ring_chunk = (uint64_t) ch->valuedouble;
+        for (r = 0; r < nranks; r++) {
+            rm->ring[r] = cJSON_IsTrue(cJSON_GetArrayItem(rr, r));
+        }
+    }
     if (!ctx->fab_ok || !cJSON_IsArray(rails)) {
         return 0;
     }
@@ -987,6 +1031,8 @@ out_message(kv_ctx_t *ctx, int peer, cJSON *j)
         kv_push_begin_reply(ctx, peer, j);
     } else if (strcmp(t->valuestring, "push_cancel") == 0) {
         kv_push_cancel_msg(ctx, peer, j);
+    } else if (strcmp(t->valuestring, "push_credit") == 0) {
+        kv_push_credit_msg(ctx, peer, j);
     } else {
         kv_debug("ctrl: ignoring \"%s\" from %s", t->valuestring,
                  pe->conf.id);
@@ -1361,6 +1407,8 @@ kv_ctrl_in_msg(kv_ctx_t *ctx, int client, char *msg, uint32_t len)
         kv_rreq_abort_msg(ctx, peer, j);
     } else if (strcmp(t->valuestring, "push_cancel") == 0) {
         kv_push_cancel_msg(ctx, peer, j);
+    } else if (strcmp(t->valuestring, "push_credit") == 0) {
+        kv_push_credit_msg(ctx, peer, j);
     } else {
         kv_debug("ctrl: ignoring \"%s\" from %s", t->valuestring,
                  pe->conf.id);

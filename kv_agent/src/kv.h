@@ -36,7 +36,10 @@ typedef struct kv_ctx kv_ctx_t;
 #define KV_FABADDR_LEN    256
 #define KV_MSG_MAX_DEF    (1u << 20)     /* framed JSON message cap */
 #define KV_DONE_MAGIC     0x4b56444fu    /* "KVDO" */
-#define KV_NRECV          32             /* posted receives per rail */
+#define KV_CHUNK_MAGIC    0x4b56434eu    /* "KVCN" */
+#define KV_RING_MAX       32             /* receiver ring slots per rank */
+#define KV_RING_PROTO     1              /* push_begin "credits": ring v1 */
+#define KV_NRECV          64             /* posted receives per rail */
 #define KV_NSEND          64             /* trailing-message buffers */
 #define KV_MAX_KEYS       2              /* per link: current + next */
 #define KV_KEY_MIN        16             /* key bytes */
@@ -152,6 +155,8 @@ typedef struct {
     int            staging;            /* KV_STAGE_* */
     uint64_t       stage_chunk;        /* bytes per staging slot */
     uint32_t       stage_slots;        /* slots per rank */
+    uint64_t       recv_chunk;         /* bytes per receiver ring slot */
+    uint32_t       recv_slots;         /* receiver ring slots per rank */
     char           listen[KV_ADDR_LEN];
     kv_peer_conf_t peers[KV_MAX_PEERS];
     int            npeers;
@@ -345,6 +350,8 @@ struct kv_op {
     int                rail;
     int                rank;
     int                stage;         /* staging slot + 1, 0: none */
+    uint32_t           cr;            /* receiver ring credit + 1, 0: none
+                                       * (a send: 1 for a chunk notice) */
     int                written_off;   /* no longer in its rail's window */
     kv_op_t           *next_free;
 };
@@ -365,6 +372,11 @@ typedef struct {
     uint64_t    base[KV_MAX_RANKS][KV_MAX_RAILS];
     kv_layout_t layout;
     int         has_pool;
+    /* its staged ranks land our writes in a bounded ring of slots it
+     * grants (credits); base/key above are then the ring's */
+    uint32_t    ring_slots;                        /* 0: no ring */
+    uint64_t    ring_chunk;
+    uint8_t     ring[KV_MAX_RANKS];
 } kv_remote_t;
 
 enum { KV_LINK_DOWN = 0, KV_LINK_CONNECTING, KV_LINK_HELLO, KV_LINK_UP };
@@ -400,6 +412,17 @@ typedef struct {
     uint64_t       pid_start, old_pid_start;  /* its /proc start time */
 } kv_peer_t;
 
+/* A slot of a receiver's ring granted to one of our pushes: chunk `chunk`
+ * of the rank's byte stream goes to it; once every byte was written and
+ * the writes completed, a notice tells the receiver. */
+enum { KV_CR_FREE = 0, KV_CR_TAKING, KV_CR_WRITTEN };
+typedef struct {
+    int          state;
+    uint32_t     slot, chunk;
+    uint64_t     grant;
+    uint64_t     len, taken, done;
+} kv_credit_t;
+
 enum {
     KV_PUSH_FREE = 0, KV_PUSH_BEGIN, KV_PUSH_WRITING, KV_PUSH_FLUSH,
     KV_PUSH_DONE, KV_PUSH_FAILED
@@ -434,6 +457,12 @@ typedef struct {
     uint64_t     t_final_ms;           /* DONE/FAILED, for retention */
     uint32_t     cap;                  /* capacity of src/dst */
     int          abort_pending;        /* tell "drained" when inflight 0 */
+    int          ring;                 /* the receiver grants ring slots */
+    uint64_t     rank_bytes;           /* bytes of one rank's stream */
+    uint32_t     nchunks;              /* ring chunks per rank */
+    uint32_t     cr_take[KV_MAX_RANKS];  /* next chunk to fill, per rank */
+    uint32_t     cr_live;              /* credits held (not yet noticed) */
+    kv_credit_t  cr[KV_MAX_RANKS][KV_RING_MAX];
 } kv_push_t;
 
 /* A request on the receiving (decode) side: reserved blocks. */
@@ -458,8 +487,13 @@ typedef struct {
                                         * the slot only holds quarantine */
     uint64_t     quar_since_ms;
     uint64_t     quar_warn_ms;
-    int          copyin;               /* staged: copy-in batches pending */
-    uint64_t     copyin_seq[KV_MAX_RANKS];
+    /* staged ranks: chunks land in the receiver ring (ring.c) */
+    int          ring;
+    uint32_t    *blocks;               /* destination blocks, push order */
+    uint32_t     nchunks;              /* per rank */
+    uint32_t     granted[KV_MAX_RANKS], copied[KV_MAX_RANKS];
+    uint32_t     held;                 /* ring slots granted or copying */
+    int          done_seen;            /* the sender's done message came */
 } kv_rreq_t;
 
 /* A local API client waiting for a request to finish. */
@@ -486,8 +520,6 @@ typedef struct {
     int           cuda_dev;            /* -1 host */
     int           owned_cuda;          /* cudaMalloc'd by us */
     int           imported_cuda;       /* cudaIpcOpenMemHandle */
-    void         *mirror;              /* pinned host landing zone (a
-                                        * staged receiver), or NULL */
     void         *fab_base;            /* what the fabric sees */
     int           registered;
     int           staged;              /* copies through kv_stage_t */
@@ -540,6 +572,7 @@ typedef struct {
     uint64_t  off;                    /* in the slot */
     uint64_t  dst;                    /* in the peer's pool */
     uint64_t  len;
+    uint32_t  cr;                     /* receiver ring credit + 1, or 0 */
 } kv_piece_t;
 
 typedef struct {
@@ -567,6 +600,32 @@ typedef struct {
 int  kv_stage_open(kv_ctx_t *ctx, int rank);
 void kv_stage_close(kv_ctx_t *ctx, int rank);
 
+/* A staged receiver's bounded ring of one rank (ring.c): recv_slots slots
+ * of recv_chunk pinned bytes registered on the rank's rails, instead of a
+ * mirror of the pool.  A slot is granted to one request for one chunk of
+ * a rank's byte stream; the sender writes it and sends a notice; the slot
+ * is copied into the pool (one event) and then granted again. */
+enum { KV_RS_FREE = 0, KV_RS_GRANTED, KV_RS_COPYING };
+typedef struct {
+    int        state;
+    uint32_t   rreq;                  /* holder: rreq slot */
+    uint32_t   chunk;
+    uint64_t   grant;                 /* unique per grant */
+    uint64_t   len;
+    uint64_t   seq;                   /* copy event */
+} kv_rslot_t;
+
+typedef struct {
+    char          *buf;
+    size_t         chunk;
+    uint32_t       nslots, nfree;
+    kv_rslot_t     slot[KV_RING_MAX];
+    int            cuda_dev;          /* the pinned allocation's device */
+} kv_rring_t;
+
+int  kv_ring_open(kv_ctx_t *ctx, int rank, int dev);
+void kv_ring_close(kv_ctx_t *ctx, int rank);
+
 struct kv_ctx {
     kv_config_t  cfg;
     kv_state_t   st;
@@ -577,6 +636,10 @@ struct kv_ctx {
     kv_topo_t    topo;                 /* rails of each rank */
     kv_stage_t  *stage[KV_MAX_RANKS];  /* sender staging rings, or NULL */
     kv_copy_t    rcopy[KV_MAX_RANKS];  /* receiver copy-in engines */
+    kv_rring_t  *rring[KV_MAX_RANKS];  /* receiver rings, or NULL */
+    uint64_t     grant_seq;
+    uint32_t     ring_rr;
+    uint64_t     stat_ring_grants, stat_ring_chunks, stat_ring_bad;
     int          rcopy_open[KV_MAX_RANKS];
     uint32_t    *owner;                /* per block: rreq slot + 1, 0 free */
     uint32_t     free_blocks;
@@ -647,7 +710,20 @@ typedef struct {
     char     node_id[KV_ID_LEN];
 } kv_done_msg_t;
 
-#define KV_MSG_SLOT 256   /* >= sizeof(kv_done_msg_t) */
+/* a chunk notice (over the fabric, after the writes of one granted ring
+ * slot completed, like the done message) */
+typedef struct {
+    uint32_t magic;
+    uint32_t rank;
+    uint32_t slot;
+    uint32_t pad;
+    uint64_t grant;
+    uint64_t hash;
+    char     req_id[KV_REQID_LEN];
+    char     node_id[KV_ID_LEN];
+} kv_chunk_msg_t;
+
+#define KV_MSG_SLOT 256   /* >= sizeof(kv_done_msg_t), kv_chunk_msg_t */
 
 /* pool.c */
 #define KV_POOL(ctx, r) (&(ctx)->pools[(r)])
@@ -721,6 +797,20 @@ void kv_rreq_abort_msg(kv_ctx_t *ctx, int peer, struct cJSON *j);
 void kv_rreq_peer_up(kv_ctx_t *ctx, int peer);
 void kv_quar_tick(kv_ctx_t *ctx, uint64_t now);
 void kv_quar_lift_all(kv_ctx_t *ctx, const char *why);
+
+/* ring.c (receiver ring) */
+int  kv_ring_setup(kv_ctx_t *ctx, kv_rreq_t *r, const uint32_t *dst,
+    uint32_t n, char *err, size_t elen);
+int  kv_ring_complete(kv_ctx_t *ctx, const kv_rreq_t *r);
+void kv_ring_wait(kv_ctx_t *ctx, kv_rreq_t *r);
+void kv_ring_release(kv_ctx_t *ctx, kv_rreq_t *r);
+void kv_ring_grant(kv_ctx_t *ctx);
+void kv_ring_notice(kv_ctx_t *ctx, const char *buf, size_t len);
+int  kv_ring_progress(kv_ctx_t *ctx);
+void kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled);
+int  kv_rreq_ctrl_send(kv_ctx_t *ctx, kv_rreq_t *r, struct cJSON *j);
+void kv_rreq_ring_check(kv_ctx_t *ctx, kv_rreq_t *r);
+void kv_push_credit_msg(kv_ctx_t *ctx, int peer, struct cJSON *j);
 
 /* api.c */
 int  kv_api_listen(kv_ctx_t *ctx);

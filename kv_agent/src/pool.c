@@ -172,12 +172,6 @@ kv_pools_ready(kv_ctx_t *ctx, char *err, size_t elen)
 static void
 pool_release(kv_pool_t *p)
 {
-    if (p->mirror) {
-        kv_copy_t tmp;
-        memset(&tmp, 0, sizeof(tmp));
-        tmp.dev = p->cuda_dev;
-        kv_copy_host_free(&tmp, p->mirror, p->size);
-    }
 #ifdef KV_HAVE_CUDA
     if (p->owned_cuda) {
         cudaFree(p->base);
@@ -205,6 +199,7 @@ kv_pool_free(kv_ctx_t *ctx)
     kv_pool_unregister(ctx);
     for (r = 0; r < ctx->nranks; r++) {
         pool_release(KV_POOL(ctx, r));
+        kv_ring_close(ctx, r);
     }
 }
 
@@ -410,14 +405,16 @@ close_mrs(struct fid_mr **mr)
 /*
  * Register p on rank's rails into p->mr/desc/key.  A staged sender
  * registers nothing here (its staging ring is registered instead: the
- * NIC never reads device memory); a staged receiver registers a pinned
- * mirror the writes land in.  On failure nothing stays registered.
+ * NIC never reads device memory); a staged receiver registers its
+ * bounded landing ring (ring.c; kept across re-registrations, so a new
+ * key covers the same slots).  On failure nothing stays registered.
  */
 static int
 reg_all(kv_ctx_t *ctx, int rank, kv_pool_t *p)
 {
     kv_topo_t *t = &ctx->topo;
     int k, ri, dev;
+    size_t len;
     void *buf;
 
     memset(p->mr, 0, sizeof(p->mr));
@@ -428,26 +425,23 @@ reg_all(kv_ctx_t *ctx, int rank, kv_pool_t *p)
         p->fab_base = NULL;
         return 0;
     }
+    len = p->size;
     if (p->staged) {
-        if (p->mirror == NULL) {
-            kv_copy_t tmp;
-            memset(&tmp, 0, sizeof(tmp));
-            tmp.dev = p->cuda_dev;
-            p->mirror = kv_copy_host_alloc(&tmp, p->size);
-            if (p->mirror == NULL) {
-                kv_err("pool: rank %d: cannot allocate %zu bytes of pinned "
-                       "landing memory", rank, p->size);
-                return -1;
-            }
+        kv_rring_t *g;
+        if (kv_ring_open(ctx, rank, p->cuda_dev) != 0) {
+            return -1;
         }
-        p->fab_base = p->mirror;
-        kv_info("pool: rank %d: writes land in a pinned host mirror, "
-                "copied in before ready", rank);
+        g = ctx->rring[rank];
+        p->fab_base = g->buf;
+        len = g->chunk * g->nslots;
+        kv_info("pool: rank %d: writes land in a bounded ring of %u slot(s) "
+                "x %zu bytes of pinned memory, copied in per chunk", rank,
+                g->nslots, g->chunk);
     }
     buf = p->fab_base;
     for (k = 0; k < t->nrails[rank]; k++) {
         ri = t->rail[rank][k];
-        if (kv_rail_reg(&ctx->fab.rail[ri], buf, p->size, dev,
+        if (kv_rail_reg(&ctx->fab.rail[ri], buf, len, dev,
                         pool_access(ctx), &p->mr[ri], &p->desc[ri],
                         &p->key[ri]) != 0)
         {

@@ -49,8 +49,23 @@
 
 static int push_active(const kv_push_t *p);
 static void rreq_quar_end(kv_ctx_t *ctx, kv_rreq_t *r, const char *why);
-static void copyin_wait(kv_ctx_t *ctx, kv_rreq_t *r);
 static void fault_parse(void);
+static int  fault_no_credits, fault_repeat_notice;
+
+
+/* Some rank of ours lands staged writes in a ring (ring.c). */
+static int
+has_ring(kv_ctx_t *ctx)
+{
+    int k;
+
+    for (k = 0; k < ctx->nranks; k++) {
+        if (ctx->rring[k]) {
+            return 1;
+        }
+    }
+    return 0;
+}
 
 
 static uint64_t
@@ -81,6 +96,7 @@ op_put(kv_ctx_t *ctx, kv_op_t *op)
 {
     op->kind = 0;
     op->written_off = 0;
+    op->cr = 0;
     op->next_free = ctx->op_free;
     ctx->op_free = op;
     ctx->ops_used--;
@@ -445,6 +461,7 @@ kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
         }
     }
     ctx->free_blocks -= n;
+    free(r->blocks);                   /* NULL unless a bug left one */
     memset(r, 0, sizeof(*r));
     r->used = 1;
     r->state = DPD_REQ_RESERVED;
@@ -460,12 +477,25 @@ kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
 }
 
 
+/* A message to the sender of r's push: on the connection its push came
+ * on (after our push_ok), else ours. */
+int
+kv_rreq_ctrl_send(kv_ctx_t *ctx, kv_rreq_t *r, cJSON *j)
+{
+    kv_peer_t *pe = &ctx->peers[r->peer];
+
+    if (pe->in_conn >= 0 && !ctx->clients[pe->in_conn].conn.closing) {
+        return kv_client_send(ctx, pe->in_conn, j);
+    }
+    return kv_ctrl_send(ctx, r->peer, j);
+}
+
+
 /* Tell the sender to stop writing into r's blocks and to say when its
- * writes have drained: on the connection its push came on, else ours. */
+ * writes have drained. */
 static void
 send_cancel(kv_ctx_t *ctx, kv_rreq_t *r)
 {
-    kv_peer_t *pe = &ctx->peers[r->peer];
     char num[32];
     cJSON *j;
 
@@ -476,11 +506,7 @@ send_cancel(kv_ctx_t *ctx, kv_rreq_t *r)
     snprintf(num, sizeof(num), "%llu", (unsigned long long) r->begin_inst);
     cJSON_AddStringToObject(j, "inst", num);
     cJSON_AddStringToObject(j, "error", r->error);
-    if (pe->in_conn >= 0 && !ctx->clients[pe->in_conn].conn.closing) {
-        kv_client_send(ctx, pe->in_conn, j);
-    } else {
-        kv_ctrl_send(ctx, r->peer, j);
-    }
+    kv_rreq_ctrl_send(ctx, r, j);
 }
 
 
@@ -509,6 +535,7 @@ rreq_quar_end(kv_ctx_t *ctx, kv_rreq_t *r, const char *why)
     ctx->nquar--;
     kv_info("xfer: quarantine of %s (%u block(s)) lifted: %s", r->req_id,
             r->n, why);
+    kv_ring_release(ctx, r);           /* its ring slots too */
     if (r->auto_res || r->detached) {
         /* nobody local holds these blocks any more */
         rreq_free_blocks(ctx, r);
@@ -527,8 +554,8 @@ rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error,
 {
     uint32_t was = r->state;
 
-    if (r->copyin && state == DPD_REQ_FAILED) {
-        copyin_wait(ctx, r);
+    if (r->ring && state == DPD_REQ_FAILED) {
+        kv_ring_wait(ctx, r);          /* copies into its blocks */
     }
     r->state = state;
     if (state == DPD_REQ_READY || state == DPD_REQ_FAILED) {
@@ -554,6 +581,10 @@ rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error,
             rreq_free_blocks(ctx, r);
         }
     }
+    if ((state == DPD_REQ_FAILED && !r->quar) || state == DPD_REQ_READY) {
+        /* nothing of its sender can land in its ring slots any more */
+        kv_ring_release(ctx, r);
+    }
     rreq_publish(ctx, r);
     if (state == DPD_REQ_READY || state == DPD_REQ_FAILED) {
         kv_api_notify(ctx, r->req_id);
@@ -574,10 +605,11 @@ kv_rreq_release(kv_ctx_t *ctx, kv_rreq_t *r)
     dpd_req_rec_t *rec;
     uint32_t st = r->state;
 
-    if (r->copyin) {
-        copyin_wait(ctx, r);           /* they write its blocks */
+    if (r->ring) {
+        kv_ring_wait(ctx, r);          /* copies write its blocks */
     }
     if (!r->quar) {
+        kv_ring_release(ctx, r);
         rreq_free_blocks(ctx, r);
     }
     r->state = DPD_REQ_FREE;            /* routers drop their copy */
@@ -825,6 +857,34 @@ kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
                  dpd_state_role_name(ctx->peers[peer].conf.role));
         goto fail;
     }
+    {
+        /* the sender says which of our ranks it writes through our ring
+         * ("ring_ranks", a bit per rank); it must be exactly ours: a
+         * write at pool offsets into a ring would land past it */
+        cJSON *jc = cJSON_GetObjectItemCaseSensitive(j, "credits");
+        cJSON *jm = cJSON_GetObjectItemCaseSensitive(j, "ring_ranks");
+        uint32_t mine = 0, theirs;
+        int k;
+        for (k = 0; k < ctx->nranks; k++) {
+            mine |= ctx->rring[k] ? 1u << k : 0;
+        }
+        theirs = cJSON_IsNumber(jm) && jm->valuedouble >= 0
+                 && jm->valuedouble < 256 ? (uint32_t) jm->valuedouble : 0;
+        if (mine && (!cJSON_IsNumber(jc) || jc->valuedouble < KV_RING_PROTO))
+        {
+            /* an older sender would write at pool offsets: refuse */
+            snprintf(err, sizeof(err), "%s lands staged writes in a ring "
+                     "of granted slots; the sender's kv_agent does not "
+                     "follow ring credits (upgrade it)", ctx->cfg.node_id);
+            goto fail;
+        }
+        if (theirs != mine) {
+            snprintf(err, sizeof(err), "the sender's view of %s's landing "
+                     "ring is stale (ranks 0x%x, ours 0x%x): reconnect",
+                     ctx->cfg.node_id, theirs, mine);
+            goto fail;
+        }
+    }
     if (cJSON_IsObject(jg)) {
         cJSON *a = cJSON_GetObjectItemCaseSensitive(jg, "layers");
         cJSON *b = cJSON_GetObjectItemCaseSensitive(jg, "regions");
@@ -923,6 +983,14 @@ kv_ctrl_push_begin(kv_ctx_t *ctx, int peer, cJSON *j, cJSON *reply)
         }
     }
     /* ctx->scratch now holds the destination blocks in push order */
+    if (has_ring(ctx) && kv_ring_setup(ctx, r, ctx->scratch, n, err,
+                                       sizeof(err)) != 0)
+    {
+        if (r->auto_res) {
+            kv_rreq_release(ctx, r);
+        }
+        goto fail;
+    }
     snprintf(r->peer_id, sizeof(r->peer_id), "%s", ctx->peers[peer].conf.id);
     r->begin_id = cJSON_IsNumber(jid) && jid->valuedouble > 0
                   ? (uint64_t) jid->valuedouble : 0;
@@ -942,48 +1010,6 @@ fail:
     cJSON_AddStringToObject(reply, "type", "push_err");
     cJSON_AddStringToObject(reply, "error", err);
     return -1;
-}
-
-
-/*
- * A staged receiver: the writes landed in the ranks' pinned mirrors; copy
- * the request's blocks to each rank's pool with batched asynchronous
- * copies (the runs of blocks contiguous in the layout, one event per rank)
- * instead of one synchronous copy per block per (layer, region).
- */
-static int
-copyin_start(kv_ctx_t *ctx, kv_rreq_t *r)
-{
-    const kv_layout_t *l = &ctx->cfg.layout;
-    kv_segiter_t it;
-    kv_seg_t seg;
-    uint32_t n = 0;
-    int k, have = 0;
-
-    for (k = 0; k < ctx->nranks; k++) {
-        kv_pool_t *p = KV_POOL(ctx, k);
-        kv_copy_t *c = &ctx->rcopy[k];
-        if (!p->staged || p->mirror == NULL || !ctx->rcopy_open[k]) {
-            continue;
-        }
-        if (!have) {
-            n = rreq_blocks(ctx, r);
-            have = 1;
-        }
-        kv_segiter_init(&it, l, l, ctx->scratch, ctx->scratch, n, 1);
-        while (kv_segiter_next(&it, &seg)) {
-            if (c->ops->copy(c, (char *) p->base + seg.dst,
-                             (char *) p->mirror + seg.src, seg.len, 1) != 0)
-            {
-                return -1;
-            }
-        }
-        if (c->ops->record(c, &r->copyin_seq[k]) != 0) {
-            return -1;
-        }
-        r->copyin |= 1 << k;
-    }
-    return 0;
 }
 
 
@@ -1007,64 +1033,22 @@ rreq_flush(kv_ctx_t *ctx)
 }
 
 
-/* Copy-ins in progress: 1 while some are. */
-static int
-copyin_progress(kv_ctx_t *ctx)
+/* A ring request is ready when the sender's done came and every ring
+ * rank's chunks were copied in (other ranks' writes landed directly). */
+void
+kv_rreq_ring_check(kv_ctx_t *ctx, kv_rreq_t *r)
 {
-    uint32_t i;
-    int k, busy = 0, q;
-    kv_rreq_t *r;
-
-    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
-        r = &ctx->rreq[i];
-        if (!r->used || !r->copyin) {
-            continue;
-        }
-        for (k = 0; k < ctx->nranks; k++) {
-            if (!(r->copyin & (1 << k))) {
-                continue;
-            }
-            q = ctx->rcopy[k].ops->query(&ctx->rcopy[k], r->copyin_seq[k]);
-            if (q != 0) {
-                r->copyin &= ~(1 << k);
-            }
-            if (q < 0) {
-                r->copyin = 0;
-                rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy to GPU "
-                         "failed", 1);
-                break;
-            }
-        }
-        if (r->copyin) {
-            busy = 1;
-        } else if (r->state == DPD_REQ_TRANSFERRING) {
-            kv_rreq_set(ctx, r, DPD_REQ_READY, NULL);
-        }
+    if (r->state != DPD_REQ_TRANSFERRING || !r->ring || !r->done_seen
+        || !kv_ring_complete(ctx, r))
+    {
+        return;
     }
-    return busy;
-}
-
-
-/* A request failing with copy-ins queued: they write its blocks, which
- * must not be given to anyone before the copies are done. */
-static void
-copyin_wait(kv_ctx_t *ctx, kv_rreq_t *r)
-{
-    struct timespec ts = { 0, 1000000 };
-    int k, spins;
-
-    for (k = 0; r->copyin && k < ctx->nranks; k++) {
-        for (spins = 0; (r->copyin & (1 << k)) && spins < 60000; spins++) {
-            if (ctx->rcopy[k].ops->query(&ctx->rcopy[k], r->copyin_seq[k])
-                != 0)
-            {
-                break;
-            }
-            nanosleep(&ts, NULL);
-        }
-        r->copyin &= ~(1 << k);
+    if (rreq_flush(ctx) != 0) {
+        rreq_set(ctx, r, DPD_REQ_FAILED, "flushing GPUDirect RDMA writes "
+                 "failed", 1);
+        return;
     }
-    r->copyin = 0;
+    kv_rreq_set(ctx, r, DPD_REQ_READY, NULL);
 }
 
 
@@ -1102,16 +1086,15 @@ handle_done_msg(kv_ctx_t *ctx, const char *buf, size_t len)
         rreq_set(ctx, r, DPD_REQ_FAILED, "size mismatch", 1);
         return;
     }
-    if (r->copyin) {
-        kv_warn("xfer: repeated completion for %s ignored", m.req_id);
+    if (r->ring) {
+        if (r->done_seen) {
+            kv_warn("xfer: repeated completion for %s ignored", m.req_id);
+            return;
+        }
+        /* ready once every chunk was copied in */
+        r->done_seen = 1;
+        kv_rreq_ring_check(ctx, r);
         return;
-    }
-    if (copyin_start(ctx, r) != 0) {
-        rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy to GPU failed", 1);
-        return;
-    }
-    if (r->copyin) {
-        return;                        /* ready once the copies completed */
     }
     if (rreq_flush(ctx) != 0) {
         rreq_set(ctx, r, DPD_REQ_FAILED, "flushing GPUDirect RDMA writes "
@@ -1401,6 +1384,16 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
     memset(p->rank_done, 0, sizeof(p->rank_done));
     memset(p->rail_rr, 0, sizeof(p->rail_rr));
     p->error[0] = '\0';
+    /* a receiver ring: chunk k of a rank's stream goes to the slot it
+     * grants for it (push_credit) */
+    p->ring = pe->remote.ring_slots > 0;
+    p->rank_bytes = (uint64_t) n * block_total_bytes(l);
+    p->nchunks = p->ring ? (uint32_t) ((p->rank_bytes
+                                        + pe->remote.ring_chunk - 1)
+                                       / pe->remote.ring_chunk) : 0;
+    p->cr_live = 0;
+    memset(p->cr_take, 0, sizeof(p->cr_take));
+    memset(p->cr, 0, sizeof(p->cr));
     p->t_start_ms = kv_wall_ms();
     p->t_done_ms = 0;
     p->deadline_ms = kv_now_ms() + ctx->cfg.transfer_timeout_ms;
@@ -1417,6 +1410,14 @@ kv_push_start(kv_ctx_t *ctx, const char *req_id, int peer,
     }
     cJSON_AddStringToObject(j, "req_id", req_id);
     cJSON_AddNumberToObject(j, "nblocks", n);
+    if (!fault_no_credits) {
+        uint32_t mask = 0;
+        for (i = 0; p->ring && i < (uint32_t) ctx->nranks; i++) {
+            mask |= pe->remote.ring[i] ? 1u << i : 0;
+        }
+        cJSON_AddNumberToObject(j, "credits", KV_RING_PROTO);
+        cJSON_AddNumberToObject(j, "ring_ranks", mask);
+    }
     if (dst_given) {
         cJSON_AddItemToObject(j, "dst_runs", kv_runs_json(dst, n));
     }
@@ -1548,6 +1549,98 @@ kv_push_cancel_msg(kv_ctx_t *ctx, int peer, cJSON *j)
 }
 
 
+/* push_credit from a ring receiver: slots granted to our push, each for
+ * one chunk of one rank's stream.  A grant we cannot honour fails the
+ * push (the receiver then gets its slots back through push_abort). */
+void
+kv_push_credit_msg(kv_ctx_t *ctx, int peer, cJSON *j)
+{
+    cJSON *jid = cJSON_GetObjectItemCaseSensitive(j, "id");
+    cJSON *jg = cJSON_GetObjectItemCaseSensitive(j, "grants"), *e;
+    uint64_t id = cJSON_IsNumber(jid) ? (uint64_t) jid->valuedouble : 0;
+    uint64_t inst = inst_of(j), grant, off;
+    kv_remote_t *rm = &ctx->peers[peer].remote;
+    kv_push_t *p = NULL;
+    kv_credit_t *c;
+    uint32_t i, k, rank, slot, chunk;
+    cJSON *a[4];
+
+    if (id == 0 || !cJSON_IsArray(jg) || (inst != 0 && inst != ctx->inst)) {
+        return;
+    }
+    for (i = 0; ctx->push && i < ctx->npush; i++) {
+        if (ctx->push[i].state != KV_PUSH_FREE && ctx->push[i].peer == peer
+            && ctx->push[i].begin_id == id)
+        {
+            p = &ctx->push[i];
+            break;
+        }
+    }
+    if (p == NULL || !push_active(p)) {
+        /* failed meanwhile: our push_abort gives the slots back */
+        kv_debug("xfer: push_credit from %s for no active push",
+                 ctx->peers[peer].conf.id);
+        return;
+    }
+    if (!p->ring) {
+        push_finish(ctx, p, 0, "the receiver granted ring slots to a push "
+                    "that does not use its ring");
+        return;
+    }
+    cJSON_ArrayForEach(e, jg) {
+        for (k = 0; k < 4; k++) {
+            a[k] = cJSON_GetArrayItem(e, (int) k);
+        }
+        if (!cJSON_IsNumber(a[0]) || !cJSON_IsNumber(a[1])
+            || !cJSON_IsNumber(a[2]) || !cJSON_IsString(a[3])
+            || a[0]->valuedouble < 0 || a[0]->valuedouble >= ctx->nranks
+            || a[1]->valuedouble < 0 || a[1]->valuedouble >= rm->ring_slots
+            || a[2]->valuedouble < 0 || a[2]->valuedouble >= p->nchunks)
+        {
+            push_finish(ctx, p, 0, "bad push_credit from the receiver");
+            return;
+        }
+        rank = (uint32_t) a[0]->valuedouble;
+        slot = (uint32_t) a[1]->valuedouble;
+        chunk = (uint32_t) a[2]->valuedouble;
+        grant = strtoull(a[3]->valuestring, NULL, 10);
+        if (!rm->ring[rank] || chunk < p->cr_take[rank]) {
+            push_finish(ctx, p, 0, "the receiver granted a chunk already "
+                        "written, or a rank without a ring");
+            return;
+        }
+        c = NULL;
+        for (i = 0; i < KV_RING_MAX; i++) {
+            kv_credit_t *q = &p->cr[rank][i];
+            if (q->state != KV_CR_FREE
+                && (q->slot == slot || q->chunk == chunk))
+            {
+                push_finish(ctx, p, 0, "the receiver granted a slot or a "
+                            "chunk twice");
+                return;
+            }
+            if (q->state == KV_CR_FREE && c == NULL) {
+                c = q;
+            }
+        }
+        if (c == NULL) {
+            push_finish(ctx, p, 0, "the receiver granted more slots than "
+                        "its ring has");
+            return;
+        }
+        off = (uint64_t) chunk * rm->ring_chunk;
+        c->state = KV_CR_TAKING;
+        c->slot = slot;
+        c->chunk = chunk;
+        c->grant = grant;
+        c->len = p->rank_bytes - off < rm->ring_chunk ? p->rank_bytes - off
+                                                      : rm->ring_chunk;
+        c->taken = c->done = 0;
+        p->cr_live++;
+    }
+}
+
+
 void
 kv_push_peer_down(kv_ctx_t *ctx, int peer, const char *why)
 {
@@ -1623,6 +1716,10 @@ fault_parse(void)
     const char *f = getenv("KV_TEST_FAULT"), *q;
 
     fault_lose_write_errors = f && strstr(f, "lose_write_errors") != NULL;
+    /* no_credits: push_begin as an agent without ring credits sends it;
+     * repeat_notice: every chunk notice goes twice */
+    fault_no_credits = f && strstr(f, "no_credits") != NULL;
+    fault_repeat_notice = f && strstr(f, "repeat_notice") != NULL;
 
     if (f && (q = strstr(f, "delay_rank:")) != NULL) {
         fault_delay_rank = (int) strtol(q + 11, (char **) &q, 10);
@@ -1669,6 +1766,79 @@ next_piece(kv_push_t *p, int r, uint64_t max, uint64_t *so, uint64_t *dof,
 }
 
 
+/* Rank r's next piece: for a ring rank of the receiver, inside the chunk
+ * being filled (0 until its slot is granted), *dof then in the receiver's
+ * ring and *cri the credit + 1.  Taken by take_commit. */
+static int
+take_piece(kv_ctx_t *ctx, kv_push_t *p, int r, uint64_t max, uint64_t *so,
+    uint64_t *dof, uint64_t *len, uint32_t *cri)
+{
+    kv_remote_t *rm = &ctx->peers[p->peer].remote;
+    kv_credit_t *c = NULL;
+    uint32_t i;
+
+    *cri = 0;
+    if (!p->ring || !rm->ring[r]) {
+        return next_piece(p, r, max, so, dof, len);
+    }
+    if (p->cr_take[r] >= p->nchunks) {
+        if (next_piece(p, r, max, so, dof, len)) {
+            push_finish(ctx, p, 0, "more bytes than ring chunks (bug)");
+        }
+        return 0;
+    }
+    for (i = 0; i < KV_RING_MAX; i++) {
+        if (p->cr[r][i].state == KV_CR_TAKING
+            && p->cr[r][i].chunk == p->cr_take[r])
+        {
+            c = &p->cr[r][i];
+            break;
+        }
+    }
+    if (c == NULL) {
+        return 0;                      /* until the receiver grants it */
+    }
+    if (max > c->len - c->taken) {
+        max = c->len - c->taken;
+    }
+    if (!next_piece(p, r, max, so, dof, len)) {
+        push_finish(ctx, p, 0, "fewer bytes than ring chunks (bug)");
+        return 0;
+    }
+    *dof = (uint64_t) c->slot * rm->ring_chunk + c->taken;
+    *cri = i + 1;
+    return 1;
+}
+
+
+static void
+take_commit(kv_push_t *p, int r, uint32_t cri, uint64_t len)
+{
+    kv_credit_t *c;
+
+    p->cur_off[r] += len;
+    if (cri == 0) {
+        return;
+    }
+    c = &p->cr[r][cri - 1];
+    c->taken += len;
+    if (c->taken == c->len) {
+        c->state = KV_CR_WRITTEN;      /* its notice once the writes end */
+        p->cr_take[r]++;
+    }
+}
+
+
+/* How far into rank r's remote memory a write may reach: its pool, or
+ * its ring. */
+static uint64_t
+remote_lim(const kv_remote_t *rm, int r)
+{
+    return rm->ring_slots && rm->ring[r]
+           ? (uint64_t) rm->ring_slots * rm->ring_chunk : rm->layout.size;
+}
+
+
 /* A rail of rank r with room in its window, round-robin from the rank's
  * cursor; -1 when all are full.  *k: the counter the choice came from. */
 static int
@@ -1703,7 +1873,8 @@ rail_lim(kv_ctx_t *ctx, int li)
  * -1 the push failed. */
 static int
 post_write(kv_ctx_t *ctx, kv_push_t *p, int r, int li, uint32_t k,
-    void *buf, void *desc, uint64_t len, uint64_t dof, int stage)
+    void *buf, void *desc, uint64_t len, uint64_t dof, int stage,
+    uint32_t cr)
 {
     kv_remote_t *rm = &ctx->peers[p->peer].remote;
     kv_rail_t *rl = &ctx->fab.rail[li];
@@ -1726,6 +1897,7 @@ post_write(kv_ctx_t *ctx, kv_push_t *p, int r, int li, uint32_t k,
     op->rail = li;
     op->rank = r;
     op->stage = stage;
+    op->cr = cr;
     rc = fi_write(rl->ep, buf, len, desc, rm->fiaddr[li][ri],
                   rm->base[r][ri] + dof, rm->key[r][ri], op);
     if (rc == -FI_EAGAIN) {
@@ -1748,6 +1920,87 @@ post_write(kv_ctx_t *ctx, kv_push_t *p, int r, int li, uint32_t k,
 }
 
 
+/* fi_send of the chunk notice of credit c (rank r): 1 sent, 0 later, -1
+ * error */
+static int
+send_notice(kv_ctx_t *ctx, kv_push_t *p, int r, kv_credit_t *c,
+    uint32_t slot_as)
+{
+    kv_rail_t *rl = &ctx->fab.rail[0];
+    kv_chunk_msg_t *m;
+    kv_op_t *op;
+    uint32_t slot;
+    ssize_t rc;
+
+    if (ctx->nsend_free == 0 || (op = op_get(ctx)) == NULL) {
+        return 0;
+    }
+    slot = ctx->send_free[--ctx->nsend_free];
+    m = (kv_chunk_msg_t *) msg_slot(ctx, slot);
+    memset(m, 0, sizeof(*m));
+    m->magic = KV_CHUNK_MAGIC;
+    m->rank = (uint32_t) r;
+    m->slot = slot_as;
+    m->grant = c->grant;
+    m->hash = p->hash;
+    snprintf(m->req_id, sizeof(m->req_id), "%s", p->req_id);
+    snprintf(m->node_id, sizeof(m->node_id), "%s", ctx->cfg.node_id);
+    op->kind = KV_OP_SEND;
+    op->slot = (uint32_t) (p - ctx->push);
+    op->gen = p->gen;
+    op->len = slot;
+    op->rail = 0;
+    op->cr = 1;
+    rc = fi_send(rl->ep, m, sizeof(*m), rl->msg_desc,
+                 ctx->peers[p->peer].remote.fiaddr[0][0], op);
+    if (rc != 0) {
+        ctx->send_free[ctx->nsend_free++] = slot;
+        op_put(ctx, op);
+        return rc == -FI_EAGAIN ? 0 : -1;
+    }
+    return 1;
+}
+
+
+/* Chunk notices for the ring slots whose writes all completed (after the
+ * completions, like the done message).  0, or -1 when the push failed. */
+static int
+post_notices(kv_ctx_t *ctx, kv_push_t *p)
+{
+    kv_credit_t *c;
+    uint32_t i;
+    int r, rc;
+
+    for (r = 0; r < ctx->nranks; r++) {
+        for (i = 0; i < KV_RING_MAX; i++) {
+            c = &p->cr[r][i];
+            if (c->state != KV_CR_WRITTEN || c->done != c->len) {
+                continue;
+            }
+            rc = send_notice(ctx, p, r, c, c->slot);
+            if (rc == 0) {
+                return 0;              /* next turn */
+            }
+            if (rc < 0) {
+                push_finish(ctx, p, 0, "cannot send a chunk notice");
+                return -1;
+            }
+            if (fault_repeat_notice) {
+                /* test: a repeat, then the same grant for a slot the
+                 * push does not hold, then a slot that does not exist */
+                send_notice(ctx, p, r, c, c->slot);
+                send_notice(ctx, p, r, c, (c->slot + 1)
+                            % ctx->peers[p->peer].remote.ring_slots);
+                send_notice(ctx, p, r, c, KV_RING_MAX + 7);
+            }
+            c->state = KV_CR_FREE;     /* the receiver's to grant again */
+            p->cr_live--;
+        }
+    }
+    return 0;
+}
+
+
 /* Staged rank: fill free slots of its ring with batches of copies from
  * the pool (one event per slot).  1 when it queued something. */
 static int
@@ -1756,7 +2009,7 @@ stage_fill(kv_ctx_t *ctx, kv_push_t *p, int r)
     kv_stage_t *s = ctx->stage[r];
     kv_pool_t *pool = KV_POOL(ctx, r);
     uint64_t lim = rail_lim(ctx, ctx->topo.rail[r][0]), so, dof, len, room;
-    uint32_t i, added = 0;
+    uint32_t i, added = 0, cri;
     kv_slot_t *sl;
 
     while (s->nfree > 0 && !p->rank_done[r]) {
@@ -1767,7 +2020,9 @@ stage_fill(kv_ctx_t *ctx, kv_push_t *p, int r)
         sl->used = 0;
         while (sl->npieces < KV_SLOT_PIECES && sl->used < s->chunk) {
             room = s->chunk - sl->used;
-            if (!next_piece(p, r, room < lim ? room : lim, &so, &dof, &len)) {
+            if (!take_piece(ctx, p, r, room < lim ? room : lim, &so, &dof,
+                            &len, &cri))
+            {
                 break;
             }
             if (so + len > pool->size) {
@@ -1784,9 +2039,10 @@ stage_fill(kv_ctx_t *ctx, kv_push_t *p, int r)
             sl->piece[sl->npieces].off = sl->used;
             sl->piece[sl->npieces].dst = dof;
             sl->piece[sl->npieces].len = len;
+            sl->piece[sl->npieces].cr = cri;
             sl->npieces++;
             sl->used += len;
-            p->cur_off[r] += len;
+            take_commit(p, r, cri, len);
             p->stage_pending++;
             s->stat_copies++;
         }
@@ -1867,13 +2123,14 @@ stage_post(kv_ctx_t *ctx, int r)
             }
             pc = &sl->piece[sl->posted];
             if (pc->dst + pc->len
-                > ctx->peers[p->peer].remote.layout.size)
+                > remote_lim(&ctx->peers[p->peer].remote, r))
             {
                 push_finish(ctx, p, 0, "segment outside a pool (bug)");
                 break;
             }
             q = post_write(ctx, p, r, li, k, s->buf + (i * s->chunk)
-                           + pc->off, s->desc[li], pc->len, pc->dst, i + 1);
+                           + pc->off, s->desc[li], pc->len, pc->dst, i + 1,
+                           pc->cr);
             if (q <= 0) {
                 break;
             }
@@ -1890,7 +2147,7 @@ static void
 push_post(kv_ctx_t *ctx, kv_push_t *p)
 {
     kv_remote_t *rm = &ctx->peers[p->peer].remote;
-    uint32_t budget = ctx->cfg.window * (uint32_t) ctx->fab.nrails, k;
+    uint32_t budget = ctx->cfg.window * (uint32_t) ctx->fab.nrails, k, cri;
     uint64_t len, so, dof;
     int r, j, li, rc, progress, done;
     kv_pool_t *pool;
@@ -1908,22 +2165,23 @@ push_post(kv_ctx_t *ctx, kv_push_t *p)
             }
             if (ctx->writes_inflight >= budget
                 || (li = pick_rail(ctx, p, r, &k)) < 0
-                || !next_piece(p, r, rail_lim(ctx, li), &so, &dof, &len))
+                || !take_piece(ctx, p, r, rail_lim(ctx, li), &so, &dof, &len,
+                               &cri))
             {
                 continue;
             }
             pool = KV_POOL(ctx, r);
-            if (so + len > pool->size || dof + len > rm->layout.size) {
+            if (so + len > pool->size || dof + len > remote_lim(rm, r)) {
                 push_finish(ctx, p, 0, "segment outside a pool (bug)");
                 return;
             }
             rc = post_write(ctx, p, r, li, k, (char *) pool->fab_base + so,
-                            pool->desc[li], len, dof, 0);
+                            pool->desc[li], len, dof, 0, cri);
             if (rc < 0) {
                 return;
             }
             if (rc > 0) {
-                p->cur_off[r] += len;
+                take_commit(p, r, cri, len);
                 progress = 1;
             }
         }
@@ -1937,7 +2195,12 @@ push_post(kv_ctx_t *ctx, kv_push_t *p)
         done &= p->rank_done[r];
     }
     p->segs_done = done;
-    if (done && p->stage_pending == 0 && p->inflight == 0 && !p->done_sent) {
+    if (p->cr_live && post_notices(ctx, p) != 0) {
+        return;
+    }
+    if (done && p->stage_pending == 0 && p->inflight == 0 && p->cr_live == 0
+        && !p->done_sent)
+    {
         post_done(ctx, p);
     }
 }
@@ -1971,6 +2234,9 @@ on_completion(kv_ctx_t *ctx, kv_op_t *op, int err, size_t len)
         p = &ctx->push[op->slot];
         if (p->gen == op->gen) {
             p->inflight--;
+            if (err == 0 && op->cr) {
+                p->cr[op->rank][op->cr - 1].done += op->len;
+            }
             if (err == 0) {
                 p->bytes_done += op->len;
             } else if (push_active(p)) {
@@ -1989,7 +2255,14 @@ on_completion(kv_ctx_t *ctx, kv_op_t *op, int err, size_t len)
     case KV_OP_SEND:
         ctx->send_free[ctx->nsend_free++] = (uint32_t) op->len;
         p = &ctx->push[op->slot];
-        if (p->gen == op->gen && p->state == KV_PUSH_FLUSH) {
+        if (op->cr) {
+            /* a chunk notice: only its failure matters here */
+            if (err != 0 && p->gen == op->gen && push_active(p)) {
+                snprintf(why, sizeof(why), "chunk notice to %s failed: %s",
+                         ctx->peers[p->peer].conf.id, kv_fi_err(err));
+                push_finish(ctx, p, 0, why);
+            }
+        } else if (p->gen == op->gen && p->state == KV_PUSH_FLUSH) {
             if (err == 0) {
                 push_finish(ctx, p, 1, NULL);
             } else {
@@ -2003,7 +2276,11 @@ on_completion(kv_ctx_t *ctx, kv_op_t *op, int err, size_t len)
         break;
 
     case KV_OP_RECV:
-        if (err == 0) {
+        if (err == 0 && len >= sizeof(uint32_t)
+            && *(uint32_t *) msg_slot(ctx, op->slot) == KV_CHUNK_MAGIC)
+        {
+            kv_ring_notice(ctx, msg_slot(ctx, op->slot), len);
+        } else if (err == 0) {
             handle_done_msg(ctx, msg_slot(ctx, op->slot), len);
         }
         if (err != FI_ECANCELED && !ctx->stop) {
@@ -2082,7 +2359,7 @@ kv_xfer_progress(kv_ctx_t *ctx)
         }
     }
     ctx->push_rr++;
-    copyin_progress(ctx);
+    kv_ring_progress(ctx);
     return kv_xfer_busy(ctx);
 }
 
@@ -2127,15 +2404,8 @@ kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
         if (r->peer >= 0 && now < ctx->peers[r->peer].last_heard_ms + lim) {
             ps->live = 1;
         }
-        if (r->copyin) {
-            ps->copies = 1;
-            for (k = 0; k < ctx->nranks; k++) {
-                if ((r->copyin & (1 << k)) && ctx->rcopy[k].wake_fd < 0) {
-                    ps->polled = 1;
-                }
-            }
-        }
     }
+    kv_ring_poll_state(ctx, &ps->copies, &ps->polled);
 }
 
 

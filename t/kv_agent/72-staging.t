@@ -3,7 +3,8 @@
 # "host" sends every pool through the code GPU pools without FI_HMEM use
 # (a bounded ring of pinned slots filled by batched asynchronous copies,
 # written while the next slots are copied; the receiver lands writes in a
-# mirror and copies them in with batched asynchronous copies before it
+# bounded ring of granted slots and copies each chunk in with batched
+# asynchronous copies before the slot is granted again and before it
 # says ready), with the host copy engine standing in for CUDA.  Checked
 # byte for byte over tcp;ofi_rxm and shm, coalesced and not, one slot
 # (serial) and eight, one rank and two.
@@ -44,9 +45,9 @@ for my $prov ('tcp;ofi_rxm', 'shm') {
                  )bytes of pinned memory, host copy engine/,
                  "$prov/$slots: sender ring set up")
                 or diag(log_text($pa));
-            like(log_text($da), qr/rank 0: writes land in a pinned host (?#
-                 )mirror, copied in before ready/,
-                 "$prov/$slots: receiver lands in a mirror");
+            like(log_text($da), qr/rank 0: writes land in a bounded ring (?#
+                 )of 8 slot\(s\) x 4194304 bytes of pinned memory/,
+                 "$prov/$slots: receiver lands in a bounded ring");
             my $j = run_kvpush("--prefill", $pa->{sock},
                 "--decode", "decode-0=$da->{sock}", "--nblocks", 256,
                 "--dst", "explicit", "--req", "stg");
