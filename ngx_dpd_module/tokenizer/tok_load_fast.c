@@ -1,0 +1,664 @@
+/*
+ * The fast load path: model.vocab and model.merges (nearly all of a
+ * tokenizer.json) are read straight from the text into the tables, and
+ * cJSON parses only the rest of the document, with those two values
+ * replaced by {} and [].
+ *
+ * tok_fast_scan() first checks the whole document against a strict JSON
+ * grammar that is a subset of what cJSON accepts (whitespace is space, tab,
+ * CR, LF only; no control bytes in strings; no \u0000, no lone surrogates,
+ * no escapes in the keys of the root and of model; numbers as RFC 8259,
+ * at most 32 characters; nesting at most TOK_FAST_DEPTH), and the two values
+ * against their usual form (vocab: a non-empty object of plain integer ids
+ * below 2^31; merges: a non-empty array, all "a b" strings or all
+ * ["a", "b"] pairs).  Anything else -- invalid, unusual or just rare --
+ * makes the caller take the cJSON path for the whole file, so a file is
+ * accepted or refused, with the same ids and the same message, either way.
+ * For a document that passes, the members found are exactly the ones cJSON's
+ * tree would give (the first "model" of the root, its first "vocab" and
+ * first "merges"), and strings decode exactly as cJSON decodes them.
+ */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "tok_internal.h"
+
+#define TOK_FAST_DEPTH    128
+#define TOK_FAST_NUMLEN   32
+
+
+/* 0: an ordinary string byte; 1: '"'; 2: '\\'; 3: a control byte */
+static const unsigned char  tok_js_cls[256] = {
+    3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
+    3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
+    0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0,
+};
+
+
+typedef struct {
+    const unsigned char  *p, *end;
+    size_t                max_str;  /* longest raw string in vocab/merges */
+} tok_js_t;
+
+
+static void
+tok_js_ws(tok_js_t *s)
+{
+    while (s->p < s->end
+           && (*s->p == ' ' || *s->p == '\n' || *s->p == '\r'
+               || *s->p == '\t'))
+    {
+        s->p++;
+    }
+}
+
+
+static int
+tok_js_hex4(const unsigned char *p, unsigned *v)
+{
+    unsigned  i, c, x = 0;
+
+    for (i = 0; i < 4; i++) {
+        c = p[i];
+        if (c >= '0' && c <= '9') {
+            c -= '0';
+        } else if ((c | 0x20) >= 'a' && (c | 0x20) <= 'f') {
+            c = (c | 0x20) - 'a' + 10;
+        } else {
+            return -1;
+        }
+        x = x << 4 | c;
+    }
+    *v = x;
+    return 0;
+}
+
+
+/*
+ * A string at s->p (a '"'); on success s->p is past it, *raw and *rawlen
+ * give the text between the quotes, *esc whether it holds an escape.
+ */
+static int
+tok_js_string(tok_js_t *s, const char **raw, size_t *rawlen, int *esc)
+{
+    const unsigned char  *p = s->p + 1, *end = s->end;
+    unsigned              u, u2;
+
+    *esc = 0;
+    for ( ;; ) {
+        while (p < end && tok_js_cls[*p] == 0) {
+            p++;
+        }
+        if (p == end || *p < 0x20) {
+            return -1;
+        }
+        if (*p == '"') {
+            break;
+        }
+        /* a backslash */
+        *esc = 1;
+        if (end - p < 2) {
+            return -1;
+        }
+        switch (p[1]) {
+        case '"': case '\\': case '/': case 'b': case 'f': case 'n':
+        case 'r': case 't':
+            p += 2;
+            continue;
+        case 'u':
+            break;
+        default:
+            return -1;
+        }
+        if (end - p < 6 || tok_js_hex4(p + 2, &u) != 0 || u == 0
+            || (u >= 0xDC00 && u <= 0xDFFF))
+        {
+            return -1;
+        }
+        if (u >= 0xD800 && u <= 0xDBFF) {
+            if (end - p < 12 || p[6] != '\\' || p[7] != 'u'
+                || tok_js_hex4(p + 8, &u2) != 0 || u2 < 0xDC00 || u2 > 0xDFFF)
+            {
+                return -1;
+            }
+            p += 12;
+        } else {
+            p += 6;
+        }
+    }
+    *raw = (const char *) s->p + 1;
+    *rawlen = (size_t) (p - s->p - 1);
+    s->p = p + 1;
+    return 0;
+}
+
+
+/* An RFC 8259 number; *plain: a non-negative integer below 2^31, in *id */
+static int
+tok_js_number(tok_js_t *s, int *plain, uint32_t *id)
+{
+    const unsigned char  *p = s->p, *end = s->end, *start = s->p;
+    uint64_t              v = 0;
+
+    *plain = 1;
+    if (p < end && *p == '-') {
+        *plain = 0;
+        p++;
+    }
+    if (p == end || *p < '0' || *p > '9') {
+        return -1;
+    }
+    if (*p == '0') {
+        p++;
+    } else {
+        while (p < end && *p >= '0' && *p <= '9') {
+            if (p - start < 12) {
+                v = v * 10 + (uint64_t) (*p - '0');
+            }
+            p++;
+        }
+    }
+    if (p < end && *p == '.') {
+        *plain = 0;
+        p++;
+        if (p == end || *p < '0' || *p > '9') {
+            return -1;
+        }
+        while (p < end && *p >= '0' && *p <= '9') {
+            p++;
+        }
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        *plain = 0;
+        p++;
+        if (p < end && (*p == '+' || *p == '-')) {
+            p++;
+        }
+        if (p == end || *p < '0' || *p > '9') {
+            return -1;
+        }
+        while (p < end && *p >= '0' && *p <= '9') {
+            p++;
+        }
+    }
+    /* cJSON 1.7.15 reads at most 63 characters of a number */
+    if (p - start > TOK_FAST_NUMLEN) {
+        return -1;
+    }
+    if (p - start > 10 || v >= 2147483648u) {
+        *plain = 0;
+    }
+    *id = (uint32_t) v;
+    s->p = p;
+    return 0;
+}
+
+
+static int
+tok_js_lit(tok_js_t *s, const char *lit, size_t n)
+{
+    if ((size_t) (s->end - s->p) < n || memcmp(s->p, lit, n) != 0) {
+        return -1;
+    }
+    s->p += n;
+    return 0;
+}
+
+
+static int tok_js_value(tok_js_t *s, int depth);
+
+
+/* after a member or element: 1 = another follows, 0 = the closer, -1 */
+static int
+tok_js_next(tok_js_t *s, unsigned char closer)
+{
+    tok_js_ws(s);
+    if (s->p < s->end && *s->p == ',') {
+        s->p++;
+        tok_js_ws(s);
+        return 1;
+    }
+    if (s->p < s->end && *s->p == closer) {
+        s->p++;
+        return 0;
+    }
+    return -1;
+}
+
+
+static int
+tok_js_value(tok_js_t *s, int depth)
+{
+    const char  *raw;
+    size_t       rawlen;
+    int          esc, plain, rc;
+    uint32_t     id;
+
+    if (s->p == s->end || depth > TOK_FAST_DEPTH) {
+        return -1;
+    }
+    switch (*s->p) {
+    case '"':
+        return tok_js_string(s, &raw, &rawlen, &esc);
+    case 't':
+        return tok_js_lit(s, "true", 4);
+    case 'f':
+        return tok_js_lit(s, "false", 5);
+    case 'n':
+        return tok_js_lit(s, "null", 4);
+    case '[':
+        s->p++;
+        tok_js_ws(s);
+        if (s->p < s->end && *s->p == ']') {
+            s->p++;
+            return 0;
+        }
+        do {
+            if (tok_js_value(s, depth + 1) != 0) {
+                return -1;
+            }
+        } while ((rc = tok_js_next(s, ']')) == 1);
+        return rc;
+    case '{':
+        s->p++;
+        tok_js_ws(s);
+        if (s->p < s->end && *s->p == '}') {
+            s->p++;
+            return 0;
+        }
+        do {
+            if (s->p == s->end || *s->p != '"'
+                || tok_js_string(s, &raw, &rawlen, &esc) != 0)
+            {
+                return -1;
+            }
+            tok_js_ws(s);
+            if (s->p == s->end || *s->p != ':') {
+                return -1;
+            }
+            s->p++;
+            tok_js_ws(s);
+            if (tok_js_value(s, depth + 1) != 0) {
+                return -1;
+            }
+        } while ((rc = tok_js_next(s, '}')) == 1);
+        return rc;
+    default:
+        return tok_js_number(s, &plain, &id);
+    }
+}
+
+
+/* model.vocab: {"token": id, ...}, at least one member */
+static int
+tok_js_vocab(tok_js_t *s, tok_fast_t *f)
+{
+    const char  *raw;
+    size_t       rawlen;
+    int          esc, plain, rc;
+    uint32_t     id, n = 0;
+
+    if (s->p == s->end || *s->p != '{') {
+        return -1;
+    }
+    s->p++;
+    tok_js_ws(s);
+    do {
+        if (s->p == s->end || *s->p != '"'
+            || tok_js_string(s, &raw, &rawlen, &esc) != 0)
+        {
+            return -1;
+        }
+        if (rawlen > s->max_str) {
+            s->max_str = rawlen;
+        }
+        tok_js_ws(s);
+        if (s->p == s->end || *s->p != ':') {
+            return -1;
+        }
+        s->p++;
+        tok_js_ws(s);
+        if (tok_js_number(s, &plain, &id) != 0 || !plain) {
+            return -1;
+        }
+        if (++n == UINT32_MAX) {
+            return -1;
+        }
+    } while ((rc = tok_js_next(s, '}')) == 1);
+    f->n_vocab = n;
+    return rc;
+}
+
+
+/* model.merges: ["a b", ...] or [["a", "b"], ...], at least one */
+static int
+tok_js_merges(tok_js_t *s, tok_fast_t *f)
+{
+    const char  *raw;
+    size_t       la, lb, len;
+    int          esc, rc;
+    uint32_t     n = 0;
+
+    if (s->p == s->end || *s->p != '[') {
+        return -1;
+    }
+    s->p++;
+    tok_js_ws(s);
+    if (s->p == s->end) {
+        return -1;
+    }
+    f->pairs = *s->p == '[';
+    do {
+        if (s->p == s->end) {
+            return -1;
+        }
+        if (!f->pairs) {
+            if (*s->p != '"' || tok_js_string(s, &raw, &la, &esc) != 0) {
+                return -1;
+            }
+            len = la;
+        } else {
+            if (*s->p != '[') {
+                return -1;
+            }
+            s->p++;
+            tok_js_ws(s);
+            if (s->p == s->end || *s->p != '"'
+                || tok_js_string(s, &raw, &la, &esc) != 0
+                || tok_js_next(s, ']') != 1
+                || s->p == s->end || *s->p != '"'
+                || tok_js_string(s, &raw, &lb, &esc) != 0
+                || tok_js_next(s, ']') != 0)
+            {
+                return -1;
+            }
+            if (lb > s->max_str) {
+                s->max_str = lb;
+            }
+            len = la + lb + 1;
+        }
+        if (la > s->max_str) {
+            s->max_str = la;
+        }
+        if (len > f->merge_max) {
+            f->merge_max = len;
+        }
+        if (++n == UINT32_MAX) {
+            return -1;
+        }
+    } while ((rc = tok_js_next(s, ']')) == 1);
+    f->n_merges = n;
+    return rc;
+}
+
+
+static int
+tok_js_key_is(const char *raw, size_t len, const char *name)
+{
+    return len == strlen(name) && memcmp(raw, name, len) == 0;
+}
+
+
+/* the first "model" of the root: find its first "vocab" and "merges" */
+static int
+tok_js_model(tok_js_t *s, tok_fast_t *f)
+{
+    const unsigned char  *start;
+    const char           *raw;
+    size_t                rawlen;
+    int                   esc, rc;
+
+    if (s->p == s->end || *s->p != '{') {
+        return -1;
+    }
+    s->p++;
+    tok_js_ws(s);
+    if (s->p < s->end && *s->p == '}') {
+        return -1;      /* no vocab: the cJSON path says so */
+    }
+    do {
+        if (s->p == s->end || *s->p != '"'
+            || tok_js_string(s, &raw, &rawlen, &esc) != 0 || esc)
+        {
+            return -1;
+        }
+        tok_js_ws(s);
+        if (s->p == s->end || *s->p != ':') {
+            return -1;
+        }
+        s->p++;
+        tok_js_ws(s);
+        start = s->p;
+        if (f->vocab == NULL && tok_js_key_is(raw, rawlen, "vocab")) {
+            if (tok_js_vocab(s, f) != 0) {
+                return -1;
+            }
+            f->vocab = (const char *) start;
+            f->vocab_len = (size_t) (s->p - start);
+        } else if (f->merges == NULL && tok_js_key_is(raw, rawlen, "merges")) {
+            if (tok_js_merges(s, f) != 0) {
+                return -1;
+            }
+            f->merges = (const char *) start;
+            f->merges_len = (size_t) (s->p - start);
+        } else if (tok_js_value(s, 2) != 0) {
+            return -1;
+        }
+    } while ((rc = tok_js_next(s, '}')) == 1);
+    return rc;
+}
+
+
+int
+tok_fast_scan(const char *buf, size_t len, tok_fast_t *f)
+{
+    tok_js_t     s;
+    const char  *raw;
+    size_t       rawlen;
+    int          esc, rc, seen_model = 0;
+
+    memset(f, 0, sizeof(*f));
+    s.p = (const unsigned char *) buf;
+    s.end = s.p + len;
+    s.max_str = 0;
+
+    tok_js_ws(&s);
+    if (s.p == s.end || *s.p != '{') {
+        return -1;
+    }
+    s.p++;
+    tok_js_ws(&s);
+    if (s.p < s.end && *s.p == '}') {
+        return -1;
+    }
+    do {
+        if (s.p == s.end || *s.p != '"'
+            || tok_js_string(&s, &raw, &rawlen, &esc) != 0 || esc)
+        {
+            return -1;
+        }
+        tok_js_ws(&s);
+        if (s.p == s.end || *s.p != ':') {
+            return -1;
+        }
+        s.p++;
+        tok_js_ws(&s);
+        if (!seen_model && tok_js_key_is(raw, rawlen, "model")) {
+            seen_model = 1;
+            if (tok_js_model(&s, f) != 0) {
+                return -1;
+            }
+        } else if (tok_js_value(&s, 1) != 0) {
+            return -1;
+        }
+    } while ((rc = tok_js_next(&s, '}')) == 1);
+    if (rc != 0) {
+        return -1;
+    }
+    tok_js_ws(&s);
+    if (s.p != s.end || f->vocab == NULL || f->merges == NULL) {
+        return -1;
+    }
+    f->max_str = s.max_str;
+    return 0;
+}
+
+
+/* The document with model.vocab as {} and model.merges as [] (malloc'd). */
+char *
+tok_fast_rest(const char *buf, size_t len, const tok_fast_t *f,
+    size_t *outlen)
+{
+    const char  *a = f->vocab, *b = f->merges;
+    size_t       al = f->vocab_len, bl = f->merges_len;
+    const char  *ar = "{}", *br = "[]";
+    char        *out, *o;
+
+    if (a > b) {
+        a = f->merges; al = f->merges_len; ar = "[]";
+        b = f->vocab; bl = f->vocab_len; br = "{}";
+    }
+    out = malloc(len - al - bl + 5);
+    if (out == NULL) {
+        return NULL;
+    }
+    o = out;
+    memcpy(o, buf, (size_t) (a - buf));
+    o += a - buf;
+    memcpy(o, ar, 2);
+    o += 2;
+    memcpy(o, a + al, (size_t) (b - (a + al)));
+    o += b - (a + al);
+    memcpy(o, br, 2);
+    o += 2;
+    memcpy(o, b + bl, (size_t) (buf + len - (b + bl)));
+    o += buf + len - (b + bl);
+    *o = '\0';
+    *outlen = (size_t) (o - out);
+    return out;
+}
+
+
+/* ---- reading the checked values */
+
+static const char *
+tok_fast_ws(const char *p)
+{
+    while (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t') {
+        p++;
+    }
+    return p;
+}
+
+
+/*
+ * The string at p (a '"', checked by tok_fast_scan): *s and *len; the text
+ * itself when it has no escape, else decoded into dec (as cJSON decodes).
+ */
+static const char *
+tok_fast_str(const char *p, char *dec, const char **s, size_t *len)
+{
+    const unsigned char  *q = (const unsigned char *) p + 1;
+    char                 *o;
+    unsigned              u = 0, u2 = 0;
+
+    while (tok_js_cls[*q] == 0) {
+        q++;
+    }
+    if (*q == '"') {
+        *s = p + 1;
+        *len = (size_t) ((const char *) q - p - 1);
+        return (const char *) q + 1;
+    }
+    memcpy(dec, p + 1, (size_t) ((const char *) q - p - 1));
+    o = dec + ((const char *) q - p - 1);
+    while (*q != '"') {
+        if (*q != '\\') {
+            *o++ = (char) *q++;
+            continue;
+        }
+        switch (q[1]) {
+        case 'b': *o++ = '\b'; q += 2; continue;
+        case 'f': *o++ = '\f'; q += 2; continue;
+        case 'n': *o++ = '\n'; q += 2; continue;
+        case 'r': *o++ = '\r'; q += 2; continue;
+        case 't': *o++ = '\t'; q += 2; continue;
+        case 'u': break;
+        default: *o++ = (char) q[1]; q += 2; continue;
+        }
+        (void) tok_js_hex4(q + 2, &u);
+        if (u >= 0xD800 && u <= 0xDBFF) {
+            (void) tok_js_hex4(q + 8, &u2);
+            u = 0x10000 + (((u & 0x3FF) << 10) | (u2 & 0x3FF));
+            q += 12;
+        } else {
+            q += 6;
+        }
+        o += tok_utf8_encode(u, o);
+    }
+    *s = dec;
+    *len = (size_t) (o - dec);
+    return (const char *) q + 1;
+}
+
+
+void
+tok_fast_iter_init(tok_fast_iter_t *it, const char *text, char *dec_a,
+    char *dec_b)
+{
+    it->p = tok_fast_ws(text + 1);     /* past the { or [ */
+    it->dec_a = dec_a;
+    it->dec_b = dec_b;
+}
+
+
+/* The next vocab member; 0 at the end. */
+int
+tok_fast_vocab_next(tok_fast_iter_t *it, const char **key, size_t *klen,
+    uint32_t *id)
+{
+    const char  *p = it->p;
+    uint32_t     v = 0;
+
+    if (*p != '"') {
+        return 0;
+    }
+    p = tok_fast_ws(tok_fast_str(p, it->dec_a, key, klen));
+    p = tok_fast_ws(p + 1);     /* the ':' */
+    while (*p >= '0' && *p <= '9') {
+        v = v * 10 + (uint32_t) (*p++ - '0');
+    }
+    *id = v;
+    p = tok_fast_ws(p);
+    it->p = *p == ',' ? tok_fast_ws(p + 1) : p;
+    return 1;
+}
+
+
+/* The next merge: "a b" in *a (*b NULL), or ["a", "b"]; 0 at the end. */
+int
+tok_fast_merge_next(tok_fast_iter_t *it, const char **a, size_t *alen,
+    const char **b, size_t *blen)
+{
+    const char  *p = it->p;
+
+    if (*p == '"') {
+        p = tok_fast_str(p, it->dec_a, a, alen);
+        *b = NULL;
+        *blen = 0;
+    } else if (*p == '[') {
+        p = tok_fast_str(tok_fast_ws(p + 1), it->dec_a, a, alen);
+        p = tok_fast_ws(tok_fast_ws(p) + 1);    /* the ',' */
+        p = tok_fast_str(p, it->dec_b, b, blen);
+        p = tok_fast_ws(p) + 1;                 /* the ']' */
+    } else {
+        return 0;
+    }
+    p = tok_fast_ws(p);
+    it->p = *p == ',' ? tok_fast_ws(p + 1) : p;
+    return 1;
+}
