@@ -378,6 +378,12 @@ struct cJSON *tok_parse_json(const char *path, const char *buf, size_t len,
 
 /* tok_load_fast.c: model.vocab and model.merges read from the text */
 typedef struct {
+    uint32_t     off, len;      /* a string's text (len | 1 << 31: escaped) */
+    uint32_t     off2, len2;    /* vocab: off2 is the id; pairs: "b" */
+} tok_fast_ent_t;
+
+typedef struct {
+    const char  *base;          /* the document */
     const char  *vocab;         /* the value's text, in the document */
     size_t       vocab_len;
     uint32_t     n_vocab;
@@ -387,18 +393,22 @@ typedef struct {
     int          pairs;         /* merges as ["a", "b"] */
     size_t       merge_max;     /* longest merge, raw text */
     size_t       max_str;       /* longest string of either, raw text */
+    tok_fast_ent_t  *vocab_ent;     /* n_vocab, in document order */
+    tok_fast_ent_t  *merges_ent;    /* n_merges */
 } tok_fast_t;
 
 typedef struct {
-    const char  *p;
-    char        *dec_a, *dec_b;     /* max_str + 1 bytes each */
+    const tok_fast_t  *f;
+    uint32_t           i;
+    char              *dec_a, *dec_b;   /* max_str + 1 bytes each */
 } tok_fast_iter_t;
 
 int tok_fast_scan(const char *buf, size_t len, tok_fast_t *f);
 char *tok_fast_rest(const char *buf, size_t len, const tok_fast_t *f,
     size_t *outlen);
-void tok_fast_iter_init(tok_fast_iter_t *it, const char *text, char *dec_a,
-    char *dec_b);
+void tok_fast_free(tok_fast_t *f);
+void tok_fast_iter_init(tok_fast_iter_t *it, const tok_fast_t *f,
+    char *dec_a, char *dec_b);
 int tok_fast_vocab_next(tok_fast_iter_t *it, const char **key, size_t *klen,
     uint32_t *id);
 int tok_fast_merge_next(tok_fast_iter_t *it, const char **a, size_t *alen,

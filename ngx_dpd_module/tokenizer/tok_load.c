@@ -280,7 +280,7 @@ tok_load_vocab_fast(dpd_tok_t *tok, const tok_fast_t *f, char *err,
         tok_err(err, errlen, "model.vocab: out of memory");
         return -1;
     }
-    tok_fast_iter_init(&it, f->vocab, buf, NULL);
+    tok_fast_iter_init(&it, f, buf, NULL);
     while (tok_fast_vocab_next(&it, &key, &klen, &id)) {
         if (tok_vocab_add(tok, key, klen, id, buf + f->max_str + 1) != 0) {
             free(buf);
@@ -491,7 +491,7 @@ tok_load_merges_fast(dpd_tok_t *tok, const tok_fast_t *f, char *err,
         return -1;
     }
     dec = buf + 3 * maxlen + 8;
-    tok_fast_iter_init(&it, f->merges, dec, dec + f->max_str + 1);
+    tok_fast_iter_init(&it, f, dec, dec + f->max_str + 1);
     while (tok_fast_merge_next(&it, &ls, &ll, &rs, &rl)) {
         if ((rs == NULL
              && tok_merge_split(ls, ll, rank, &ll, &rs, &rl, err, errlen)
@@ -1293,8 +1293,15 @@ tok_load_root(cJSON *root, const tok_fast_t *fast, const char *name,
         return NULL;
     }
     cJSON_Delete(root);
+    return tok;
+}
+
+
+static dpd_tok_t *
+tok_trimmed(dpd_tok_t *tok)
+{
 #ifdef __GLIBC__
-    /* hand the parse tree's pages back: workers keep only the tables */
+    /* hand the parse's pages back: workers keep only the tables */
     malloc_trim(0);
 #endif
     return tok;
@@ -1331,13 +1338,16 @@ tok_load_text(const char *buf, size_t len, const char *name, int mode,
                 *fast_used = 1;
             }
             tok = tok_load_root(root, &fast, name, err, errlen);
+            tok_fast_free(&fast);
             free(own);
-            return tok;
+            return tok_trimmed(tok);
         }
+        tok_fast_free(&fast);
     }
     root = tok_parse_json(name, buf, len, err, errlen);
     free(own);      /* before the tables are built: a lower peak */
-    return root ? tok_load_root(root, NULL, name, err, errlen) : NULL;
+    return root ? tok_trimmed(tok_load_root(root, NULL, name, err, errlen))
+                : NULL;
 }
 
 

@@ -40,20 +40,63 @@ static const unsigned char  tok_js_cls[256] = {
 
 
 typedef struct {
-    const unsigned char  *p, *end;
+    const unsigned char  *p, *end, *base;
     size_t                max_str;  /* longest raw string in vocab/merges */
 } tok_js_t;
 
 
-static void
+/* where a string's text is: offset, length | TOK_FAST_ESC if escaped */
+#define TOK_FAST_ESC  0x80000000u
+
+static int
+tok_fast_push(tok_fast_ent_t **arr, uint32_t n, uint32_t *cap)
+{
+    tok_fast_ent_t  *p;
+
+    if (n < *cap) {
+        return 0;
+    }
+    if (*cap >= (1u << 30)) {
+        return -1;
+    }
+    p = realloc(*arr, (size_t) (*cap ? *cap * 2 : 4096)
+                      * sizeof(tok_fast_ent_t));
+    if (p == NULL) {
+        return -1;
+    }
+    *arr = p;
+    *cap = *cap ? *cap * 2 : 4096;
+    return 0;
+}
+
+
+/* pretty-printed files indent every entry: four spaces at a time */
+static inline void
 tok_js_ws(tok_js_t *s)
 {
-    while (s->p < s->end
-           && (*s->p == ' ' || *s->p == '\n' || *s->p == '\r'
-               || *s->p == '\t'))
-    {
-        s->p++;
+    const unsigned char  *p = s->p, *end = s->end;
+    uint32_t              w;
+
+    if (p < end && *p > ' ') {
+        return;     /* the usual case between tokens */
     }
+    while (p < end) {
+        if (*p == ' ') {
+            if (end - p >= 4) {
+                memcpy(&w, p, 4);
+                if (w == 0x20202020u) {
+                    p += 4;
+                    continue;
+                }
+            }
+            p++;
+        } else if (*p == '\n' || *p == '\r' || *p == '\t') {
+            p++;
+        } else {
+            break;
+        }
+    }
+    s->p = p;
 }
 
 
@@ -299,8 +342,9 @@ tok_js_vocab(tok_js_t *s, tok_fast_t *f)
 {
     const char  *raw;
     size_t       rawlen;
-    int          esc, plain, rc;
-    uint32_t     id, n = 0;
+    int              esc, plain, rc;
+    uint32_t         id, n = 0, cap = 0;
+    tok_fast_ent_t  *e;
 
     if (s->p == s->end || *s->p != '{') {
         return -1;
@@ -322,12 +366,16 @@ tok_js_vocab(tok_js_t *s, tok_fast_t *f)
         }
         s->p++;
         tok_js_ws(s);
-        if (tok_js_number(s, &plain, &id) != 0 || !plain) {
+        if (tok_js_number(s, &plain, &id) != 0 || !plain
+            || tok_fast_push(&f->vocab_ent, n, &cap) != 0)
+        {
             return -1;
         }
-        if (++n == UINT32_MAX) {
-            return -1;
-        }
+        e = &f->vocab_ent[n++];
+        e->off = (uint32_t) ((const unsigned char *) raw - s->base);
+        e->len = (uint32_t) rawlen | (esc ? TOK_FAST_ESC : 0);
+        e->off2 = id;
+        e->len2 = 0;
     } while ((rc = tok_js_next(s, '}')) == 1);
     f->n_vocab = n;
     return rc;
@@ -338,10 +386,11 @@ tok_js_vocab(tok_js_t *s, tok_fast_t *f)
 static int
 tok_js_merges(tok_js_t *s, tok_fast_t *f)
 {
-    const char  *raw;
-    size_t       la, lb, len;
-    int          esc, rc;
-    uint32_t     n = 0;
+    const char      *ra, *rb = NULL;
+    size_t           la, lb = 0, len;
+    int              ea, eb = 0, rc;
+    uint32_t         n = 0, cap = 0;
+    tok_fast_ent_t  *e;
 
     if (s->p == s->end || *s->p != '[') {
         return -1;
@@ -357,7 +406,7 @@ tok_js_merges(tok_js_t *s, tok_fast_t *f)
             return -1;
         }
         if (!f->pairs) {
-            if (*s->p != '"' || tok_js_string(s, &raw, &la, &esc) != 0) {
+            if (*s->p != '"' || tok_js_string(s, &ra, &la, &ea) != 0) {
                 return -1;
             }
             len = la;
@@ -368,10 +417,10 @@ tok_js_merges(tok_js_t *s, tok_fast_t *f)
             s->p++;
             tok_js_ws(s);
             if (s->p == s->end || *s->p != '"'
-                || tok_js_string(s, &raw, &la, &esc) != 0
+                || tok_js_string(s, &ra, &la, &ea) != 0
                 || tok_js_next(s, ']') != 1
                 || s->p == s->end || *s->p != '"'
-                || tok_js_string(s, &raw, &lb, &esc) != 0
+                || tok_js_string(s, &rb, &lb, &eb) != 0
                 || tok_js_next(s, ']') != 0)
             {
                 return -1;
@@ -387,9 +436,14 @@ tok_js_merges(tok_js_t *s, tok_fast_t *f)
         if (len > f->merge_max) {
             f->merge_max = len;
         }
-        if (++n == UINT32_MAX) {
+        if (tok_fast_push(&f->merges_ent, n, &cap) != 0) {
             return -1;
         }
+        e = &f->merges_ent[n++];
+        e->off = (uint32_t) ((const unsigned char *) ra - s->base);
+        e->len = (uint32_t) la | (ea ? TOK_FAST_ESC : 0);
+        e->off2 = rb ? (uint32_t) ((const unsigned char *) rb - s->base) : 0;
+        e->len2 = (uint32_t) lb | (eb ? TOK_FAST_ESC : 0);
     } while ((rc = tok_js_next(s, ']')) == 1);
     f->n_merges = n;
     return rc;
@@ -453,8 +507,32 @@ tok_js_model(tok_js_t *s, tok_fast_t *f)
 }
 
 
+static int tok_fast_scan_doc(const char *buf, size_t len, tok_fast_t *f);
+
+
+void
+tok_fast_free(tok_fast_t *f)
+{
+    free(f->vocab_ent);
+    free(f->merges_ent);
+    f->vocab_ent = f->merges_ent = NULL;
+}
+
+
+/* 0: the fast path can load the file (then tok_fast_free() it); -1 not */
 int
 tok_fast_scan(const char *buf, size_t len, tok_fast_t *f)
+{
+    if (tok_fast_scan_doc(buf, len, f) != 0) {
+        tok_fast_free(f);
+        return -1;
+    }
+    return 0;
+}
+
+
+static int
+tok_fast_scan_doc(const char *buf, size_t len, tok_fast_t *f)
 {
     tok_js_t     s;
     const char  *raw;
@@ -463,8 +541,12 @@ tok_fast_scan(const char *buf, size_t len, tok_fast_t *f)
 
     memset(f, 0, sizeof(*f));
     s.p = (const unsigned char *) buf;
+    s.base = s.p;
     s.end = s.p + len;
     s.max_str = 0;
+    if (len >= TOK_FAST_ESC) {
+        return -1;      /* offsets and lengths are 31 bits */
+    }
 
     tok_js_ws(&s);
     if (s.p == s.end || *s.p != '{') {
@@ -504,6 +586,7 @@ tok_fast_scan(const char *buf, size_t len, tok_fast_t *f)
         return -1;
     }
     f->max_str = s.max_str;
+    f->base = buf;
     return 0;
 }
 
@@ -545,38 +628,22 @@ tok_fast_rest(const char *buf, size_t len, const tok_fast_t *f,
 
 /* ---- reading the checked values */
 
-static const char *
-tok_fast_ws(const char *p)
+/* A string's text, decoded into dec when escaped (as cJSON decodes it). */
+static void
+tok_fast_str(const char *base, uint32_t off, uint32_t len, char *dec,
+    const char **s, size_t *slen)
 {
-    while (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t') {
-        p++;
-    }
-    return p;
-}
-
-
-/*
- * The string at p (a '"', checked by tok_fast_scan): *s and *len; the text
- * itself when it has no escape, else decoded into dec (as cJSON decodes).
- */
-static const char *
-tok_fast_str(const char *p, char *dec, const char **s, size_t *len)
-{
-    const unsigned char  *q = (const unsigned char *) p + 1;
-    char                 *o;
+    const unsigned char  *q = (const unsigned char *) base + off, *end;
+    char                 *o = dec;
     unsigned              u = 0, u2 = 0;
 
-    while (tok_js_cls[*q] == 0) {
-        q++;
+    if (!(len & TOK_FAST_ESC)) {
+        *s = (const char *) q;
+        *slen = len;
+        return;
     }
-    if (*q == '"') {
-        *s = p + 1;
-        *len = (size_t) ((const char *) q - p - 1);
-        return (const char *) q + 1;
-    }
-    memcpy(dec, p + 1, (size_t) ((const char *) q - p - 1));
-    o = dec + ((const char *) q - p - 1);
-    while (*q != '"') {
+    end = q + (len & ~TOK_FAST_ESC);
+    while (q < end) {
         if (*q != '\\') {
             *o++ = (char) *q++;
             continue;
@@ -588,7 +655,7 @@ tok_fast_str(const char *p, char *dec, const char **s, size_t *len)
         case 'r': *o++ = '\r'; q += 2; continue;
         case 't': *o++ = '\t'; q += 2; continue;
         case 'u': break;
-        default: *o++ = (char) q[1]; q += 2; continue;
+        default: *o++ = (char) q[1]; q += 2; continue;     /* " \ / */
         }
         (void) tok_js_hex4(q + 2, &u);
         if (u >= 0xD800 && u <= 0xDBFF) {
@@ -601,16 +668,16 @@ tok_fast_str(const char *p, char *dec, const char **s, size_t *len)
         o += tok_utf8_encode(u, o);
     }
     *s = dec;
-    *len = (size_t) (o - dec);
-    return (const char *) q + 1;
+    *slen = (size_t) (o - dec);
 }
 
 
 void
-tok_fast_iter_init(tok_fast_iter_t *it, const char *text, char *dec_a,
+tok_fast_iter_init(tok_fast_iter_t *it, const tok_fast_t *f, char *dec_a,
     char *dec_b)
 {
-    it->p = tok_fast_ws(text + 1);     /* past the { or [ */
+    it->f = f;
+    it->i = 0;
     it->dec_a = dec_a;
     it->dec_b = dec_b;
 }
@@ -621,20 +688,14 @@ int
 tok_fast_vocab_next(tok_fast_iter_t *it, const char **key, size_t *klen,
     uint32_t *id)
 {
-    const char  *p = it->p;
-    uint32_t     v = 0;
+    const tok_fast_ent_t  *e;
 
-    if (*p != '"') {
+    if (it->i == it->f->n_vocab) {
         return 0;
     }
-    p = tok_fast_ws(tok_fast_str(p, it->dec_a, key, klen));
-    p = tok_fast_ws(p + 1);     /* the ':' */
-    while (*p >= '0' && *p <= '9') {
-        v = v * 10 + (uint32_t) (*p++ - '0');
-    }
-    *id = v;
-    p = tok_fast_ws(p);
-    it->p = *p == ',' ? tok_fast_ws(p + 1) : p;
+    e = &it->f->vocab_ent[it->i++];
+    tok_fast_str(it->f->base, e->off, e->len, it->dec_a, key, klen);
+    *id = e->off2;
     return 1;
 }
 
@@ -644,21 +705,18 @@ int
 tok_fast_merge_next(tok_fast_iter_t *it, const char **a, size_t *alen,
     const char **b, size_t *blen)
 {
-    const char  *p = it->p;
+    const tok_fast_ent_t  *e;
 
-    if (*p == '"') {
-        p = tok_fast_str(p, it->dec_a, a, alen);
-        *b = NULL;
-        *blen = 0;
-    } else if (*p == '[') {
-        p = tok_fast_str(tok_fast_ws(p + 1), it->dec_a, a, alen);
-        p = tok_fast_ws(tok_fast_ws(p) + 1);    /* the ',' */
-        p = tok_fast_str(p, it->dec_b, b, blen);
-        p = tok_fast_ws(p) + 1;                 /* the ']' */
-    } else {
+    if (it->i == it->f->n_merges) {
         return 0;
     }
-    p = tok_fast_ws(p);
-    it->p = *p == ',' ? tok_fast_ws(p + 1) : p;
+    e = &it->f->merges_ent[it->i++];
+    tok_fast_str(it->f->base, e->off, e->len, it->dec_a, a, alen);
+    if (it->f->pairs) {
+        tok_fast_str(it->f->base, e->off2, e->len2, it->dec_b, b, blen);
+    } else {
+        *b = NULL;
+        *blen = 0;
+    }
     return 1;
 }
