@@ -180,16 +180,13 @@ tok_js_string(tok_js_t *s, const char **raw, size_t *rawlen, int *esc)
 }
 
 
-/* An RFC 8259 number; *plain: a non-negative integer below 2^31, in *id */
+/* An RFC 8259 number */
 static int
-tok_js_number(tok_js_t *s, int *plain, uint32_t *id)
+tok_js_number(tok_js_t *s)
 {
     const unsigned char  *p = s->p, *end = s->end, *start = s->p;
-    uint64_t              v = 0;
 
-    *plain = 1;
     if (p < end && *p == '-') {
-        *plain = 0;
         p++;
     }
     if (p == end || *p < '0' || *p > '9') {
@@ -199,14 +196,10 @@ tok_js_number(tok_js_t *s, int *plain, uint32_t *id)
         p++;
     } else {
         while (p < end && *p >= '0' && *p <= '9') {
-            if (p - start < 12) {
-                v = v * 10 + (uint64_t) (*p - '0');
-            }
             p++;
         }
     }
     if (p < end && *p == '.') {
-        *plain = 0;
         p++;
         if (p == end || *p < '0' || *p > '9') {
             return -1;
@@ -216,7 +209,6 @@ tok_js_number(tok_js_t *s, int *plain, uint32_t *id)
         }
     }
     if (p < end && (*p == 'e' || *p == 'E')) {
-        *plain = 0;
         p++;
         if (p < end && (*p == '+' || *p == '-')) {
             p++;
@@ -232,8 +224,32 @@ tok_js_number(tok_js_t *s, int *plain, uint32_t *id)
     if (p - start > TOK_FAST_NUMLEN) {
         return -1;
     }
-    if (p - start > 10 || v >= 2147483648u) {
-        *plain = 0;
+    s->p = p;
+    return 0;
+}
+
+
+/* A vocabulary id: 0 or [1-9][0-9]* below 2^31, then no '.', 'e', 'E' */
+static int
+tok_js_id(tok_js_t *s, uint32_t *id)
+{
+    const unsigned char  *p = s->p, *end = s->end;
+    uint64_t              v;
+
+    if (p == end || *p < '0' || *p > '9') {
+        return -1;
+    }
+    v = (uint64_t) (*p++ - '0');
+    if (v != 0) {
+        while (p < end && *p >= '0' && *p <= '9' && p - s->p < 11) {
+            v = v * 10 + (uint64_t) (*p++ - '0');
+        }
+    }
+    if (v >= 2147483648u
+        || (p < end && ((*p >= '0' && *p <= '9') || *p == '.' || *p == 'e'
+                        || *p == 'E')))
+    {
+        return -1;      /* the cJSON path decides */
     }
     *id = (uint32_t) v;
     s->p = p;
@@ -278,8 +294,7 @@ tok_js_value(tok_js_t *s, int depth)
 {
     const char  *raw;
     size_t       rawlen;
-    int          esc, plain, rc;
-    uint32_t     id;
+    int          esc, rc;
 
     if (s->p == s->end || depth > TOK_FAST_DEPTH) {
         return -1;
@@ -331,7 +346,7 @@ tok_js_value(tok_js_t *s, int depth)
         } while ((rc = tok_js_next(s, '}')) == 1);
         return rc;
     default:
-        return tok_js_number(s, &plain, &id);
+        return tok_js_number(s);
     }
 }
 
@@ -340,9 +355,9 @@ tok_js_value(tok_js_t *s, int depth)
 static int
 tok_js_vocab(tok_js_t *s, tok_fast_t *f)
 {
-    const char  *raw;
-    size_t       rawlen;
-    int              esc, plain, rc;
+    const char      *raw;
+    size_t           rawlen;
+    int              esc, rc;
     uint32_t         id, n = 0, cap = 0;
     tok_fast_ent_t  *e;
 
@@ -366,7 +381,7 @@ tok_js_vocab(tok_js_t *s, tok_fast_t *f)
         }
         s->p++;
         tok_js_ws(s);
-        if (tok_js_number(s, &plain, &id) != 0 || !plain
+        if (tok_js_id(s, &id) != 0
             || tok_fast_push(&f->vocab_ent, n, &cap) != 0)
         {
             return -1;
