@@ -1,7 +1,9 @@
 /*
  * Loading a Hugging Face tokenizer.json with cJSON.  Every refusal names
  * the field it is about ("model.merges[12]: ...") so that nginx -t and the
- * CLI can tell the user what is wrong with the file.
+ * CLI can tell the user what is wrong with the file.  model.vocab and
+ * model.merges usually come from tok_load_fast.c instead of the tree (see
+ * tok_load_text()); either way the same code fills the tables.
  */
 
 #include <errno.h>

@@ -1,8 +1,11 @@
 /*
  * The fast load path: model.vocab and model.merges (nearly all of a
- * tokenizer.json) are read straight from the text into the tables, and
- * cJSON parses only the rest of the document, with those two values
- * replaced by {} and [].
+ * tokenizer.json) are read from the text, with no parse tree, and cJSON
+ * parses only the rest of the document, with those two values replaced by
+ * {} and [].  One scan checks the document and records where each
+ * vocabulary key (with its id) and merge string is; tok_load.c then fills
+ * the tables from those positions with the same per-entry code as for a
+ * cJSON tree.
  *
  * tok_fast_scan() first checks the whole document against a strict JSON
  * grammar that is a subset of what cJSON accepts (whitespace is space, tab,
