@@ -406,9 +406,54 @@ void tok_chat_free(struct tok_chat_s *chat);
 struct cJSON;
 dpd_tok_t *tok_load_mem(const char *buf, size_t len, const char *name,
     char *err, size_t errlen);
+/* mode: TOK_LOAD_AUTO (the fast path when the file allows it) or
+ * TOK_LOAD_CJSON (the whole file through cJSON, for differential tests);
+ * *fast (may be NULL) says which path loaded it */
+#define TOK_LOAD_AUTO   0
+#define TOK_LOAD_CJSON  1
+dpd_tok_t *tok_load_mem_mode(const char *buf, size_t len, const char *name,
+    int mode, int *fast, char *err, size_t errlen);
 char *tok_read_file(const char *path, size_t *len, char *err, size_t errlen);
 struct cJSON *tok_parse_json(const char *path, const char *buf, size_t len,
     char *err, size_t errlen);
+
+/* tok_load_fast.c: model.vocab and model.merges read from the text */
+typedef struct {
+    uint32_t     off, len;      /* a string's text (len | 1 << 31: escaped) */
+    uint32_t     off2, len2;    /* vocab: off2 is the id; pairs: "b" */
+} tok_fast_ent_t;
+
+typedef struct {
+    const char  *base;          /* the document */
+    const char  *vocab;         /* the value's text, in the document */
+    size_t       vocab_len;
+    uint32_t     n_vocab;
+    const char  *merges;
+    size_t       merges_len;
+    uint32_t     n_merges;
+    int          pairs;         /* merges as ["a", "b"] */
+    size_t       merge_max;     /* longest merge, raw text */
+    size_t       max_str;       /* longest string of either, raw text */
+    tok_fast_ent_t  *vocab_ent;     /* n_vocab, in document order */
+    tok_fast_ent_t  *merges_ent;    /* n_merges */
+} tok_fast_t;
+
+typedef struct {
+    const tok_fast_t  *f;
+    uint32_t           i;
+    char              *dec_a, *dec_b;   /* max_str + 1 bytes each */
+} tok_fast_iter_t;
+
+int tok_fast_scan(const char *buf, size_t len, tok_fast_t *f);
+char *tok_fast_rest(const char *buf, size_t len, const tok_fast_t *f,
+    size_t *outlen);
+void tok_fast_free(tok_fast_t *f);
+void tok_fast_iter_init(tok_fast_iter_t *it, const tok_fast_t *f,
+    char *dec_a, char *dec_b);
+int tok_fast_vocab_next(tok_fast_iter_t *it, const char **key, size_t *klen,
+    uint32_t *id);
+int tok_fast_merge_next(tok_fast_iter_t *it, const char **a, size_t *alen,
+    const char **b, size_t *blen);
 
 /* error helper */
 void tok_err(char *err, size_t errlen, const char *fmt, ...)

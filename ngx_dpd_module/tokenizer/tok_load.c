@@ -1,7 +1,9 @@
 /*
  * Loading a Hugging Face tokenizer.json with cJSON.  Every refusal names
  * the field it is about ("model.merges[12]: ...") so that nginx -t and the
- * CLI can tell the user what is wrong with the file.
+ * CLI can tell the user what is wrong with the file.  model.vocab and
+ * model.merges usually come from tok_load_fast.c instead of the tree (see
+ * tok_load_text()); either way the same code fills the tables.
  */
 
 #include <errno.h>
@@ -169,14 +171,52 @@ tok_json_id(const cJSON *v, uint32_t *id)
 
 /* ---- model */
 
+/* One vocabulary entry; raw is a scratch buffer of at least klen bytes. */
+static int
+tok_vocab_add(dpd_tok_t *tok, const char *key, size_t klen, uint32_t id,
+    char *raw)
+{
+    size_t  rawlen;
+    int     rc;
+
+    if (!tok->byte_level) {
+        rc = tok_strmap_put(&tok->vocab, key, klen, id);
+    } else if (tok_byte_level_decode(key, klen, raw, &rawlen) == 0) {
+        rc = tok_strmap_put(&tok->vocab, raw, rawlen, id);
+    } else {
+        /* not reachable from byte-level text; kept to check merges */
+        rc = tok_strmap_put(&tok->other, key, klen, id);
+    }
+    if (rc < 0) {
+        return -1;
+    }
+    if (id + 1 > tok->vocab_size) {
+        tok->vocab_size = id + 1;
+    }
+    return 0;
+}
+
+
+static int
+tok_vocab_init(dpd_tok_t *tok, uint32_t n, char *err, size_t errlen)
+{
+    if (tok_strmap_init(&tok->vocab, n) != 0
+        || tok_strmap_init(&tok->other, 16) != 0)
+    {
+        tok_err(err, errlen, "model.vocab: out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+
 static int
 tok_load_vocab(dpd_tok_t *tok, const cJSON *vocab, char *err, size_t errlen)
 {
     const cJSON  *e;
     uint32_t      id, n = 0;
     char         *raw = NULL;
-    size_t        rawcap = 0, rawlen, klen;
-    int           rc;
+    size_t        rawcap = 0, klen;
 
     if (!cJSON_IsObject(vocab)) {
         tok_err(err, errlen, "model.vocab: missing or not an object");
@@ -189,10 +229,7 @@ tok_load_vocab(dpd_tok_t *tok, const cJSON *vocab, char *err, size_t errlen)
         tok_err(err, errlen, "model.vocab: empty");
         return -1;
     }
-    if (tok_strmap_init(&tok->vocab, n) != 0
-        || tok_strmap_init(&tok->other, 16) != 0)
-    {
-        tok_err(err, errlen, "model.vocab: out of memory");
+    if (tok_vocab_init(tok, n, err, errlen) != 0) {
         return -1;
     }
 
@@ -214,26 +251,46 @@ tok_load_vocab(dpd_tok_t *tok, const cJSON *vocab, char *err, size_t errlen)
             raw = p;
             rawcap = klen + 64;
         }
-        if (!tok->byte_level) {
-            rc = tok_strmap_put(&tok->vocab, e->string, klen, id);
-        } else if (tok_byte_level_decode(e->string, klen, raw, &rawlen)
-                   == 0)
-        {
-            rc = tok_strmap_put(&tok->vocab, raw, rawlen, id);
-        } else {
-            /* not reachable from byte-level text; kept to check merges */
-            rc = tok_strmap_put(&tok->other, e->string, klen, id);
-        }
-        if (rc < 0) {
+        if (tok_vocab_add(tok, e->string, klen, id, raw) != 0) {
             free(raw);
             tok_err(err, errlen, "model.vocab: out of memory");
             return -1;
         }
-        if (id + 1 > tok->vocab_size) {
-            tok->vocab_size = id + 1;
-        }
     }
     free(raw);
+    return 0;
+}
+
+
+/* The same from the text tok_fast_scan() checked (ids all valid). */
+static int
+tok_load_vocab_fast(dpd_tok_t *tok, const tok_fast_t *f, char *err,
+    size_t errlen)
+{
+    tok_fast_iter_t   it;
+    const char       *key;
+    size_t            klen;
+    uint32_t          id;
+    char             *buf;
+
+    if (tok_vocab_init(tok, f->n_vocab, err, errlen) != 0) {
+        return -1;
+    }
+    /* an escaped key decodes into the first half, byte-level into the second */
+    buf = malloc(2 * f->max_str + 2);
+    if (buf == NULL) {
+        tok_err(err, errlen, "model.vocab: out of memory");
+        return -1;
+    }
+    tok_fast_iter_init(&it, f, buf, NULL);
+    while (tok_fast_vocab_next(&it, &key, &klen, &id)) {
+        if (tok_vocab_add(tok, key, klen, id, buf + f->max_str + 1) != 0) {
+            free(buf);
+            tok_err(err, errlen, "model.vocab: out of memory");
+            return -1;
+        }
+    }
+    free(buf);
     return 0;
 }
 
@@ -258,16 +315,100 @@ tok_merge_side(const dpd_tok_t *tok, const char *s, size_t len, char *raw,
 }
 
 
+/* "a b": exactly one space, as Hugging Face requires */
+static int
+tok_merge_split(const char *s, size_t len, uint32_t rank, size_t *ll,
+    const char **rs, size_t *rl, char *err, size_t errlen)
+{
+    const char  *sp = memchr(s, ' ', len);
+
+    if (sp == NULL || memchr(sp + 1, ' ', len - (size_t) (sp + 1 - s))
+                      != NULL)
+    {
+        tok_err(err, errlen, "model.merges[%u]: \"%.*s\" is not two "
+                "tokens separated by one space", rank,
+                (int) (len > 64 ? 64 : len), s);
+        return -1;
+    }
+    *ll = (size_t) (sp - s);
+    *rs = sp + 1;
+    *rl = len - *ll - 1;
+    return 0;
+}
+
+
+/*
+ * One merge of rank "rank"; ra and rb are scratch buffers of maxlen + 2
+ * bytes, the longest merge's text (ra is followed by rb).
+ */
+static int
+tok_merge_add(dpd_tok_t *tok, const char *ls, size_t ll, const char *rs,
+    size_t rl, uint32_t rank, char *ra, char *rb, char *err, size_t errlen)
+{
+    size_t    alen, blen;
+    uint32_t  lid, rid, mid;
+    int       ka, kb;
+
+    ka = tok_merge_side(tok, ls, ll, ra, &lid, &alen);
+    if (ka < 0) {
+        tok_err(err, errlen, "model.merges[%u]: token \"%.*s\" is not in "
+                "model.vocab", rank, (int) (ll > 64 ? 64 : ll), ls);
+        return -1;
+    }
+    kb = tok_merge_side(tok, rs, rl, rb, &rid, &blen);
+    if (kb < 0) {
+        tok_err(err, errlen, "model.merges[%u]: token \"%.*s\" is not in "
+                "model.vocab", rank, (int) (rl > 64 ? 64 : rl), rs);
+        return -1;
+    }
+    if (ka == 1 && kb == 1) {
+        memmove(ra + alen, rb, blen);   /* ra and rb do not overlap */
+        mid = tok_strmap_get(&tok->vocab, ra, alen + blen);
+    } else {
+        /* outside the byte alphabet: check, but it can never apply */
+        char *cat = malloc(ll + rl + 1);
+        if (cat == NULL) {
+            tok_err(err, errlen, "model.merges: out of memory");
+            return -1;
+        }
+        memcpy(cat, ls, ll);
+        memcpy(cat + ll, rs, rl);
+        mid = tok_strmap_get(&tok->other, cat, ll + rl);
+        if (mid == TOK_NO_ID && tok_byte_level_decode(cat, ll + rl, ra,
+                                                      &alen) == 0)
+        {
+            mid = tok_strmap_get(&tok->vocab, ra, alen);
+        }
+        free(cat);
+        if (mid != TOK_NO_ID) {
+            return 0;
+        }
+    }
+    if (mid == TOK_NO_ID) {
+        tok_err(err, errlen, "model.merges[%u]: merged token \"%.*s%.*s\" "
+                "is not in model.vocab", rank, (int) (ll > 64 ? 64 : ll),
+                ls, (int) (rl > 64 ? 64 : rl), rs);
+        return -1;
+    }
+    if (ka == 1 && kb == 1
+        && tok_pairmap_put(&tok->merges, lid, rid, rank, mid) != 0)
+    {
+        tok_err(err, errlen, "model.merges: out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+
 static int
 tok_load_merges(dpd_tok_t *tok, const cJSON *merges, char *err,
     size_t errlen)
 {
     const cJSON  *e, *a, *b;
-    const char   *ls, *rs, *sp;
-    size_t        ll, rl, maxlen = 0, alen, blen;
-    uint32_t      n = 0, rank = 0, lid, rid, mid;
-    char         *buf = NULL, *ra, *rb;
-    int           ka, kb;
+    const char   *ls, *rs;
+    size_t        ll, rl, maxlen = 0;
+    uint32_t      n = 0, rank = 0;
+    char         *buf = NULL;
 
     if (!cJSON_IsArray(merges)) {
         tok_err(err, errlen, "model.merges: missing or not an array");
@@ -303,74 +444,24 @@ tok_load_merges(dpd_tok_t *tok, const cJSON *merges, char *err,
         tok_err(err, errlen, "model.merges: out of memory");
         return -1;
     }
-    ra = buf;
-    rb = buf + maxlen + 2;
 
     cJSON_ArrayForEach(e, merges) {
         if (cJSON_IsString(e)) {
             ls = e->valuestring;
-            sp = strchr(ls, ' ');
-            /* exactly one space, as Hugging Face requires */
-            if (sp == NULL || strchr(sp + 1, ' ') != NULL) {
-                tok_err(err, errlen, "model.merges[%u]: \"%.64s\" is not two "
-                        "tokens separated by one space", rank, ls);
+            if (tok_merge_split(ls, strlen(ls), rank, &ll, &rs, &rl, err,
+                                errlen) != 0)
+            {
                 goto fail;
             }
-            ll = (size_t) (sp - ls);
-            rs = sp + 1;
-            rl = strlen(rs);
         } else {
             ls = cJSON_GetArrayItem(e, 0)->valuestring;
             rs = cJSON_GetArrayItem(e, 1)->valuestring;
             ll = strlen(ls);
             rl = strlen(rs);
         }
-        ka = tok_merge_side(tok, ls, ll, ra, &lid, &alen);
-        if (ka < 0) {
-            tok_err(err, errlen, "model.merges[%u]: token \"%.*s\" is not in "
-                    "model.vocab", rank, (int) (ll > 64 ? 64 : ll), ls);
-            goto fail;
-        }
-        kb = tok_merge_side(tok, rs, rl, rb, &rid, &blen);
-        if (kb < 0) {
-            tok_err(err, errlen, "model.merges[%u]: token \"%.*s\" is not in "
-                    "model.vocab", rank, (int) (rl > 64 ? 64 : rl), rs);
-            goto fail;
-        }
-        if (ka == 1 && kb == 1) {
-            memmove(ra + alen, rb, blen);   /* ra and rb do not overlap */
-            mid = tok_strmap_get(&tok->vocab, ra, alen + blen);
-        } else {
-            /* outside the byte alphabet: check, but it can never apply */
-            char *cat = malloc(ll + rl + 1);
-            if (cat == NULL) {
-                tok_err(err, errlen, "model.merges: out of memory");
-                goto fail;
-            }
-            memcpy(cat, ls, ll);
-            memcpy(cat + ll, rs, rl);
-            mid = tok_strmap_get(&tok->other, cat, ll + rl);
-            if (mid == TOK_NO_ID && tok_byte_level_decode(cat, ll + rl, ra,
-                                                          &alen) == 0)
-            {
-                mid = tok_strmap_get(&tok->vocab, ra, alen);
-            }
-            free(cat);
-            if (mid != TOK_NO_ID) {
-                rank++;
-                continue;
-            }
-        }
-        if (mid == TOK_NO_ID) {
-            tok_err(err, errlen, "model.merges[%u]: merged token \"%.*s%.*s\" "
-                    "is not in model.vocab", rank, (int) (ll > 64 ? 64 : ll),
-                    ls, (int) (rl > 64 ? 64 : rl), rs);
-            goto fail;
-        }
-        if (ka == 1 && kb == 1
-            && tok_pairmap_put(&tok->merges, lid, rid, rank, mid) != 0)
+        if (tok_merge_add(tok, ls, ll, rs, rl, rank, buf, buf + maxlen + 2,
+                          err, errlen) != 0)
         {
-            tok_err(err, errlen, "model.merges: out of memory");
             goto fail;
         }
         rank++;
@@ -384,8 +475,45 @@ fail:
 }
 
 
+/* The same from the text tok_fast_scan() checked (its form is uniform). */
 static int
-tok_load_model(dpd_tok_t *tok, cJSON *model, char *err, size_t errlen)
+tok_load_merges_fast(dpd_tok_t *tok, const tok_fast_t *f, char *err,
+    size_t errlen)
+{
+    tok_fast_iter_t   it;
+    const char       *ls, *rs;
+    size_t            ll, rl, maxlen = f->merge_max;
+    uint32_t          rank = 0;
+    char             *buf, *dec;
+
+    if (tok_pairmap_init(&tok->merges, f->n_merges) != 0
+        || (buf = malloc(3 * maxlen + 8 + 2 * f->max_str + 2)) == NULL)
+    {
+        tok_err(err, errlen, "model.merges: out of memory");
+        return -1;
+    }
+    dec = buf + 3 * maxlen + 8;
+    tok_fast_iter_init(&it, f, dec, dec + f->max_str + 1);
+    while (tok_fast_merge_next(&it, &ls, &ll, &rs, &rl)) {
+        if ((rs == NULL
+             && tok_merge_split(ls, ll, rank, &ll, &rs, &rl, err, errlen)
+                != 0)
+            || tok_merge_add(tok, ls, ll, rs, rl, rank, buf,
+                             buf + maxlen + 2, err, errlen) != 0)
+        {
+            free(buf);
+            return -1;
+        }
+        rank++;
+    }
+    free(buf);
+    return 0;
+}
+
+
+static int
+tok_load_model(dpd_tok_t *tok, cJSON *model, const tok_fast_t *fast,
+    char *err, size_t errlen)
 {
     const cJSON  *v;
     unsigned      b;
@@ -434,8 +562,9 @@ tok_load_model(dpd_tok_t *tok, cJSON *model, char *err, size_t errlen)
     }
     tok->ignore_merges = tok_json_bool(model, "ignore_merges", 0);
 
-    if (tok_load_vocab(tok, cJSON_GetObjectItemCaseSensitive(model, "vocab"),
-                       err, errlen) != 0)
+    if (fast != NULL ? tok_load_vocab_fast(tok, fast, err, errlen) != 0
+                     : tok_load_vocab(tok, cJSON_GetObjectItemCaseSensitive(
+                                          model, "vocab"), err, errlen) != 0)
     {
         return -1;
     }
@@ -454,7 +583,9 @@ tok_load_model(dpd_tok_t *tok, cJSON *model, char *err, size_t errlen)
         tok_err(err, errlen, "model.merges: missing");
         return -1;
     }
-    if (tok_load_merges(tok, v, err, errlen) != 0) {
+    if (fast != NULL ? tok_load_merges_fast(tok, fast, err, errlen) != 0
+                     : tok_load_merges(tok, v, err, errlen) != 0)
+    {
         return -1;
     }
     cJSON_DeleteItemFromObjectCaseSensitive(model, "merges");
@@ -1097,7 +1228,8 @@ tok_has_byte_level(const cJSON *p, int depth)
 
 
 static int
-tok_load_json(dpd_tok_t *tok, cJSON *root, char *err, size_t errlen)
+tok_load_json(dpd_tok_t *tok, cJSON *root, const tok_fast_t *fast, char *err,
+    size_t errlen)
 {
     if (!cJSON_IsObject(root)) {
         tok_err(err, errlen, "tokenizer.json: not a JSON object");
@@ -1107,7 +1239,7 @@ tok_load_json(dpd_tok_t *tok, cJSON *root, char *err, size_t errlen)
     tok->byte_level = tok_has_byte_level(
         cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"), 0);
     if (tok_load_model(tok, cJSON_GetObjectItemCaseSensitive(root, "model"),
-                       err, errlen) != 0
+                       fast, err, errlen) != 0
         || tok_load_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root,
                                "normalizer"), "normalizer", err, errlen) != 0
         || tok_load_added(tok, cJSON_GetObjectItemCaseSensitive(root,
@@ -1133,9 +1265,13 @@ tok_load_json(dpd_tok_t *tok, cJSON *root, char *err, size_t errlen)
 }
 
 
-/* Build a tokenizer from a parsed tokenizer.json; deletes root. */
+/*
+ * Build a tokenizer from a parsed tokenizer.json; deletes root.  With fast,
+ * model.vocab and model.merges come from the text it points into.
+ */
 static dpd_tok_t *
-tok_load_root(cJSON *root, const char *name, char *err, size_t errlen)
+tok_load_root(cJSON *root, const tok_fast_t *fast, const char *name,
+    char *err, size_t errlen)
 {
     dpd_tok_t  *tok;
     char        ferr[512];
@@ -1152,18 +1288,68 @@ tok_load_root(cJSON *root, const char *name, char *err, size_t errlen)
     tok->gen = __atomic_add_fetch(&tok_gen_counter, 1, __ATOMIC_RELAXED);
 
     ferr[0] = '\0';
-    if (tok_load_json(tok, root, ferr, sizeof(ferr)) != 0) {
+    if (tok_load_json(tok, root, fast, ferr, sizeof(ferr)) != 0) {
         tok_err(err, errlen, "%s: %s", name, ferr);
         cJSON_Delete(root);
         dpd_tok_free(tok);
         return NULL;
     }
     cJSON_Delete(root);
+    return tok;
+}
+
+
+static dpd_tok_t *
+tok_trimmed(dpd_tok_t *tok)
+{
 #ifdef __GLIBC__
-    /* hand the parse tree's pages back: workers keep only the tables */
+    /* hand the parse's pages back: workers keep only the tables */
     malloc_trim(0);
 #endif
     return tok;
+}
+
+
+/*
+ * Load from tokenizer.json text.  When tok_fast_scan() vouches for the
+ * document, cJSON parses it without model.vocab and model.merges and those
+ * are read from the text; otherwise cJSON parses it all (the same result,
+ * slower).  own: buf may be freed as soon as it is no longer needed.
+ */
+static dpd_tok_t *
+tok_load_text(const char *buf, size_t len, const char *name, int mode,
+    int *fast_used, char *own, char *err, size_t errlen)
+{
+    tok_fast_t   fast;
+    dpd_tok_t   *tok;
+    cJSON       *root = NULL;
+    char        *rest;
+    size_t       rlen;
+
+    if (fast_used != NULL) {
+        *fast_used = 0;
+    }
+    if (mode == TOK_LOAD_AUTO && tok_fast_scan(buf, len, &fast) == 0) {
+        rest = tok_fast_rest(buf, len, &fast, &rlen);
+        if (rest != NULL) {
+            root = cJSON_ParseWithLength(rest, rlen);
+            free(rest);
+        }
+        if (root != NULL) {
+            if (fast_used != NULL) {
+                *fast_used = 1;
+            }
+            tok = tok_load_root(root, &fast, name, err, errlen);
+            tok_fast_free(&fast);
+            free(own);
+            return tok_trimmed(tok);
+        }
+        tok_fast_free(&fast);
+    }
+    root = tok_parse_json(name, buf, len, err, errlen);
+    free(own);      /* before the tables are built: a lower peak */
+    return root ? tok_trimmed(tok_load_root(root, NULL, name, err, errlen))
+                : NULL;
 }
 
 
@@ -1172,9 +1358,16 @@ dpd_tok_t *
 tok_load_mem(const char *buf, size_t len, const char *name, char *err,
     size_t errlen)
 {
-    cJSON  *root = tok_parse_json(name, buf, len, err, errlen);
+    return tok_load_text(buf, len, name, TOK_LOAD_AUTO, NULL, NULL, err,
+                         errlen);
+}
 
-    return root ? tok_load_root(root, name, err, errlen) : NULL;
+
+dpd_tok_t *
+tok_load_mem_mode(const char *buf, size_t len, const char *name, int mode,
+    int *fast, char *err, size_t errlen)
+{
+    return tok_load_text(buf, len, name, mode, fast, NULL, err, errlen);
 }
 
 
@@ -1183,7 +1376,6 @@ dpd_tok_load(const char *tokenizer_path, const char *config_path,
     char *err, size_t errlen)
 {
     dpd_tok_t  *tok;
-    cJSON      *root;
     char       *buf;
     size_t      len;
 
@@ -1195,12 +1387,8 @@ dpd_tok_load(const char *tokenizer_path, const char *config_path,
     if (buf == NULL) {
         return NULL;
     }
-    root = tok_parse_json(tokenizer_path, buf, len, err, errlen);
-    free(buf);      /* before the tables are built: a lower peak */
-    if (root == NULL) {
-        return NULL;
-    }
-    tok = tok_load_root(root, tokenizer_path, err, errlen);
+    tok = tok_load_text(buf, len, tokenizer_path, TOK_LOAD_AUTO, NULL, buf,
+                        err, errlen);
     if (tok == NULL) {
         return NULL;
     }

@@ -186,33 +186,79 @@ tok_utf8_decode(const char *s, size_t len, uint32_t *cp)
  * GPT-2 byte-level alphabet: printable Latin-1 bytes stand for themselves,
  * the other 68 bytes map to U+0100.. in byte order.  Decode a vocabulary
  * string to the raw bytes it stands for; -1 if it uses another character.
+ *
+ * Every character of the alphabet is ASCII (0x21-0x7E) or two bytes of
+ * UTF-8 led by C2-C5 (U+00A1-U+0143): a table per form.  Anything else --
+ * another character, or invalid UTF-8 (which decodes to U+FFFD) -- is
+ * outside the alphabet.  tok_byte_dec[b] for b < 0x80 and tok_byte_dec2[cp
+ * - 0x80] for U+0080-U+017F: the byte plus 1, 0 when not in the alphabet
+ * (generated from the rule above: 0x21-0x7E, 0xA1-0xAC and 0xAE-0xFF stand
+ * for themselves, the other bytes are U+0100 + their rank).
  */
-static int
-tok_byte_printable(unsigned b)
-{
-    return (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC)
-           || (b >= 0xAE && b <= 0xFF);
-}
+static const uint16_t  tok_byte_dec[128] = {
+      0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,
+      0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,
+      0,   0,   0,   0,   0,   0,   0,   0,   0,  34,  35,  36,
+     37,  38,  39,  40,  41,  42,  43,  44,  45,  46,  47,  48,
+     49,  50,  51,  52,  53,  54,  55,  56,  57,  58,  59,  60,
+     61,  62,  63,  64,  65,  66,  67,  68,  69,  70,  71,  72,
+     73,  74,  75,  76,  77,  78,  79,  80,  81,  82,  83,  84,
+     85,  86,  87,  88,  89,  90,  91,  92,  93,  94,  95,  96,
+     97,  98,  99, 100, 101, 102, 103, 104, 105, 106, 107, 108,
+    109, 110, 111, 112, 113, 114, 115, 116, 117, 118, 119, 120,
+    121, 122, 123, 124, 125, 126, 127,   0,
+};
+
+static const uint16_t  tok_byte_dec2[256] = {
+      0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,
+      0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,
+      0,   0,   0,   0,   0,   0,   0,   0,   0, 162, 163, 164,
+    165, 166, 167, 168, 169, 170, 171, 172, 173,   0, 175, 176,
+    177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188,
+    189, 190, 191, 192, 193, 194, 195, 196, 197, 198, 199, 200,
+    201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212,
+    213, 214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224,
+    225, 226, 227, 228, 229, 230, 231, 232, 233, 234, 235, 236,
+    237, 238, 239, 240, 241, 242, 243, 244, 245, 246, 247, 248,
+    249, 250, 251, 252, 253, 254, 255, 256,   1,   2,   3,   4,
+      5,   6,   7,   8,   9,  10,  11,  12,  13,  14,  15,  16,
+     17,  18,  19,  20,  21,  22,  23,  24,  25,  26,  27,  28,
+     29,  30,  31,  32,  33, 128, 129, 130, 131, 132, 133, 134,
+    135, 136, 137, 138, 139, 140, 141, 142, 143, 144, 145, 146,
+    147, 148, 149, 150, 151, 152, 153, 154, 155, 156, 157, 158,
+    159, 160, 161, 174,   0,   0,   0,   0,   0,   0,   0,   0,
+      0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,
+      0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,
+      0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,
+      0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,   0,
+      0,   0,   0,   0,
+};
 
 
 int
 tok_byte_level_decode(const char *s, size_t len, char *out, size_t *outlen)
 {
-    size_t    i = 0, o = 0, n;
-    uint32_t  cp, k;
+    const unsigned char  *p = (const unsigned char *) s, *end = p + len;
+    size_t                o = 0;
+    unsigned              c, v;
 
-    while (i < len) {
-        n = tok_utf8_decode(s + i, len - i, &cp);
-        if (cp < 256 && tok_byte_printable(cp)) {
-            out[o++] = (char) cp;
-        } else if (cp >= 256 && cp < 256 + 68) {
-            /* the non-printable bytes in order: 0x00-0x20, 0x7F-0xA0, 0xAD */
-            k = cp - 256;
-            out[o++] = (char) (k < 33 ? k : k < 67 ? 0x7F + (k - 33) : 0xAD);
+    while (p < end) {
+        c = *p;
+        if (c < 0x80) {
+            v = tok_byte_dec[c];
+            p++;
+        } else if (c >= 0xC2 && c <= 0xC5 && end - p >= 2
+                   && (p[1] & 0xC0) == 0x80)
+        {
+            v = tok_byte_dec2[((c & 0x1F) << 6 | (p[1] & 0x3F)) - 0x80];
+            p += 2;
         } else {
             return -1;
         }
-        i += n;
+        if (v == 0) {
+            return -1;
+        }
+        out[o++] = (char) (v - 1);
     }
     *outlen = o;
     return 0;

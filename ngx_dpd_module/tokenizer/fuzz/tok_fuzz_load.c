@@ -1,7 +1,9 @@
 /*
  * libFuzzer target: the tokenizer.json loader.  Any input either loads or
  * is refused with a message; a tokenizer that loads must encode its own
- * input and a fixed text without fault, and count what it encodes.
+ * input and a fixed text without fault, and count what it encodes.  The
+ * fast load path and cJSON for the whole file must agree on every input:
+ * the same refusal or equal tables (tok_load_diff.h).
  */
 
 #include <stdint.h>
@@ -9,6 +11,7 @@
 #include <string.h>
 
 #include "../tok_internal.h"
+#include "tok_load_diff.h"
 
 
 int
@@ -19,7 +22,13 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     uint32_t           ids[256];
     dpd_tok_t         *tok;
     long               n, c;
+    int                fast, loaded;
 
+    if (tok_load_diff((const char *) data, size, "fuzz", &fast, &loaded)
+        != 0)
+    {
+        abort();
+    }
     err[0] = '\0';
     tok = tok_load_mem((const char *) data, size, "fuzz", err, sizeof(err));
     if (tok == NULL) {
