@@ -54,21 +54,14 @@ for c in t64 t4096; do
 done
 
 mkdir -p "$WORK/back"
-cat >"$WORK/back/nginx.conf" <<EOF
-worker_processes 1;
-pid $WORK/back/nginx.pid;
-error_log $WORK/back/error.log warn;
-events { worker_connections 4096; }
-http {
-    client_body_temp_path $WORK/back/body;
-    access_log off;
-    keepalive_requests 1000000;
+{ bench_conf_head "$WORK/back" 4096; cat <<EOF
     server {
 $listens
         location / { return 200 "ok\n"; }
     }
 }
 EOF
+} >"$WORK/back/nginx.conf"
 "${PIN_BACK[@]}" "$NGINX" -p "$WORK/back" -c "$WORK/back/nginx.conf" \
     -e "$WORK/back/error.log"
 PIDFILES=("$WORK/back/nginx.pid")

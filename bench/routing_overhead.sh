@@ -223,16 +223,7 @@ EOF
 # the whole request body before it answers (proxy_pass buffers the body;
 # only the headers go on to the canned answer)
 mkdir -p "$WORK/reader"
-cat >"$WORK/reader/nginx.conf" <<EOF
-worker_processes 1;
-pid $WORK/reader/nginx.pid;
-error_log $WORK/reader/error.log warn;
-events { worker_connections 1024; }
-http {
-    access_log off;
-    keepalive_requests 100000;
-    client_body_temp_path $WORK/reader;
-    proxy_temp_path $WORK/reader;
+{ bench_conf_head "$WORK/reader"; cat <<EOF
     client_max_body_size 16m;
     client_body_buffer_size 1m;
     server {
@@ -252,6 +243,7 @@ http {
     }
 }
 EOF
+} >"$WORK/reader/nginx.conf"
 "$NGINX" -p "$WORK/reader" -c "$WORK/reader/nginx.conf" -e "$WORK/reader/error.log"
 PIDS+=("$(sleep 0.2; cat "$WORK/reader/nginx.pid")")
 "${PIN_NGINX[@]}" "$NGINX" -p "$WORK" -c "$WORK/nginx.conf" -e "$WORK/error.log"
