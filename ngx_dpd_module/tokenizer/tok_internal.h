@@ -384,6 +384,8 @@ void tok_pretokenize(tok_work_t *w, int stage, const char *s, size_t len);
 int tok_pretok_fast_kind(const char *pattern, size_t len);
 /* end of the match of pattern `kind` that starts at `at` (< len) */
 size_t tok_pretok_fast_next(int kind, const char *s, size_t len, size_t at);
+void tok_pretok_fast_bpe(tok_work_t *w, int kind, const char *s, size_t len,
+    int top);
 
 /* tok_encode.c */
 long tok_encode_sink(const dpd_tok_t *tok, const char *text, size_t len,

@@ -245,14 +245,14 @@ tok_split_fast(tok_work_t *w, int stage, int fast, int behavior, int invert,
                      && nx->kind == TOK_PRE_BYTELEVEL
                      && !nx->add_prefix_space && nx->re == NULL);
         /* every match is a piece */
+        if (direct) {
+            tok_pretok_fast_bpe(w, fast, s, len, top);
+            return;
+        }
         for (at = 0; at < len && !w->oom; at = me) {
             me = tok_pretok_fast_next(fast, s, len, at);
             w->at_start = top && at == 0;
-            if (direct) {
-                tok_bpe(w, s + at, me - at);
-            } else {
-                tok_pretokenize(w, stage + 1, s + at, me - at);
-            }
+            tok_pretokenize(w, stage + 1, s + at, me - at);
         }
         return;
     }

@@ -302,8 +302,8 @@ tok_match_gpt2(const u_char *p, const u_char *e)
 }
 
 
-size_t
-tok_pretok_fast_next(int kind, const char *s, size_t len, size_t at)
+static inline __attribute__((always_inline)) size_t
+tok_fast_next(int kind, const char *s, size_t len, size_t at)
 {
     const u_char  *p = (const u_char *) s + at, *e = (const u_char *) s + len;
     size_t         r;
@@ -329,4 +329,44 @@ tok_pretok_fast_next(int kind, const char *s, size_t len, size_t at)
     }
 
     return r;
+}
+
+
+size_t
+tok_pretok_fast_next(int kind, const char *s, size_t len, size_t at)
+{
+    return tok_fast_next(kind, s, len, at);
+}
+
+
+/* every piece straight to BPE, the matcher inlined for its kind */
+static inline __attribute__((always_inline)) void
+tok_fast_bpe_loop(tok_work_t *w, int kind, const char *s, size_t len,
+    int top)
+{
+    size_t  at, me;
+
+    for (at = 0; at < len && !w->oom; at = me) {
+        me = tok_fast_next(kind, s, len, at);
+        w->at_start = top && at == 0;
+        tok_bpe(w, s + at, me - at);
+    }
+}
+
+
+void
+tok_pretok_fast_bpe(tok_work_t *w, int kind, const char *s, size_t len,
+    int top)
+{
+    switch (kind) {
+    case TOK_FAST_LLAMA3:
+        tok_fast_bpe_loop(w, TOK_FAST_LLAMA3, s, len, top);
+        break;
+    case TOK_FAST_QWEN2:
+        tok_fast_bpe_loop(w, TOK_FAST_QWEN2, s, len, top);
+        break;
+    default:
+        tok_fast_bpe_loop(w, kind, s, len, top);
+        break;
+    }
 }
