@@ -402,15 +402,23 @@ dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
                 return 0;
             }
 
-            n = dpd_tok_count(tok, text, len, 0);
-            free(text);
+            /*
+             * gpt-oss: harmony encodes its text pieces without matching
+             * added tokens, the rendered text re-encoded is not its ids:
+             * the exact path below counts them
+             */
 
-            if (n < 0) {
-                return -1;
+            if (!dpd_tok_chat_harmony(tok)) {
+                n = dpd_tok_count(tok, text, len, 0);
+                free(text);
+
+                if (n < 0) {
+                    return -1;
+                }
+
+                out->tokens = n;
+                return 0;
             }
-
-            out->tokens = n;
-            return 0;
         }
 
         free(text);
