@@ -436,8 +436,14 @@ dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
 
     if (estimated && err[0]) {
         /* image, audio parts: the text is counted */
-        snprintf(out->note, sizeof(out->note), "text counted only (%s)",
-                 err);
+        if (strncmp(err, "harmony:", 8) == 0) {
+            /* gpt-oss: a request feature left to the estimate */
+            snprintf(out->note, sizeof(out->note), "estimated (%s)", err);
+
+        } else {
+            snprintf(out->note, sizeof(out->note), "text counted only (%s)",
+                     err);
+        }
     }
 
     out->tokens = n;
