@@ -1122,6 +1122,9 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     size_t          i;
     int             rc = -1, agp, cfm, has_tools = 0;
 
+    if (errlen) {
+        err[0] = '\0';
+    }
     memset(&l, 0, sizeof(l));
     memset(&o, 0, sizeof(o));
     memset(&sys, 0, sizeof(sys));
@@ -1258,6 +1261,9 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     rc = 0;
 
 done:
+    if (rc < 0 && errlen && err[0] == '\0') {
+        tok_err(err, errlen, "out of memory");
+    }
     if (rc == 0) {
         if (text) {
             *text = o.text.p ? o.text.p : strdup("");

@@ -358,4 +358,17 @@ for my $est (
     like($out, qr/^\d+\n\z/, "estimate: $name: a number");
 }
 
+# the count does not depend on the date: "YYYY-MM-DD" splits into digit
+# runs of 1-3 (the pre-tokenizer's \p{N}{1,3}) and every such run is one
+# token of the vocabulary
+{
+    my $f = "$dir/harmony-digits-$$";
+    spew($f, join('', map { "\"$_\"\n" } (map { sprintf '%03d', $_ } 0 .. 999),
+                                      (map { sprintf '%02d', $_ } 0 .. 99), 0 .. 9));
+    my ($rc, $err) = run_cmd("$T --jsonl --count < '$f' > '$f.out'", 30);
+    my @c = split /\n/, slurp("$f.out");
+    unlink $f, "$f.out";
+    is(scalar(grep { $_ eq '1' } @c), 1110, 'every 1-3 digit run is one token: any date counts the same');
+}
+
 done_testing();
