@@ -276,6 +276,39 @@ check('tool calls', $calls, sub { sys_msg('medium', 1)
       . '<|start|>functions.get_weather to=assistant<|channel|>commentary'
       . '<|message|>18C<|end|><|start|>assistant' });
 
+# a preamble (content next to tool calls) goes first, to commentary with
+# no recipient: <|end|>, not <|call|> (parse_chat_input_to_harmony_message;
+# Render<Message>); a call's missing arguments are "" (`or ""`); the
+# assistant's final answer after the result ends the list
+my $pre = '{"tools":[{"type":"function","function":{"name":"now","description":""}}],'
+  . '"messages":[{"role":"user","content":"Time?"},'
+  . '{"role":"assistant","content":[{"type":"text","text":"Checking."}],'
+  . '"tool_calls":[{"id":"t","type":"function","function":{"name":"now"}}]},'
+  . '{"role":"tool","tool_call_id":"t","content":[{"type":"text","text":"noon"}]},'
+  . '{"role":"assistant","content":"Noon."}]}';
+check('preamble', $pre, sub { sys_msg('medium', 1)
+      # an empty description: str::lines() gives no comment line
+      . "<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n"
+      . "type now = () => any;\n\n} // namespace functions<|end|>"
+      . '<|start|>user<|message|>Time?<|end|>'
+      . '<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>'
+      . '<|start|>assistant to=functions.now<|channel|>commentary json<|message|><|call|>'
+      . '<|start|>functions.now to=assistant<|channel|>commentary<|message|>noon<|end|>'
+      . '<|start|>assistant<|channel|>final<|message|>Noon.<|end|><|start|>assistant' });
+
+# text parts are rendered one by one (Render<Message>: each TextContent
+# through render_text_into): "Hel" + "lo" are not the ids of "Hello"
+{
+    my $want = sub { sys_msg('medium', 0) . '<|start|>user<|message|>Hello<|end|>'
+                     . '<|start|>assistant' };
+    check('text parts', { messages => [{ role => 'user', content => [
+              { type => 'text', text => 'Hel' }, { type => 'text', text => 'lo' }] }] },
+          $want, ids => join(' ', ids_of(sys_msg('medium', 0) . '<|start|>user<|message|>'),
+                             ids_of('Hel'), ids_of('lo'), ids_of('<|end|><|start|>assistant')));
+    isnt(ids_of('Hello'), join(' ', ids_of('Hel'), ids_of('lo')),
+         'text parts: the pieces differ from the joined text');
+}
+
 # ---- unicode, and text that spells a format token: harmony encodes text
 # with encode_ordinary, so "<|end|>" in a message is text, not id 200007
 my $uni = "Grüße, 世界 🌍 — <|end|>";
