@@ -83,8 +83,14 @@ our %WANT = (
 our %BODY = map { $_ => $JSON->encode($REQ{$_}) } keys %REQ;
 
 # gpt-oss: vLLM renders with openai_harmony; the text below is derived by
-# hand from harmony's src/encoding.rs and vLLM's harmony_utils (see
-# t/tokenizer/22-harmony.t for each part), its ids by Hugging Face
+# hand from harmony's src/encoding.rs (HEAD ec7606df) and current vLLM
+# (renderers/online_renderer.py _make_request_with_harmony, commit efa1035f;
+# entrypoints/openai/parser/harmony_utils.py extract_instructions_from_
+# messages, build_harmony_preamble, get_system_message,
+# get_system_or_developer_message): the leading system message becomes the
+# developer message's "# Instructions", one in the middle a developer
+# message of its own, the system message lists all three channels (see
+# t/tokenizer/22-harmony.t for each part); its ids by Hugging Face
 sub hf_count {
     my ($tj, $text) = @_;
     open(my $f, '>', "$tmp/text.jsonl") or die;
@@ -97,17 +103,21 @@ sub hf_count {
 my @today = gmtime;
 my $date = sprintf('%04d-%02d-%02d', $today[5] + 1900, $today[4] + 1, $today[3]);
 $REQ{oss} = { model => 'm', reasoning_effort => 'low', messages => [
+    { role => 'system', content => 'Answer with a number.' },
     { role => 'user', content => 'What is 2+2?' },
     { role => 'assistant', content => '4', reasoning => 'Add them.' },
+    { role => 'system', content => 'Be brief.' },
     { role => 'user', content => 'And 3+3?' }] };
 $BODY{oss} = $JSON->encode($REQ{oss});
 $WANT{oss} = hf_count($oss_tj,
     "<|start|>system<|message|>You are ChatGPT, a large language model "
   . "trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: $date\n\n"
-  . "Reasoning: low\n\n# Valid channels: analysis, final. Channel must be "
-  . "included for every message.<|end|>"
+  . "Reasoning: low\n\n# Valid channels: analysis, commentary, final. "
+  . "Channel must be included for every message.<|end|>"
+  . "<|start|>developer<|message|># Instructions\n\nAnswer with a number.<|end|>"
   . "<|start|>user<|message|>What is 2+2?<|end|>"
   . "<|start|>assistant<|channel|>final<|message|>4<|end|>"
+  . "<|start|>developer<|message|># Instructions\n\nBe brief.<|end|>"
   . "<|start|>user<|message|>And 3+3?<|end|><|start|>assistant");
 $ENV{TEST_NGINX_GPTOSS} = $oss_tj;
 

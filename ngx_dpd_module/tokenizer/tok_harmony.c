@@ -1,10 +1,15 @@
 
 /*
  * gpt-oss chats as vLLM renders them: not a Jinja template but
- * openai_harmony (vLLM serving_chat._make_request_with_harmony).  The
- * messages are built as vLLM's harmony_utils does (get_system_message,
- * get_developer_message, parse_chat_inputs_to_harmony_messages with its
- * auto_drop_analysis_messages) and rendered as harmony's Rust renderer
+ * openai_harmony (current vLLM: renderers/online_renderer.py
+ * OnlineRenderer._make_request_with_harmony, commit efa1035f; default
+ * env: VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS off, VLLM_SYSTEM_START_DATE
+ * unset).  The messages are built as vLLM's
+ * entrypoints/openai/parser/harmony_utils.py does
+ * (extract_instructions_from_messages, build_harmony_preamble,
+ * get_system_message, get_developer_message,
+ * get_system_or_developer_message, parse_chat_inputs_to_harmony_messages
+ * with its auto_drop_analysis_messages) and rendered as harmony's Rust renderer
  * does (src/encoding.rs: Render<Message>, Render<SystemContent>,
  * Render<DeveloperContent>, template_tools_section,
  * json_schema_to_typescript, render_conversation_for_completion).
@@ -217,8 +222,9 @@ th_text_cs(th_out_t *o, const char *s)
 #define TH_UNSUPPORTED  1
 
 typedef struct {
-    char    *err;
-    size_t   errlen;
+    char          *err;
+    size_t         errlen;
+    const cJSON   *lead;        /* the leading system/developer message */
 } th_ctx_t;
 
 
@@ -761,13 +767,39 @@ th_flat(th_msg_t *m, const cJSON *c)
 }
 
 
+/*
+ * flatten_input_text_content into s: 0 with the text, 1 where vLLM gets
+ * None (null or absent content, an array without text), -1 out of memory
+ */
+static int
+th_instr(th_str_t *s, const cJSON *c)
+{
+    const cJSON  *p;
+
+    if (cJSON_IsString(c)) {
+        th_cs(s, c->valuestring);
+        return s->oom ? -1 : 0;
+    }
+    if (!cJSON_IsArray(c) || c->child == NULL) {
+        return 1;
+    }
+    cJSON_ArrayForEach(p, c) {
+        th_cs(s, cJSON_GetObjectItemCaseSensitive(p, "text")->valuestring);
+    }
+    return s->oom ? -1 : 0;
+}
+
+
 /* the id -> function name map of the tool calls (last one wins) */
 static const cJSON *
-th_call_name(const cJSON *msgs, const char *id)
+th_call_name(const cJSON *msgs, const cJSON *skip, const char *id)
 {
     const cJSON  *m, *calls, *c, *cid, *name = NULL;
 
     cJSON_ArrayForEach(m, msgs) {
+        if (m == skip) {
+            continue;
+        }
         calls = th_get(m, "tool_calls");
         cJSON_ArrayForEach(c, (cJSON_IsArray(calls) ? calls : NULL)) {
             cid = th_get(c, "id");
@@ -907,7 +939,7 @@ th_message(th_ctx_t *x, th_list_t *l, const cJSON *msgs, const cJSON *cm,
                     "expected a string", i);
             return -1;
         }
-        name = th_call_name(msgs, id ? id->valuestring : "");
+        name = th_call_name(msgs, x->lead, id ? id->valuestring : "");
         if (name != NULL && !cJSON_IsString(name)) {
             tok_err(x->err, x->errlen, "harmony: a tool result whose call "
                     "has no name (messages[%zu]) gets the estimate", i);
@@ -924,6 +956,28 @@ th_message(th_ctx_t *x, th_list_t *l, const cJSON *msgs, const cJSON *cm,
             return -1;
         }
         return 0;
+    }
+
+    if (r == TH_SYSTEM || r == TH_DEVELOPER) {
+        /* not the leading one: get_system_or_developer_message, with
+         * VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS off a developer message
+         * whose DeveloperContent has only instructions (Render<
+         * DeveloperContent>: "# Instructions", the text, joined "\n\n",
+         * one text piece); no message where the text is None */
+        if ((m = th_push(l, TH_DEVELOPER, NULL)) == NULL) {
+            return -1;
+        }
+        th_cs(&m->own, "# Instructions\n\n");
+        rc = th_instr(&m->own, content);
+        if (rc < 0 || m->own.oom) {
+            return -1;
+        }
+        if (rc == 1) {
+            free(m->own.p);
+            l->n--;
+            return 0;
+        }
+        return th_one_part(m, m->own.p, m->own.n);
     }
 
     if (r == TH_ASSISTANT && cJSON_IsString(reason) && reason->valuestring[0])
@@ -1109,18 +1163,18 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     char **text, size_t *textlen, uint32_t **ids, size_t *nids, long *count,
     char *err, size_t errlen)
 {
-    const cJSON    *req = NULL, *msgs = in, *eff, *tools, *choice, *m;
-    th_ctx_t        x = { err, errlen };
+    const cJSON    *req = NULL, *msgs = in, *eff, *tools, *choice, *m, *role;
+    th_ctx_t        x = { err, errlen, NULL };
     th_list_t       l;
     th_out_t        o;
-    th_str_t        sys, dev;
+    th_str_t        sys, dev, instr, fn;
     unsigned char  *keep = NULL;
     const char     *effort = "medium";
     char            date[32];
     struct tm       tm;
     time_t          now;
     size_t          i;
-    int             rc = -1, agp, cfm, has_tools = 0;
+    int             rc = -1, agp, cfm, has_tools = 0, has_instr = 0;
 
     if (errlen) {
         err[0] = '\0';
@@ -1129,6 +1183,8 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     memset(&o, 0, sizeof(o));
     memset(&sys, 0, sizeof(sys));
     memset(&dev, 0, sizeof(dev));
+    memset(&instr, 0, sizeof(instr));
+    memset(&fn, 0, sizeof(fn));
     o.tok = tok;
     o.want_ids = want_ids;
     if (cJSON_IsObject(in)) {
@@ -1189,8 +1245,34 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
         has_tools = 1;
     }
 
+    /* extract_instructions_from_messages: a leading system or developer
+     * message is taken out; its flattened text is the instructions */
+    m = msgs->child;
+    role = cJSON_IsObject(m) ? cJSON_GetObjectItemCaseSensitive(m, "role")
+                             : NULL;
+    if (cJSON_IsString(role)
+        && (strcmp(role->valuestring, "system") == 0
+            || strcmp(role->valuestring, "developer") == 0))
+    {
+        x.lead = m;
+        m = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if ((rc = th_check_content(&x, m, 0)) != 0) {
+            goto done;
+        }
+        rc = th_instr(&instr, m);
+        if (rc < 0) {
+            tok_err(err, errlen, "out of memory");
+            goto done;
+        }
+        has_instr = (rc == 0);
+    }
+
     i = 0;
     cJSON_ArrayForEach(m, msgs) {
+        if (m == x.lead) {
+            i++;
+            continue;
+        }
         if ((rc = th_message(&x, &l, msgs, m, i++)) != 0) {
             goto done;
         }
@@ -1205,16 +1287,33 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     }
     rc = -1;
 
+    /* build_harmony_preamble: the developer message only with instructions
+     * (a non-empty text) or tools; Render<DeveloperContent>: "# Instructions"
+     * and the text (an empty text too, once there), then the tools, all
+     * joined "\n\n" */
     if (has_tools) {
-        rc = th_tools(&x, &dev, tools);
+        rc = th_tools(&x, &fn, tools);
         if (rc != 0) {
             goto done;
         }
         rc = -1;
     }
+    if (has_instr) {
+        th_cs(&dev, "# Instructions\n\n");
+        th_add(&dev, instr.p ? instr.p : "", instr.n);
+        if (has_tools) {
+            th_cs(&dev, "\n\n");
+        }
+    }
+    if (has_tools) {
+        th_add(&dev, fn.p ? fn.p : "", fn.n);
+    }
 
     /* Render<SystemContent>: SystemContent::new() as vLLM's
-     * get_system_message sets it; "commentary" only with tools */
+     * get_system_message sets it (all three channels: current vLLM no
+     * longer drops "commentary" without tools); the "Calls to these tools"
+     * line when a developer message has functions (RenderOptions
+     * conversation_has_function_tools) */
     now = time(NULL);
     gmtime_r(&now, &tm);
     strftime(date, sizeof(date), "%Y-%m-%d", &tm);
@@ -1223,13 +1322,13 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     th_cs(&sys, date);
     th_cs(&sys, "\n\nReasoning: ");
     th_cs(&sys, effort);
-    th_cs(&sys, has_tools ? "\n\n# Valid channels: analysis, commentary, "
-                            "final. Channel must be included for every "
-                            "message.\nCalls to these tools must go to the "
-                            "commentary channel: 'functions'."
-                          : "\n\n# Valid channels: analysis, final. Channel "
-                            "must be included for every message.");
-    if (sys.oom || dev.oom) {
+    th_cs(&sys, "\n\n# Valid channels: analysis, commentary, final. Channel "
+          "must be included for every message.");
+    if (has_tools) {
+        th_cs(&sys, "\nCalls to these tools must go to the commentary "
+              "channel: 'functions'.");
+    }
+    if (sys.oom || dev.oom || instr.oom || fn.oom) {
         tok_err(err, errlen, "out of memory");
         goto done;
     }
@@ -1239,7 +1338,7 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     th_special(&o, TOK_H_MESSAGE);
     th_text(&o, sys.p, sys.n);
     th_special(&o, TOK_H_END);
-    if (has_tools) {
+    if ((has_instr && instr.n > 0) || has_tools) {
         th_special(&o, TOK_H_START);
         th_text_cs(&o, "developer");
         th_special(&o, TOK_H_MESSAGE);
@@ -1286,6 +1385,8 @@ done:
     free(o.ids);
     free(sys.p);
     free(dev.p);
+    free(instr.p);
+    free(fn.p);
     free(keep);
     th_list_free(&l);
     return rc;

@@ -2,8 +2,15 @@
 # (ngx_dpd_module/tokenizer/tok_harmony.c), not a Jinja template.  No
 # harmony oracle runs here: every expected text below is derived by hand
 # from the sources named next to it (openai/harmony src/encoding.rs,
-# src/chat.rs, test-data/; vLLM entrypoints/openai harmony_utils.py,
-# chat_completion/harmony.py, serving's _make_request_with_harmony).  The
+# src/chat.rs, test-data/, HEAD ec7606df; current vLLM:
+# vllm/renderers/online_renderer.py OnlineRenderer._make_request_with_harmony
+# at commit efa1035f (what serving.py's render_chat_request calls, commit
+# 006c49d4), and the vllm/entrypoints/openai/parser/harmony_utils.py it
+# imports: extract_instructions_from_messages, build_harmony_preamble,
+# get_system_message, get_developer_message,
+# get_system_or_developer_message, parse_chat_input_to_harmony_message,
+# auto_drop_analysis_messages; VLLM_GPT_OSS_HARMONY_SYSTEM_INSTRUCTIONS off
+# and VLLM_SYSTEM_START_DATE unset, the defaults).  The
 # ids are checked against the rendered text encoded with special tokens
 # (the gpt-oss completions path is proven exact against Hugging Face in
 # 10-oracle-real.t) wherever the text holds no special-token string, and
@@ -61,16 +68,17 @@ sub sys_msg {
     # harmony src/chat.rs SystemContent::default (identity, cutoff 2024-06,
     # channels analysis/commentary/final, required); encoding.rs
     # Render<SystemContent>: top lines joined "\n", sections "\n\n".
-    # vLLM get_system_message(with_custom_tools=False) drops "commentary";
-    # "Calls to these tools ..." when the developer message has functions.
+    # Current vLLM get_system_message no longer drops "commentary" without
+    # tools (its with_custom_tools is unused); "Calls to these tools ..."
+    # when a developer message has functions (encoding.rs RenderOptions
+    # conversation_has_function_tools).
     return "<|start|>system<|message|>You are ChatGPT, a large language "
          . "model trained by OpenAI.\nKnowledge cutoff: 2024-06\n"
          . "Current date: $date\n\nReasoning: $effort\n\n"
-         . ($tools ? "# Valid channels: analysis, commentary, final. Channel "
-                   . "must be included for every message.\nCalls to these "
-                   . "tools must go to the commentary channel: 'functions'."
-                   : "# Valid channels: analysis, final. Channel must be "
-                   . "included for every message.")
+         . "# Valid channels: analysis, commentary, final. Channel "
+         . "must be included for every message."
+         . ($tools ? "\nCalls to these tools must go to the commentary "
+                   . "channel: 'functions'." : '')
          . "<|end|>";
 }
 
@@ -109,15 +117,50 @@ check('bare array', [{ role => 'user', content => 'Hello' }],
       sub { sys_msg('medium', 0)
             . '<|start|>user<|message|>Hello<|end|><|start|>assistant' });
 
-# ---- system + user: vLLM parse_chat_input_to_harmony_message keeps a
-# system message as a harmony system message with that text (role system,
-# TextContent), after vLLM's own system message
+# ---- a leading system (or developer) message: _make_request_with_harmony
+# takes it out (extract_instructions_from_messages: its text flattened) and
+# build_harmony_preamble puts it in the developer message as instructions
+# (get_developer_message -> DeveloperContent.with_instructions; encoding.rs
+# Render<DeveloperContent>: "# Instructions", the text, joined "\n\n")
 check('system+user', { messages => [
         { role => 'system', content => 'You are terse.' },
         { role => 'user', content => 'Hi' }] },
       sub { sys_msg('medium', 0)
-            . '<|start|>system<|message|>You are terse.<|end|>'
+            . "<|start|>developer<|message|># Instructions\n\nYou are terse.<|end|>"
             . '<|start|>user<|message|>Hi<|end|><|start|>assistant' });
+check('developer+user', { messages => [
+        { role => 'developer', content => [{ type => 'text', text => 'Be ' },
+                                           { type => 'text', text => 'terse.' }] },
+        { role => 'user', content => 'Hi' }] },
+      sub { sys_msg('medium', 0)
+            . "<|start|>developer<|message|># Instructions\n\nBe terse.<|end|>"
+            . '<|start|>user<|message|>Hi<|end|><|start|>assistant' });
+# an empty or null leading text: `if developer_instructions or tools` emits
+# no developer message
+for my $c ('', undef) {
+    check('empty system ' . (defined $c ? '""' : 'null'), { messages => [
+            { role => 'system', content => $c },
+            { role => 'user', content => 'Hi' }] },
+          sub { sys_msg('medium', 0)
+                . '<|start|>user<|message|>Hi<|end|><|start|>assistant' });
+}
+# only the first message is taken: a second system message, or one later
+# on, is parse_chat_input_to_harmony_message's: a developer message with
+# instructions only (get_system_or_developer_message), even for "" (not
+# None); null content (None) gives no message at all
+check('system in the middle', { messages => [
+        { role => 'system', content => 'One.' },
+        { role => 'system', content => 'Two.' },
+        { role => 'user', content => 'Hi' },
+        { role => 'developer', content => '' },
+        { role => 'system', content => undef },
+        { role => 'user', content => 'Bye' }] },
+      sub { sys_msg('medium', 0)
+            . "<|start|>developer<|message|># Instructions\n\nOne.<|end|>"
+            . "<|start|>developer<|message|># Instructions\n\nTwo.<|end|>"
+            . '<|start|>user<|message|>Hi<|end|>'
+            . "<|start|>developer<|message|># Instructions\n\n<|end|>"
+            . '<|start|>user<|message|>Bye<|end|><|start|>assistant' });
 
 # ---- reasoning_effort low / high (REASONING_EFFORT, "Reasoning: low")
 for my $e (qw(low high)) {
@@ -170,8 +213,8 @@ check('ongoing analysis', { messages => [
 # ---- tools: get_developer_message -> DeveloperContent.with_function_tools;
 # encoding.rs template_tools_section + json_schema_to_typescript.  The
 # expected text is harmony's own test-data/test_render_functions_with_
-# parameters.txt without its "# Instructions" section (vLLM's chat path
-# passes none) and without the oneOf property (left to the estimate).
+# parameters.txt without its "# Instructions" section (no leading system
+# message here) and without the oneOf property (left to the estimate).
 my @tools = (
     { type => 'function', function => {
         name => 'get_location', description => 'Gets the location of the user.' } },
@@ -251,6 +294,22 @@ check('tools', '{"tools":' . $tools_json . ',"messages":[{"role":"user",'
       sub { sys_msg('medium', 1) . $dev
             . '<|start|>user<|message|>What is the weather like in SF?<|end|>'
             . '<|start|>assistant' });
+
+# a leading system message with tools: "# Instructions", its text, then
+# "# Tools" in the one developer message, as harmony's own
+# test-data/test_render_functions_with_parameters.txt places them ("Always
+# respond in riddles"); an empty text still gives the "# Instructions"
+# heading once tools make the developer message
+for my $i ('Always respond in riddles', '') {
+    (my $with = $dev) =~ s/<\|message\|>/<|message|># Instructions\n\n$i\n\n/;
+    check('system + tools' . ($i eq '' ? ' (empty text)' : ''),
+          '{"tools":' . $tools_json . ',"messages":[{"role":"system","content":'
+          . $js->encode($i) . '},{"role":"user",'
+          . '"content":"What is the weather like in SF?"}]}',
+          sub { sys_msg('medium', 1) . $with
+                . '<|start|>user<|message|>What is the weather like in SF?<|end|>'
+                . '<|start|>assistant' });
+}
 
 # ---- assistant tool calls and tool results: commentary channel, recipient
 # functions.NAME, content type json, <|call|> (Render<Message>: assistant
