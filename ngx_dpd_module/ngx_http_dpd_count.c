@@ -402,15 +402,23 @@ dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
                 return 0;
             }
 
-            n = dpd_tok_count(tok, text, len, 0);
-            free(text);
+            /*
+             * gpt-oss: harmony encodes its text pieces without matching
+             * added tokens, the rendered text re-encoded is not its ids:
+             * the exact path below counts them
+             */
 
-            if (n < 0) {
-                return -1;
+            if (!dpd_tok_chat_harmony(tok)) {
+                n = dpd_tok_count(tok, text, len, 0);
+                free(text);
+
+                if (n < 0) {
+                    return -1;
+                }
+
+                out->tokens = n;
+                return 0;
             }
-
-            out->tokens = n;
-            return 0;
         }
 
         free(text);
@@ -428,8 +436,14 @@ dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
 
     if (estimated && err[0]) {
         /* image, audio parts: the text is counted */
-        snprintf(out->note, sizeof(out->note), "text counted only (%s)",
-                 err);
+        if (strncmp(err, "harmony:", 8) == 0) {
+            /* gpt-oss: a request feature left to the estimate */
+            snprintf(out->note, sizeof(out->note), "estimated (%s)", err);
+
+        } else {
+            snprintf(out->note, sizeof(out->note), "text counted only (%s)",
+                     err);
+        }
     }
 
     out->tokens = n;

@@ -16,8 +16,9 @@ use FindBin;
 
 my ($llama_tj, $llama_tc) = DPD::Emu->tokenizer_files('llama3');
 my ($qwen_tj, $qwen_tc) = DPD::Emu->tokenizer_files('qwen3');
+my ($oss_tj) = DPD::Emu->tokenizer_files('gptoss');
 plan(skip_all => 'tokenizer fixtures missing (make deps)')
-    unless $llama_tj && $qwen_tj && $qwen_tc;
+    unless $llama_tj && $qwen_tj && $qwen_tc && $oss_tj;
 plan(skip_all => 'python3-jinja2 or node missing (make deps)')
     if system("python3 -c 'import jinja2' 2>/dev/null") != 0
        || system('node -v >/dev/null 2>&1') != 0;
@@ -80,6 +81,45 @@ our %WANT = (
     llama2 => oracle_count($llama_tj, "'$l2' '$llama_tc'", $REQ{llama2}),
 );
 our %BODY = map { $_ => $JSON->encode($REQ{$_}) } keys %REQ;
+
+# gpt-oss: vLLM renders with openai_harmony; the text below is derived by
+# hand from harmony's src/encoding.rs (HEAD ec7606df) and current vLLM
+# (renderers/online_renderer.py _make_request_with_harmony, commit efa1035f;
+# entrypoints/openai/parser/harmony_utils.py extract_instructions_from_
+# messages, build_harmony_preamble, get_system_message,
+# get_system_or_developer_message): the leading system message becomes the
+# developer message's "# Instructions", one in the middle a developer
+# message of its own, the system message lists all three channels (see
+# t/tokenizer/22-harmony.t for each part); its ids by Hugging Face
+sub hf_count {
+    my ($tj, $text) = @_;
+    open(my $f, '>', "$tmp/text.jsonl") or die;
+    print $f JSON::PP->new->utf8->allow_nonref->encode($text), "\n";
+    close $f;
+    my $ids = `node '$root/t/tokenizer/hf-oracle.js' '$tj' < '$tmp/text.jsonl'`;
+    chomp $ids;
+    return scalar(my @ids = split / /, $ids);
+}
+my @today = gmtime;
+my $date = sprintf('%04d-%02d-%02d', $today[5] + 1900, $today[4] + 1, $today[3]);
+$REQ{oss} = { model => 'm', reasoning_effort => 'low', messages => [
+    { role => 'system', content => 'Answer with a number.' },
+    { role => 'user', content => 'What is 2+2?' },
+    { role => 'assistant', content => '4', reasoning => 'Add them.' },
+    { role => 'system', content => 'Be brief.' },
+    { role => 'user', content => 'And 3+3?' }] };
+$BODY{oss} = $JSON->encode($REQ{oss});
+$WANT{oss} = hf_count($oss_tj,
+    "<|start|>system<|message|>You are ChatGPT, a large language model "
+  . "trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: $date\n\n"
+  . "Reasoning: low\n\n# Valid channels: analysis, commentary, final. "
+  . "Channel must be included for every message.<|end|>"
+  . "<|start|>developer<|message|># Instructions\n\nAnswer with a number.<|end|>"
+  . "<|start|>user<|message|>What is 2+2?<|end|>"
+  . "<|start|>assistant<|channel|>final<|message|>4<|end|>"
+  . "<|start|>developer<|message|># Instructions\n\nBe brief.<|end|>"
+  . "<|start|>user<|message|>And 3+3?<|end|><|start|>assistant");
+$ENV{TEST_NGINX_GPTOSS} = $oss_tj;
 
 open(my $bad, '>', "$tmp/bad.jinja") or die;
 print $bad "{% for m in messages %}\n{{ m.content }\n{% endfor %}\n";
@@ -230,3 +270,38 @@ X-Dpd-Tokens: ^\d+$
 decoder reached
 --- error_log
 text counted only (messages[0].content[1]: a non-text part is not counted)
+
+
+=== TEST 10: gpt-oss: the chat is counted as vLLM's harmony renders it
+--- http_config
+    dpd_tokenizer $TEST_NGINX_GPTOSS;
+--- request eval
+"POST /v1/chat/completions\n$::BODY{oss}"
+--- response_headers eval
+"X-Dpd-Tokens: $::WANT{oss}"
+--- response_body
+decoder reached
+
+
+=== TEST 11: gpt-oss: what harmony refuses gets vLLM's 400, not a guess
+--- http_config
+    dpd_tokenizer $TEST_NGINX_GPTOSS;
+--- request
+POST /v1/chat/completions
+{"messages": [{"role": "wizard", "content": "a"}]}
+--- error_code: 400
+--- response_body_like: unknown role
+
+
+=== TEST 12: gpt-oss: a feature left to the estimate is counted so, said in the log
+--- http_config
+    dpd_tokenizer $TEST_NGINX_GPTOSS;
+--- request
+POST /v1/chat/completions
+{"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [{"role": "user", "content": "a"}]}
+--- response_headers_like
+X-Dpd-Tokens: ^\d+$
+--- response_body
+decoder reached
+--- error_log
+estimated (harmony: a tool without a description gets the estimate)

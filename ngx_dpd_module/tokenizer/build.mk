@@ -14,8 +14,8 @@ TOK_LIBS    := -lpcre2-8 -lcjson -lutf8proc -lpthread -lm
 TOK_SRCS    := $(addprefix $(TOK_DIR)/,tok_hash.c tok_utf8.c tok_trie.c \
                  tok_bpe.c tok_pretok.c tok_pretok_fast.c tok_encode.c \
                  tok_load.c tok_load_fast.c tok_config.c tok_chat.c \
-                 tok_jinja_value.c tok_jinja_lex.c tok_jinja_parse.c \
-                 tok_jinja_eval.c)
+                 tok_harmony.c tok_jinja_value.c tok_jinja_lex.c \
+                 tok_jinja_parse.c tok_jinja_eval.c)
 TOK_HDRS    := $(TOK_DIR)/dpd_tokenizer.h $(TOK_DIR)/tok_internal.h \
                $(TOK_DIR)/tok_jinja.h $(TOK_DIR)/tok_unicode9.h \
                $(TOK_DIR)/tok_pretok_class.h

@@ -316,6 +316,51 @@ json_nul_at(const char *s, size_t len)
 }
 
 
+/*
+ * gpt-oss: harmony's ids are the text pieces encoded without added-token
+ * matching, not the rendered text re-encoded.  1: the estimate's path.
+ */
+static int
+do_harmony(const dpd_tok_t *tok, const opts_t *o, const cJSON *root,
+    const char *where)
+{
+    char       err[512], *text;
+    size_t     tlen, n, i;
+    uint32_t  *hids;
+    long       count;
+    int        rc;
+
+    rc = dpd_chat_harmony_json(tok, root, &text, &tlen, &hids, &n, &count,
+                               err, sizeof(err));
+    if (rc < 0) {
+        fprintf(stderr, "dpd-tokenize: %s%s\n", where, err);
+        return 2;
+    }
+    if (rc == 1) {
+        fprintf(stderr, "dpd-tokenize: %s%s\n", where, err);
+        if (!o->estimate || !o->count) {
+            fprintf(stderr, "dpd-tokenize: %s--count --estimate gives the "
+                    "documented estimate\n", where);
+            return 2;
+        }
+        return 1;
+    }
+    if (o->render) {
+        print_json_string(text, tlen);
+    } else if (o->count) {
+        printf("%ld\n", count);
+    } else {
+        for (i = 0; i < n; i++) {
+            printf(i ? " %u" : "%u", hids[i]);
+        }
+        putchar('\n');
+    }
+    free(text);
+    free(hids);
+    return 0;
+}
+
+
 static int
 do_chat(const dpd_tok_t *tok, const opts_t *o, const char *body, size_t len,
     const char *where)
@@ -347,6 +392,13 @@ do_chat(const dpd_tok_t *tok, const opts_t *o, const char *body, size_t len,
         fprintf(stderr, "dpd-tokenize: %smessages: missing\n", where);
         cJSON_Delete(root);
         return 2;
+    }
+    if (dpd_tok_chat_harmony(tok) && o->tmpl == DPD_CHAT_AUTO) {
+        rc = do_harmony(tok, o, root, where);
+        if (rc != 1) {
+            cJSON_Delete(root);
+            return rc;
+        }
     }
     /* the whole request: tools, chat_template_kwargs, documents, ... */
     rc = dpd_chat_render_json(tok, o->tmpl, root, &text, &tlen, err,

@@ -156,6 +156,20 @@ int dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
 long dpd_chat_count_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
     const struct cJSON *messages, int *estimated, char *err, size_t errlen);
 
+/*
+ * gpt-oss: a tokenizer with harmony's format tokens (<|start|>,
+ * <|message|>, <|end|>, <|channel|>, <|call|>, <|constrain|>) as special
+ * added tokens and no Jinja template renders chats as vLLM does, with
+ * openai_harmony (tok_harmony.c).  dpd_chat_render_json/count_json do so
+ * for the automatic template; this gives the text, the ids (harmony's:
+ * text pieces without added-token matching) and their count.  0: exact;
+ * 1: a feature left to the estimate (err says which); -1: refused.
+ */
+int dpd_tok_chat_harmony(const dpd_tok_t *tok);
+int dpd_chat_harmony_json(const dpd_tok_t *tok, const struct cJSON *request,
+    char **text, size_t *textlen, uint32_t **ids, size_t *nids, long *count,
+    char *err, size_t errlen);
+
 #ifdef __cplusplus
 }
 #endif

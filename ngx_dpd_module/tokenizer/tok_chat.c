@@ -352,8 +352,8 @@ dpd_tok_chat_template_file(dpd_tok_t *tok, const char *path, char *err,
 dpd_chat_template_t
 dpd_tok_chat_template(const dpd_tok_t *tok)
 {
-    return tok && tok->chat && tok->chat->model ? DPD_CHAT_MODEL
-                                                : DPD_CHAT_NONE;
+    return tok && ((tok->chat && tok->chat->model) || tok->harmony)
+           ? DPD_CHAT_MODEL : DPD_CHAT_NONE;
 }
 
 
@@ -399,6 +399,16 @@ dpd_chat_template_name(dpd_chat_template_t t)
     default:
         return (int) t >= DPD_CHAT_FILE ? "file" : "unknown";
     }
+}
+
+
+/* tmpl is the model's own (gpt-oss: harmony) */
+static int
+tok_chat_auto(dpd_chat_template_t tmpl)
+{
+    return tmpl == DPD_CHAT_AUTO || tmpl == DPD_CHAT_MODEL
+           || tmpl == DPD_CHAT_LLAMA3 || tmpl == DPD_CHAT_LLAMA31
+           || tmpl == DPD_CHAT_CHATML;
 }
 
 
@@ -1281,6 +1291,11 @@ dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
         tok_err(err, errlen, "no tokenizer");
         return -1;
     }
+    if (tok->harmony && tok_chat_auto(tmpl)) {
+        /* 1: a feature harmony's renderer is not followed for: estimate */
+        return dpd_chat_harmony_json(tok, request, out, outlen, NULL, NULL,
+                                     NULL, err, errlen);
+    }
     tv = cJSON_IsObject(request)
          ? cJSON_GetObjectItemCaseSensitive(request, "tools") : NULL;
     t = tok_chat_pick(tok, tmpl, cJSON_IsArray(tv));
@@ -1291,38 +1306,17 @@ dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
 }
 
 
-long
-dpd_chat_count_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
-    const struct cJSON *request, int *estimated, char *err, size_t errlen)
+/* the documented estimate: content tokens + a fixed overhead per message */
+static int
+tok_chat_estimate(const dpd_tok_t *tok, const cJSON *request, long *out,
+    char *err, size_t errlen)
 {
     const cJSON  *msgs, *m;
     tok_prep_t    p;
-    size_t        i = 0, len;
-    char         *text;
+    size_t        i = 0;
     long          total, c;
-    int           rc;
     tj_val_t      v;
 
-    if (estimated) {
-        *estimated = 0;
-    }
-    rc = dpd_chat_render_json(tok, tmpl, request, &text, &len, err, errlen);
-    if (rc < 0) {
-        return -1;
-    }
-    if (rc == 0 || rc == 2) {
-        total = dpd_tok_count(tok, text, len, 0);
-        free(text);
-        if (total < 0) {
-            tok_err(err, errlen, "tokenizer failure");
-        }
-        if (rc == 2 && estimated) {
-            *estimated = 1;     /* err holds the note */
-        }
-        return total;
-    }
-
-    /* no template: content tokens plus a fixed overhead per message */
     msgs = cJSON_IsObject(request)
            ? cJSON_GetObjectItemCaseSensitive(request, "messages") : request;
     if (!cJSON_IsArray(msgs) || msgs->child == NULL) {
@@ -1350,6 +1344,58 @@ dpd_chat_count_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
         total += c + DPD_CHAT_EST_PER_MESSAGE;
     }
     tj_arena_free(&p.a);
+    *out = total;
+    return 0;
+}
+
+
+long
+dpd_chat_count_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
+    const struct cJSON *request, int *estimated, char *err, size_t errlen)
+{
+    size_t        len;
+    char         *text;
+    long          total;
+    int           rc;
+
+    if (estimated) {
+        *estimated = 0;
+    }
+    if (tok && tok->harmony && tok_chat_auto(tmpl)) {
+        rc = dpd_chat_harmony_json(tok, request, NULL, NULL, NULL, NULL,
+                                   &total, err, errlen);
+        if (rc <= 0) {
+            return rc < 0 ? -1 : total;
+        }
+        /* err holds the note; the estimate below keeps it */
+        if (tok_chat_estimate(tok, request, &total, err, errlen) != 0) {
+            return -1;
+        }
+        if (estimated) {
+            *estimated = 1;
+        }
+        return total;
+    }
+    rc = dpd_chat_render_json(tok, tmpl, request, &text, &len, err, errlen);
+    if (rc < 0) {
+        return -1;
+    }
+    if (rc == 0 || rc == 2) {
+        total = dpd_tok_count(tok, text, len, 0);
+        free(text);
+        if (total < 0) {
+            tok_err(err, errlen, "tokenizer failure");
+        }
+        if (rc == 2 && estimated) {
+            *estimated = 1;     /* err holds the note */
+        }
+        return total;
+    }
+
+    /* no template: content tokens plus a fixed overhead per message */
+    if (tok_chat_estimate(tok, request, &total, err, errlen) != 0) {
+        return -1;
+    }
     if (estimated) {
         *estimated = 1;
     }

@@ -513,6 +513,30 @@ tok_encode_raw_piece(tok_work_t *w, const char *s, size_t len)
 }
 
 
+/* harmony's encode_ordinary: normalized, but no added token is matched */
+static void
+tok_encode_plain_piece(tok_work_t *w, const char *s, size_t len)
+{
+    char    *buf;
+    size_t   blen;
+
+    if (w->tok->n_norm == 0) {
+        tok_encode_pretok(w, s, len);
+        return;
+    }
+    if (tok_norm_run(w->tok, w->md, s, len, &buf, &blen) != 0) {
+        w->oom = 1;
+        return;
+    }
+    if (buf == NULL) {
+        tok_encode_pretok(w, s, len);
+        return;
+    }
+    tok_encode_pretok(w, buf, blen);
+    free(buf);
+}
+
+
 static void
 tok_work_release(tok_work_t *w)
 {
@@ -531,9 +555,9 @@ tok_work_release(tok_work_t *w)
 }
 
 
-long
-tok_encode_sink(const dpd_tok_t *tok, const char *text, size_t len,
-    int add_special, tok_sink_t *sink)
+static long
+tok_encode_any(const dpd_tok_t *tok, const char *text, size_t len,
+    int add_special, int plain, tok_sink_t *sink)
 {
     tok_work_t   w;
     char        *clean = NULL;
@@ -570,7 +594,9 @@ tok_encode_sink(const dpd_tok_t *tok, const char *text, size_t len,
             tok_emit(sink, tok->post_prefix[i]);
         }
     }
-    if (len > 0) {
+    if (len > 0 && plain) {
+        tok_encode_plain_piece(&w, text, len);
+    } else if (len > 0) {
         tok_split_added(&w, &tok->trie_raw, text, len, tok_encode_raw_piece);
     }
     if (add_special) {
@@ -586,6 +612,22 @@ tok_encode_sink(const dpd_tok_t *tok, const char *text, size_t len,
         return -1;
     }
     return (long) sink->n;
+}
+
+
+long
+tok_encode_sink(const dpd_tok_t *tok, const char *text, size_t len,
+    int add_special, tok_sink_t *sink)
+{
+    return tok_encode_any(tok, text, len, add_special, 0, sink);
+}
+
+
+long
+tok_encode_plain_sink(const dpd_tok_t *tok, const char *text, size_t len,
+    tok_sink_t *sink)
+{
+    return tok_encode_any(tok, text, len, 0, 1, sink);
 }
 
 

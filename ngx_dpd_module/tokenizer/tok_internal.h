@@ -318,6 +318,16 @@ struct dpd_tok_s {
     char          *bos_token;
     char          *eos_token;
     struct tok_chat_s *chat;        /* chat templates (tok_chat.c) */
+
+    /* gpt-oss: chats rendered as openai_harmony (tok_harmony.c) */
+    int            harmony;
+    uint32_t       harmony_id[6];
+};
+
+/* the harmony format tokens, in harmony_id[] */
+enum {
+    TOK_H_START = 0, TOK_H_MESSAGE, TOK_H_END, TOK_H_CHANNEL, TOK_H_CALL,
+    TOK_H_CONSTRAIN, TOK_H_N
 };
 
 /* ---- per-call work area and output sink */
@@ -390,6 +400,9 @@ void tok_pretok_fast_bpe(tok_work_t *w, int kind, const char *s, size_t len,
 /* tok_encode.c */
 long tok_encode_sink(const dpd_tok_t *tok, const char *text, size_t len,
     int add_special, tok_sink_t *sink);
+/* encode_ordinary: no added-token matching (harmony's text pieces) */
+long tok_encode_plain_sink(const dpd_tok_t *tok, const char *text,
+    size_t len, tok_sink_t *sink);
 /* s normalized by every stage: 0 with *out malloc'ed, or -1 (ENOMEM) */
 int tok_normalize(const dpd_tok_t *tok, const char *s, size_t len,
     char **out, size_t *outlen);
@@ -403,6 +416,12 @@ int tok_config_specials(dpd_tok_t *tok, const struct cJSON *root, char *err,
 int tok_chat_load(dpd_tok_t *tok, const struct cJSON *config_root,
     const char *config_path, char *err, size_t errlen);
 void tok_chat_free(struct tok_chat_s *chat);
+
+/* tok_harmony.c */
+void tok_harmony_detect(dpd_tok_t *tok);
+int tok_harmony_render(const dpd_tok_t *tok, const struct cJSON *request,
+    int want_ids, char **text, size_t *textlen, uint32_t **ids,
+    size_t *nids, long *count, char *err, size_t errlen);
 
 /* tok_load.c */
 struct cJSON;

@@ -1398,6 +1398,7 @@ dpd_tok_load(const char *tokenizer_path, const char *config_path,
         dpd_tok_free(tok);
         return NULL;
     }
+    tok_harmony_detect(tok);
     return tok;
 }
 

@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "../tok_internal.h"
 
 static dpd_tok_t  *tok;
@@ -37,6 +39,43 @@ LLVMFuzzerInitialize(int *argc, char ***argv)
         exit(1);
     }
     return 0;
+}
+
+
+/* gpt-oss: the ids harmony gives, their count and the count path agree */
+static void
+harmony_check(const char *s, size_t len, int tmpl, long c, int est)
+{
+    cJSON     *req = cJSON_ParseWithLength(s, len);
+    char       err[256], *text;
+    size_t     tlen, n, i;
+    uint32_t  *hids;
+    long       count;
+    int        rc;
+
+    if (req == NULL) {
+        return;
+    }
+    rc = dpd_chat_harmony_json(tok, req, &text, &tlen, &hids, &n, &count,
+                               err, sizeof(err));
+    cJSON_Delete(req);
+    if (rc != 0) {
+        return;
+    }
+    if ((long) n != count || strlen(text) != tlen) {
+        abort();
+    }
+    for (i = 0; i < n; i++) {
+        if (hids[i] >= dpd_tok_vocab_size(tok)) {
+            abort();
+        }
+    }
+    /* every template but NONE is the automatic one: the same count */
+    if (tmpl != DPD_CHAT_NONE && (c != count || est)) {
+        abort();
+    }
+    free(text);
+    free(hids);
 }
 
 
@@ -79,8 +118,11 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         }
         break;
     case 3:
-        (void) dpd_chat_count(tok, (dpd_chat_template_t) (data[0] / 4 % 5), s,
-                              len, &est, err, sizeof(err));
+        c = dpd_chat_count(tok, (dpd_chat_template_t) (data[0] / 4 % 5), s,
+                           len, &est, err, sizeof(err));
+        if (dpd_tok_chat_harmony(tok)) {
+            harmony_check(s, len, data[0] / 4 % 5, c, est);
+        }
         break;
     }
     return 0;
