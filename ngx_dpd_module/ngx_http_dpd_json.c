@@ -1,9 +1,9 @@
 /*
- * The request body's cJSON tree, built without cJSON's parser: the same
- * nodes, strings, verdicts and error positions as libcjson's
- * cJSON_ParseWithLengthOpts(data, len, &end, 0) (Debian 12's 1.7.15 with
- * its CVE-2023-26819 fix: a number is read whole, at any length), at a
- * fraction of its cost.  cJSON finds a string's end byte by byte, then
+ * The cJSON trees of the request body and of the prefill replies, built
+ * without cJSON's parser: the same nodes, strings, verdicts and error
+ * positions as libcjson's cJSON_ParseWithLengthOpts(data, len, &end, 0)
+ * (Debian 12's 1.7.15 with its CVE-2023-26819 fix: a number is read
+ * whole, at any length), at a fraction of its cost.  cJSON finds a string's end byte by byte, then
  * copies it byte by byte; here memchr() finds the closing quote and the
  * escapes and memcpy() moves the runs between them, and small integers
  * skip strtod().

@@ -1571,7 +1571,7 @@ dpd_parse_object(const char *data, size_t len)
         return NULL;
     }
 
-    obj = cJSON_ParseWithLengthOpts(data, len, &end, 0);
+    obj = ngx_http_dpd_json_parse(data, len, &end);
 
     while (obj != NULL && end < data + len) {
         if (*end != ' ' && *end != '\t' && *end != '\r' && *end != '\n') {
@@ -1732,7 +1732,7 @@ ngx_http_dpd_proto_member(const ngx_http_dpd_req_t *req, unsigned key,
             return -1;
         }
 
-        *value = cJSON_ParseWithLength(p, (size_t) (end - p));
+        *value = ngx_http_dpd_json_parse(p, (size_t) (end - p), NULL);
 
         return (*value == NULL) ? -1 : 0;
     }
