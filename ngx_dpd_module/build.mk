@@ -46,6 +46,7 @@ FORCE:
 # (FUZZ_CC, FUZZ_FLAGS and the fuzz target come from tokenizer/build.mk)
 MODULE_FUZZ      := $(BUILD)/fuzz/dpd_fuzz_request
 MODULE_FUZZ_SRCS := ngx_dpd_module/ngx_http_dpd_protocol.c \
+                    ngx_dpd_module/ngx_http_dpd_json.c \
                     ngx_dpd_module/ngx_http_dpd_count.c
 
 $(MODULE_FUZZ): ngx_dpd_module/fuzz/dpd_fuzz_request.c $(MODULE_FUZZ_SRCS) \
@@ -55,4 +56,14 @@ $(MODULE_FUZZ): ngx_dpd_module/fuzz/dpd_fuzz_request.c $(MODULE_FUZZ_SRCS) \
 	$(FUZZ_CC) $(FUZZ_FLAGS) -Ingx_dpd_module $< $(MODULE_FUZZ_SRCS) \
 	    $(TOK_SRCS) -o $@ $(TOK_LIBS) -lm
 
-fuzz: $(MODULE_FUZZ)
+# the request body's tree builder against libcjson's parser
+JSON_FUZZ := $(BUILD)/fuzz/dpd_fuzz_json
+
+$(JSON_FUZZ): ngx_dpd_module/fuzz/dpd_fuzz_json.c \
+              ngx_dpd_module/ngx_http_dpd_json.c \
+              ngx_dpd_module/ngx_http_dpd_json.h
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -Ingx_dpd_module $< \
+	    ngx_dpd_module/ngx_http_dpd_json.c -o $@ -lcjson -lm
+
+fuzz: $(MODULE_FUZZ) $(JSON_FUZZ)

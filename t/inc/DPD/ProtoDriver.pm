@@ -61,11 +61,13 @@ sub unavailable {
 
 # build(tmp => 'dpd-proto', main => $c_text): writes driver.c (the preamble,
 # then $c_text) to a temporary dir and compiles it with $CC (default cc)
-# against ngx_http_dpd_protocol.c and libcjson; the caller tests status.
+# against ngx_http_dpd_protocol.c, ngx_http_dpd_json.c and libcjson; the
+# caller tests status.
 sub build {
     my ($class, %o) = @_;
     my $root = DPD::Emu::root();
-    my $src = "$root/ngx_dpd_module/ngx_http_dpd_protocol.c";
+    my $src = "$root/ngx_dpd_module/ngx_http_dpd_protocol.c "
+            . "$root/ngx_dpd_module/ngx_http_dpd_json.c";
     my $cc = $ENV{CC} || 'cc';
     my $dir = tempdir(($o{tmp} || 'dpd-proto') . '-XXXXXX', TMPDIR => 1,
                       CLEANUP => 1);
