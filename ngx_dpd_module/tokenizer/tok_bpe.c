@@ -370,11 +370,7 @@ void
 tok_bpe(tok_work_t *w, const char *s, size_t len)
 {
     const dpd_tok_t  *tok = w->tok;
-    tok_sym_t        *sym;
-    tok_cand_t       *heap, c;
-    size_t            i, nh = 0;
-    int32_t           n = 0, prev, nx;
-    uint32_t          id, rank, merged;
+    uint32_t          id;
     uint64_t          h;
 
     if (len == 0) {
@@ -398,6 +394,25 @@ tok_bpe(tok_work_t *w, const char *s, size_t len)
             return;
         }
     }
+    tok_bpe_merge(w, s, len, h);
+}
+
+
+/*
+ * The rest of tok_bpe(): the pre-token (len >= 1) is not a token of its
+ * own under ignore_merges; h = tok_hash_bytes(s, len).  The cache, then
+ * the merges.
+ */
+void
+tok_bpe_merge(tok_work_t *w, const char *s, size_t len, uint64_t h)
+{
+    const dpd_tok_t  *tok = w->tok;
+    tok_sym_t        *sym;
+    tok_cand_t       *heap, c;
+    size_t            i, nh = 0;
+    int32_t           n = 0, prev, nx;
+    uint32_t          rank, merged;
+
     if (len <= TOK_CACHE_MAXLEN) {
         tok_cache_t *tc = tok_cache_get();
         if (tc != NULL) {

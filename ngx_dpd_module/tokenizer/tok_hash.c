@@ -10,40 +10,6 @@
 #include "tok_internal.h"
 
 
-uint64_t
-tok_hash_bytes(const char *s, size_t len)
-{
-    /* 8 bytes at a time, finished with a 64-bit mixer */
-    uint64_t  h = 0x9e3779b97f4a7c15ULL ^ len;
-    uint64_t  w;
-
-    while (len >= 8) {
-        memcpy(&w, s, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdULL;
-        h ^= h >> 32;
-        s += 8;
-        len -= 8;
-    }
-    /* the last 0-7 bytes without a variable-length memcpy (a call): two
-     * overlapping 4-byte loads, or first / middle / last byte; either
-     * covers every byte, so equal (w, len) means equal tails */
-    if (len >= 4) {
-        uint32_t  lo, hi;
-
-        memcpy(&lo, s, 4);
-        memcpy(&hi, s + len - 4, 4);
-        w = (uint64_t) hi << 32 | lo;
-    } else if (len > 0) {
-        w = (uint64_t) (uint8_t) s[0] | (uint64_t) (uint8_t) s[len / 2] << 8
-            | (uint64_t) (uint8_t) s[len - 1] << 16;
-    } else {
-        w = 0;
-    }
-    h = (h ^ w) * 0xc4ceb9fe1a85ec53ULL;
-    return tok_mix64(h);
-}
-
-
 int
 tok_strmap_init(tok_strmap_t *m, uint32_t expect)
 {
@@ -161,26 +127,6 @@ uint32_t
 tok_strmap_get(const tok_strmap_t *m, const char *s, size_t len)
 {
     return tok_strmap_get_h(m, s, len, tok_hash_bytes(s, len));
-}
-
-
-uint32_t
-tok_strmap_get_h(const tok_strmap_t *m, const char *s, size_t len, uint64_t h)
-{
-    uint64_t             tag = h & 0xffffffff00000000ULL, v;
-    uint32_t             i = (uint32_t) h & m->mask;
-    const tok_strent_t  *e;
-
-    while ((v = m->slots[i]) != 0) {
-        if ((v & 0xffffffff00000000ULL) == tag) {
-            e = &m->ent[(uint32_t) v - 1];
-            if (e->len == len && tok_bytes_eq(m->pool + e->off, s, len)) {
-                return e->id;
-            }
-        }
-        i = (i + 1) & m->mask;
-    }
-    return TOK_NO_ID;
 }
 
 

@@ -46,10 +46,7 @@ void tok_strmap_free(tok_strmap_t *m);
 /* returns 0 on success, 1 if key existed (id overwritten), -1 on ENOMEM */
 int tok_strmap_put(tok_strmap_t *m, const char *s, size_t len, uint32_t id);
 uint32_t tok_strmap_get(const tok_strmap_t *m, const char *s, size_t len);
-/* the same with h = tok_hash_bytes(s, len) already computed */
-uint32_t tok_strmap_get_h(const tok_strmap_t *m, const char *s, size_t len,
-    uint64_t h);
-uint64_t tok_hash_bytes(const char *s, size_t len);
+
 
 /* ---- (left id, right id) -> (rank, merged id) hash, one slot per line */
 
@@ -119,6 +116,63 @@ tok_bytes_eq(const char *a, const char *b, size_t len)
         len--;
     }
     return 1;
+}
+
+
+/* the hot lookups hash and probe inline (one call less a pre-token) */
+static inline uint64_t
+tok_hash_bytes(const char *s, size_t len)
+{
+    /* 8 bytes at a time, finished with a 64-bit mixer */
+    uint64_t  h = 0x9e3779b97f4a7c15ULL ^ len;
+    uint64_t  w;
+
+    while (len >= 8) {
+        memcpy(&w, s, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdULL;
+        h ^= h >> 32;
+        s += 8;
+        len -= 8;
+    }
+    /* the last 0-7 bytes without a variable-length memcpy (a call): two
+     * overlapping 4-byte loads, or first / middle / last byte; either
+     * covers every byte, so equal (w, len) means equal tails */
+    if (len >= 4) {
+        uint32_t  lo, hi;
+
+        memcpy(&lo, s, 4);
+        memcpy(&hi, s + len - 4, 4);
+        w = (uint64_t) hi << 32 | lo;
+    } else if (len > 0) {
+        w = (uint64_t) (uint8_t) s[0] | (uint64_t) (uint8_t) s[len / 2] << 8
+            | (uint64_t) (uint8_t) s[len - 1] << 16;
+    } else {
+        w = 0;
+    }
+    h = (h ^ w) * 0xc4ceb9fe1a85ec53ULL;
+    return tok_mix64(h);
+}
+
+
+/* tok_strmap_get with h = tok_hash_bytes(s, len) already computed */
+static inline uint32_t
+tok_strmap_get_h(const tok_strmap_t *m, const char *s, size_t len,
+    uint64_t h)
+{
+    uint64_t             tag = h & 0xffffffff00000000ULL, v;
+    uint32_t             i = (uint32_t) h & m->mask;
+    const tok_strent_t  *e;
+
+    while ((v = m->slots[i]) != 0) {
+        if ((v & 0xffffffff00000000ULL) == tag) {
+            e = &m->ent[(uint32_t) v - 1];
+            if (e->len == len && tok_bytes_eq(m->pool + e->off, s, len)) {
+                return e->id;
+            }
+        }
+        i = (i + 1) & m->mask;
+    }
+    return TOK_NO_ID;
 }
 
 static inline uint64_t
@@ -384,6 +438,7 @@ int32_t tok_trie_match(const tok_trie_t *t, const char *s, size_t len,
 
 /* tok_bpe.c */
 void tok_bpe(tok_work_t *w, const char *s, size_t len);
+void tok_bpe_merge(tok_work_t *w, const char *s, size_t len, uint64_t h);
 
 /* tok_pretok.c */
 pcre2_code *tok_regex_compile(const char *pattern, size_t len, int literal,

@@ -344,11 +344,27 @@ static inline __attribute__((always_inline)) void
 tok_fast_bpe_loop(tok_work_t *w, int kind, const char *s, size_t len,
     int top)
 {
-    size_t  at, me;
+    size_t            at, me;
+    uint32_t          id;
+    uint64_t          h;
+    const dpd_tok_t  *tok = w->tok;
 
     for (at = 0; at < len && !w->oom; at = me) {
         me = tok_fast_next(kind, s, len, at);
         w->at_start = top && at == 0;
+
+        /* tok_bpe()'s first step inlined: under ignore_merges most
+         * pre-tokens of text are a vocabulary token of their own */
+        if (tok->ignore_merges && me - at > 1) {
+            h = tok_hash_bytes(s + at, me - at);
+            id = tok_strmap_get_h(&tok->vocab, s + at, me - at, h);
+            if (id != TOK_NO_ID) {
+                tok_emit(w->sink, id);
+            } else {
+                tok_bpe_merge(w, s + at, me - at, h);
+            }
+            continue;
+        }
         tok_bpe(w, s + at, me - at);
     }
 }
