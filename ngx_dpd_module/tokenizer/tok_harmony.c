@@ -88,6 +88,62 @@ typedef struct {
 } th_str_t;
 
 
+/*
+ * What one render may cost, from the request's own size: the bytes it
+ * appends to any string (a nested schema level copies its child's text
+ * into its own, every comment line is indented) and the steps of its
+ * lookups (the required list per property, the calls per tool result).
+ * Past either, the request gets the estimate: a client must not buy
+ * minutes of CPU or gigabytes of copies with a megabyte of body.  Per
+ * thread: renders run in dpd_count_thread_pool threads too.
+ */
+typedef struct {
+    size_t  bytes;
+    size_t  max_bytes;
+    size_t  steps;
+    size_t  max_steps;
+    int     over;
+} th_budget_t;
+
+static __thread th_budget_t  *th_budget;
+
+
+/* n more steps; 1 when the render is past its budget */
+static int
+th_steps(size_t n)
+{
+    if (th_budget == NULL) {
+        return 0;
+    }
+    th_budget->steps += n;
+    if (th_budget->steps > th_budget->max_steps) {
+        th_budget->over = 1;
+    }
+    return th_budget->over;
+}
+
+
+/* the request's own size: bytes of its strings and keys, and its values */
+static void
+th_size(const cJSON *j, size_t *bytes, size_t *nodes)
+{
+    const cJSON  *c;
+
+    for (c = j; c != NULL; c = c->next) {
+        (*nodes)++;
+        if (c->string) {
+            *bytes += strlen(c->string);
+        }
+        if (cJSON_IsString(c) && c->valuestring) {
+            *bytes += strlen(c->valuestring);
+        }
+        if (c->child) {
+            th_size(c->child, bytes, nodes);
+        }
+    }
+}
+
+
 static void
 th_add(th_str_t *s, const char *src, size_t n)
 {
@@ -96,6 +152,16 @@ th_add(th_str_t *s, const char *src, size_t n)
 
     if (s->oom) {
         return;
+    }
+    if (th_budget != NULL) {
+        th_budget->bytes += n;
+        if (th_budget->bytes > th_budget->max_bytes) {
+            th_budget->over = 1;
+        }
+        if (th_budget->over) {
+            s->oom = 1;
+            return;
+        }
     }
     if (s->n + n + 1 > s->cap) {
         cap = s->cap ? s->cap : 256;
@@ -385,6 +451,10 @@ th_ts_object(th_ctx_t *x, th_str_t *out, const cJSON *schema,
         }
         required = 0;
         cJSON_ArrayForEach(r, (cJSON_IsArray(req) ? req : NULL)) {
+            if (th_steps(1)) {
+                free(sub.p);
+                return -1;
+            }
             if (cJSON_IsString(r) && strcmp(r->valuestring, val->string) == 0)
             {
                 required = 1;
@@ -797,11 +867,17 @@ th_call_name(const cJSON *msgs, const cJSON *skip, const char *id)
     const cJSON  *m, *calls, *c, *cid, *name = NULL;
 
     cJSON_ArrayForEach(m, msgs) {
+        if (th_steps(1)) {
+            return NULL;
+        }
         if (m == skip) {
             continue;
         }
         calls = th_get(m, "tool_calls");
         cJSON_ArrayForEach(c, (cJSON_IsArray(calls) ? calls : NULL)) {
+            if (th_steps(1)) {
+                return NULL;
+            }
             cid = th_get(c, "id");
             if ((id == NULL && (cid == NULL || cJSON_IsNull(cid)))
                 || (id != NULL && cJSON_IsString(cid)
@@ -940,6 +1016,9 @@ th_message(th_ctx_t *x, th_list_t *l, const cJSON *msgs, const cJSON *cm,
             return -1;
         }
         name = th_call_name(msgs, x->lead, id ? id->valuestring : "");
+        if (th_budget != NULL && th_budget->over) {
+            return -1;
+        }
         if (name != NULL && !cJSON_IsString(name)) {
             tok_err(x->err, x->errlen, "harmony: a tool result whose call "
                     "has no name (messages[%zu]) gets the estimate", i);
@@ -1173,12 +1252,18 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     char            date[32];
     struct tm       tm;
     time_t          now;
-    size_t          i;
+    size_t          i, bytes = 0, nodes = 0;
     int             rc = -1, agp, cfm, has_tools = 0, has_instr = 0;
+    th_budget_t     budget;
 
     if (errlen) {
         err[0] = '\0';
     }
+    th_size(in, &bytes, &nodes);
+    memset(&budget, 0, sizeof(budget));
+    budget.max_bytes = 8 * bytes + (1 << 20);
+    budget.max_steps = 4 * nodes + 65536;
+    th_budget = &budget;
     memset(&l, 0, sizeof(l));
     memset(&o, 0, sizeof(o));
     memset(&sys, 0, sizeof(sys));
@@ -1195,19 +1280,22 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
         tok_err(err, errlen, cJSON_IsArray(msgs) ? "messages: empty array"
                                                  : "messages: expected an "
                                                    "array");
-        return -1;
+        rc = -1;
+        goto done;
     }
 
     /* the request fields vLLM's harmony path reads */
     if (th_bool(&x, req, "add_generation_prompt", 1, &agp) != 0
         || th_bool(&x, req, "continue_final_message", 0, &cfm) != 0)
     {
-        return -1;
+        rc = -1;
+        goto done;
     }
     if (agp && cfm) {
         tok_err(err, errlen, "Cannot set both `continue_final_message` and "
                 "`add_generation_prompt` to True.");
-        return -1;
+        rc = -1;
+        goto done;
     }
     eff = req ? cJSON_GetObjectItemCaseSensitive(req, "reasoning_effort")
               : NULL;
@@ -1219,7 +1307,8 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
         {
             tok_err(err, errlen, "reasoning_effort: harmony supports low, "
                     "medium or high");
-            return -1;
+            rc = -1;
+            goto done;
         }
         effort = eff->valuestring;
     }
@@ -1227,12 +1316,14 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     if (tools != NULL && !cJSON_IsNull(tools)) {
         if (!cJSON_IsArray(tools)) {
             tok_err(err, errlen, "tools: expected an array");
-            return -1;
+            rc = -1;
+            goto done;
         }
         if (tools->child == NULL) {
             tok_err(err, errlen, "harmony: an empty tools array gets the "
                     "estimate");
-            return 1;
+            rc = 1;
+            goto done;
         }
         choice = cJSON_GetObjectItemCaseSensitive(req, "tool_choice");
         if (cJSON_IsString(choice) && strcmp(choice->valuestring, "none") == 0)
@@ -1240,7 +1331,8 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
             /* vLLM's --exclude-tools-when-tool-choice-none decides */
             tok_err(err, errlen, "harmony: tools with tool_choice \"none\" "
                     "get the estimate");
-            return 1;
+            rc = 1;
+            goto done;
         }
         has_tools = 1;
     }
@@ -1360,6 +1452,14 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
     rc = 0;
 
 done:
+    th_budget = NULL;
+    if (budget.over) {
+        tok_err(err, errlen, "harmony: rendering the request would take "
+                "more than %zu bytes or %zu steps (8 times its text + 1 MiB, "
+                "4 per value + 64k): it gets the estimate", budget.max_bytes,
+                budget.max_steps);
+        rc = 1;
+    }
     if (rc < 0 && errlen && err[0] == '\0') {
         tok_err(err, errlen, "out of memory");
     }

@@ -463,4 +463,43 @@ for my $est (
     is(scalar(grep { $_ eq '1' } @c), 1110, 'every 1-3 digit run is one token: any date counts the same');
 }
 
+# ---- what a render may cost is bounded by the request's own size (8 times
+# its text + 1 MiB appended, 4 steps per value + 64k lookups): past that the
+# request gets the estimate, at once.  Each of these took seconds to minutes
+# of CPU, or hundreds of MB of copies, before the bound.
+{
+    use Time::HiRes qw(time);
+    my $np = 30000;
+    my $props = join(',', map { "\"p$_\":{\"type\":\"string\"}" } 1 .. $np);
+    my $reqd = join(',', map { "\"p$_\"" } 1 .. $np);
+    my $nest = '{"type":"string","examples":[' . join(',', ('""') x 100000) . ']}';
+    $nest = '{"type":"object","properties":{"a":' . $nest . '}}' for 1 .. 25;
+    for my $case (
+        [ 'required list per property (quadratic)',
+          '{"tools":[{"type":"function","function":{"name":"f","description":"d",'
+          . "\"parameters\":{\"type\":\"object\",\"properties\":{$props},\"required\":[$reqd]}}}],"
+          . '"messages":[{"role":"user","content":"x"}]}' ],
+        [ 'calls scanned per tool result (quadratic)',
+          '{"messages":[{"role":"user","content":"x"},'
+          . join(',', ('{"role":"tool","content":""}') x 3000)
+          . ',{"role":"assistant","content":"y","tool_calls":['
+          . join(',', ('{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}')
+                      x 20000) . ']}]}' ],
+        [ 'nested examples (amplification)',
+          '{"tools":[{"type":"function","function":{"name":"f","description":"d",'
+          . "\"parameters\":$nest}}],\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}" ],
+    ) {
+        my ($name, $req) = @$case;
+        my $t0 = time;
+        my ($rc, $err) = run_req($req, '--count');
+        is($rc, 2, "bounded: $name: not counted without --estimate");
+        like($err, qr/more than \d+ bytes or \d+ steps/, "bounded: $name: says why");
+        my $out;
+        ($rc, $err, $out) = run_req($req, '--count --estimate');
+        is($rc, 0, "bounded: $name: --estimate counts") or diag $err;
+        my $dt = time - $t0;
+        cmp_ok($dt, '<', 10, "bounded: $name: both runs in under 10 s ($dt s)");
+    }
+}
+
 done_testing();
