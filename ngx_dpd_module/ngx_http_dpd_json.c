@@ -374,8 +374,8 @@ dpd_json_hex4(const unsigned char *p)
 
 
 /*
- * "\uXXXX" or a surrogate pair at p, before the closing quote at end, as
- * UTF-8 at *out; returns the escape's length, 0 for a bad one: a low
+ * a \u escape (four hex digits) or a surrogate pair at p, before the
+ * closing quote at end, as UTF-8 at *out; returns the escape's length, 0 for a bad one: a low
  * surrogate first, a high one without a low one after it.
  */
 

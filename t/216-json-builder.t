@@ -18,7 +18,7 @@ use DPD::ProtoDriver;
 plan skip_all => $_ for DPD::ProtoDriver->unavailable;
 
 my $root = DPD::Emu::root();
-my $dir = tempdir('dpd-json-XXXXXX', TMPDIR => 1, CLEANUP => 1);
+my $dir = tempdir(TMPDIR => 1, CLEANUP => 1);
 my $bin = "$dir/dpd_json";
 my $cc = $ENV{CC} || 'cc';
 # with ASan/UBSan where the compiler has them: any read past an input
