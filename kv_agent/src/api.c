@@ -193,8 +193,12 @@ kv_api_req_json(kv_ctx_t *ctx, const char *req_id)
         if (r->state == DPD_REQ_FAILED) {
             cJSON_AddStringToObject(j, "error", r->error);
         }
-        if (r->quar) {
+        if (r->quar || (r->copying && r->state != DPD_REQ_TRANSFERRING)) {
+            /* its blocks are not free: a sender or a copy may write them */
             cJSON_AddBoolToObject(j, "quarantined", 1);
+        }
+        if (r->copying && r->state != DPD_REQ_TRANSFERRING) {
+            cJSON_AddBoolToObject(j, "copy_pending", 1);
         }
         return j;
     }
@@ -265,6 +269,15 @@ verb_info(kv_ctx_t *ctx)
         cJSON_AddNumberToObject(p, "size", (double) l->size);
         cJSON_AddNumberToObject(p, "free", ctx->free_blocks);
         cJSON_AddNumberToObject(p, "quarantined", ctx->nquar);
+        {
+            /* failed or released: blocks held until ring copies report */
+            uint32_t ch = 0, q;
+            for (q = 0; ctx->rreq && q < ctx->nrreq; q++) {
+                ch += ctx->rreq[q].used && ctx->rreq[q].copying
+                      && ctx->rreq[q].state != DPD_REQ_TRANSFERRING;
+            }
+            cJSON_AddNumberToObject(p, "copy_held", ch);
+        }
         cJSON_AddStringToObject(p, "memory", KV_POOL(ctx, 0)->cuda_dev >= 0
                                 ? "cuda" : "host");
         cJSON_AddStringToObject(p, "access", kv_pool_access_name(ctx));
@@ -343,6 +356,7 @@ verb_info(kv_ctx_t *ctx)
                                 (double) ctx->stat_ring_chunks);
         cJSON_AddNumberToObject(o, "recv_ring_bad_notices",
                                 (double) ctx->stat_ring_bad);
+        cJSON_AddNumberToObject(o, "recv_ring_lost", kv_ring_lost(ctx));
     }
     for (i = 0; i < ctx->nranks; i++) {
         if (ctx->stage[i]) {
@@ -350,6 +364,8 @@ verb_info(kv_ctx_t *ctx)
                                     (double) ctx->stage[i]->stat_copies);
             cJSON_AddNumberToObject(o, "stage_batches",
                                     (double) ctx->stage[i]->stat_batches);
+            cJSON_AddNumberToObject(o, "stage_lost",
+                                    kv_xfer_lost(ctx) - kv_ring_lost(ctx));
             break;
         }
     }
@@ -397,6 +413,12 @@ verb_register_pool(kv_ctx_t *ctx, kv_client_t *c, cJSON *j)
                              ctx->nranks - 1, ctx->nranks);
         }
         rank = (int) jr->valuedouble;
+    }
+    if (kv_xfer_lost(ctx)) {
+        /* a copy that never reported may still touch the old memory */
+        return err_reply("busy", "the copy engine failed with %u slot(s) of "
+                         "copies outstanding; the pool cannot be replaced "
+                         "(restart the agent)", kv_xfer_lost(ctx));
     }
     if (kv_xfer_busy(ctx)) {
         return err_reply("busy", "transfers in progress; register the pool "

@@ -55,6 +55,12 @@ typedef struct {
     int              efd;             /* eventfd: an event passed */
     double           bps;             /* 0: as fast as memcpy */
     double           t_next;
+    /* test faults (KV_TEST_FAULT): the worker stops for stall_ms before
+     * its stall_at-th copy (a hung engine that comes back); events from
+     * the fail_at-th on report an error; records from the rec_fail_at-th
+     * on fail (a broken device context) */
+    uint64_t         ncopies, stall_at, fail_at, rec_fail_at;
+    long             stall_ms;
 } kv_hcopy_t;
 
 
@@ -118,12 +124,39 @@ host_worker(void *arg)
             continue;
         }
         pthread_mutex_unlock(&h->mu);
+        if (++h->ncopies == h->stall_at) {
+            struct timespec st = { h->stall_ms / 1000,
+                                   (h->stall_ms % 1000) * 1000000 };
+            nanosleep(&st, NULL);
+        }
         memcpy(j.dst, j.src, j.len);
         pace(h, j.len);
         pthread_mutex_lock(&h->mu);
     }
     pthread_mutex_unlock(&h->mu);
     return NULL;
+}
+
+
+static void
+host_faults(kv_hcopy_t *h)
+{
+    const char *f = getenv("KV_TEST_FAULT"), *q;
+    char *e;
+
+    if (f == NULL) {
+        return;
+    }
+    if ((q = strstr(f, "copy_stall:")) != NULL) {
+        h->stall_at = strtoull(q + 11, &e, 10);
+        h->stall_ms = *e == ':' ? strtol(e + 1, NULL, 10) : 0;
+    }
+    if ((q = strstr(f, "copy_fail:")) != NULL) {
+        h->fail_at = strtoull(q + 10, NULL, 10);
+    }
+    if ((q = strstr(f, "copy_record_fail:")) != NULL) {
+        h->rec_fail_at = strtoull(q + 17, NULL, 10);
+    }
 }
 
 
@@ -138,6 +171,7 @@ host_open(kv_copy_t *c, int dev)
         return -1;
     }
     h->bps = g ? atof(g) * 1e9 : 0;
+    host_faults(h);
     h->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (h->efd < 0) {
         free(h->q);
@@ -192,6 +226,9 @@ host_record(kv_copy_t *c, uint64_t *seq)
     kv_hcopy_t *h = c->priv;
     kv_hjob_t j = { NULL, NULL, 0, 0 };
 
+    if (h->rec_fail_at && h->recorded + 1 >= h->rec_fail_at) {
+        return -1;
+    }
     j.mark = *seq = ++h->recorded;
     host_push(h, &j);
     return 0;
@@ -207,6 +244,9 @@ host_query(kv_copy_t *c, uint64_t seq)
     pthread_mutex_lock(&h->mu);
     d = h->done;
     pthread_mutex_unlock(&h->mu);
+    if (h->fail_at && seq >= h->fail_at && d >= seq) {
+        return -1;
+    }
     return d >= seq ? 1 : 0;
 }
 

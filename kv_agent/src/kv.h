@@ -493,6 +493,11 @@ typedef struct {
     uint32_t     nchunks;              /* per rank */
     uint32_t     granted[KV_MAX_RANKS], copied[KV_MAX_RANKS];
     uint32_t     held;                 /* ring slots granted or copying */
+    uint32_t     copying;              /* of them, copying into its blocks
+                                        * (or lost): the blocks stay owned
+                                        * until the engine reports */
+    int          ring_left;            /* its sender is done with the ring;
+                                        * copies still to report */
     int          done_seen;            /* the sender's done message came */
 } kv_rreq_t;
 
@@ -552,6 +557,9 @@ struct kv_copy {
                                        * -1 (then the loop polls) */
     void                *priv;
     uint64_t             flushes;
+    int                  failed;      /* an event could not be recorded or
+                                       * reported an error: what was queued
+                                       * may still run, nobody can say when */
 };
 
 extern const kv_copy_ops_t kv_copy_host_ops;
@@ -566,7 +574,9 @@ void  kv_copy_host_free(kv_copy_t *c, void *p, size_t len);
  * a batch of device->host copies (one event), then written to the peer;
  * its write completion frees it.  Copy k+1 runs while write k is on the
  * wire. */
-enum { KV_SLOT_FREE = 0, KV_SLOT_COPYING, KV_SLOT_READY };
+/* KV_SLOT_LOST: its copies' event failed (the engine cannot say whether
+ * they still run): never filled again. */
+enum { KV_SLOT_FREE = 0, KV_SLOT_COPYING, KV_SLOT_READY, KV_SLOT_LOST };
 #define KV_SLOT_PIECES 64
 typedef struct {
     uint64_t  off;                    /* in the slot */
@@ -578,6 +588,7 @@ typedef struct {
 typedef struct {
     int        state;
     uint64_t   seq;                   /* copy event */
+    uint64_t   t_us, warn_us;         /* copies queued; last warning */
     uint32_t   push;                  /* push slot */
     uint64_t   gen;                   /* its generation */
     uint32_t   npieces, posted, done;
@@ -589,7 +600,7 @@ typedef struct {
     kv_copy_t      copy;
     char          *buf;
     size_t         chunk;
-    uint32_t       nslots, nfree;
+    uint32_t       nslots, nfree, nlost;
     kv_slot_t     *slot;
     struct fid_mr *mr[KV_MAX_RAILS];
     void          *desc[KV_MAX_RAILS];
@@ -605,7 +616,14 @@ void kv_stage_close(kv_ctx_t *ctx, int rank);
  * mirror of the pool.  A slot is granted to one request for one chunk of
  * a rank's byte stream; the sender writes it and sends a notice; the slot
  * is copied into the pool (one event) and then granted again. */
-enum { KV_RS_FREE = 0, KV_RS_GRANTED, KV_RS_COPYING };
+/* KV_RS_LOST: the engine failed with its copies queued: the slot and the
+ * holder's blocks stay held until the agent exits. */
+enum { KV_RS_FREE = 0, KV_RS_GRANTED, KV_RS_COPYING, KV_RS_LOST };
+/* A copy not reported after KV_COPY_SPIN_US is polled with the loop's
+ * back-off instead of a busy loop (a hung engine must not spin a core);
+ * one unreported for KV_COPY_WARN_US is warned about, and again as long. */
+#define KV_COPY_SPIN_US  20000
+#define KV_COPY_WARN_US  10000000
 typedef struct {
     int        state;
     uint32_t   rreq;                  /* holder: rreq slot */
@@ -613,12 +631,13 @@ typedef struct {
     uint64_t   grant;                 /* unique per grant */
     uint64_t   len;
     uint64_t   seq;                   /* copy event */
+    uint64_t   t_us, warn_us;         /* copies queued; last warning */
 } kv_rslot_t;
 
 typedef struct {
     char          *buf;
     size_t         chunk;
-    uint32_t       nslots, nfree;
+    uint32_t       nslots, nfree, nlost;
     kv_rslot_t     slot[KV_RING_MAX];
     int            cuda_dev;          /* the pinned allocation's device */
 } kv_rring_t;
@@ -802,8 +821,11 @@ void kv_quar_lift_all(kv_ctx_t *ctx, const char *why);
 int  kv_ring_setup(kv_ctx_t *ctx, kv_rreq_t *r, const uint32_t *dst,
     uint32_t n, char *err, size_t elen);
 int  kv_ring_complete(kv_ctx_t *ctx, const kv_rreq_t *r);
-void kv_ring_wait(kv_ctx_t *ctx, kv_rreq_t *r);
 void kv_ring_release(kv_ctx_t *ctx, kv_rreq_t *r);
+int  kv_ring_usable(kv_ctx_t *ctx, char *err, size_t elen);
+uint32_t kv_xfer_lost(kv_ctx_t *ctx);
+uint32_t kv_ring_lost(kv_ctx_t *ctx);
+void kv_rreq_copies_done(kv_ctx_t *ctx, kv_rreq_t *r);
 void kv_ring_grant(kv_ctx_t *ctx);
 void kv_ring_notice(kv_ctx_t *ctx, const char *buf, size_t len);
 int  kv_ring_progress(kv_ctx_t *ctx);

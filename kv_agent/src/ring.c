@@ -20,6 +20,14 @@
  * A request that fails keeps its granted slots as long as its blocks stay
  * quarantined (its sender may still write them); memory: ranks x
  * recv_slots x recv_chunk (32 MiB per rank by default).
+ *
+ * A slot being copied in is writing its holder's blocks: whatever happens
+ * to the request (failed, released, its quarantine lifted), the slot and
+ * those blocks stay held until the copy engine reports the event done.
+ * Nothing is freed on a timeout and the loop never waits for a copy.  An
+ * engine that cannot record or report an event has failed: its slots are
+ * lost (held, with their holders' blocks, until the agent exits), the
+ * rank takes no staged transfer any more, and that is said loudly.
  */
 
 #include <stdlib.h>
@@ -96,6 +104,14 @@ kv_ring_setup(kv_ctx_t *ctx, kv_rreq_t *r, const uint32_t *dst, uint32_t n,
 {
     uint64_t c = ctx->cfg.recv_chunk, rb;
 
+    if (kv_ring_usable(ctx, err, elen) != 0) {
+        return -1;
+    }
+    if (r->copying) {
+        snprintf(err, elen, "request %s still has copies in flight (bug)",
+                 r->req_id);
+        return -1;
+    }
     free(r->blocks);
     r->blocks = malloc((size_t) n * sizeof(uint32_t));
     if (r->blocks == NULL) {
@@ -109,8 +125,42 @@ kv_ring_setup(kv_ctx_t *ctx, kv_rreq_t *r, const uint32_t *dst, uint32_t n,
     memset(r->granted, 0, sizeof(r->granted));
     memset(r->copied, 0, sizeof(r->copied));
     r->held = 0;
+    r->ring_left = 0;
     r->done_seen = 0;
     return 0;
+}
+
+
+/* 0 when every rank's copy-in engine can be trusted with a new request. */
+int
+kv_ring_usable(kv_ctx_t *ctx, char *err, size_t elen)
+{
+    int k;
+
+    for (k = 0; k < ctx->nranks; k++) {
+        if (ctx->rring[k] && ctx->rcopy_open[k] && ctx->rcopy[k].failed) {
+            snprintf(err, elen, "the copy engine of rank %d failed with "
+                     "copies into the pool outstanding (%u ring slot(s) and "
+                     "their blocks held); restart the agent", k,
+                     ctx->rring[k]->nlost);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+
+/* Ring slots lost to a failed copy engine, all ranks. */
+uint32_t
+kv_ring_lost(kv_ctx_t *ctx)
+{
+    uint32_t n = 0;
+    int k;
+
+    for (k = 0; k < ctx->nranks; k++) {
+        n += ctx->rring[k] ? ctx->rring[k]->nlost : 0;
+    }
+    return n;
 }
 
 
@@ -129,40 +179,10 @@ kv_ring_complete(kv_ctx_t *ctx, const kv_rreq_t *r)
 }
 
 
-/* Slots of r being copied: wait for their events (they write r's blocks,
- * which may be given to someone else next), then free them. */
-void
-kv_ring_wait(kv_ctx_t *ctx, kv_rreq_t *r)
-{
-    struct timespec ts = { 0, 1000000 };
-    uint32_t tag = (uint32_t) (r - ctx->rreq), i;
-    kv_rring_t *g;
-    kv_copy_t *c;
-    int k, spins;
-
-    for (k = 0; r->held && k < ctx->nranks; k++) {
-        g = ctx->rring[k];
-        c = &ctx->rcopy[k];
-        for (i = 0; g && i < g->nslots; i++) {
-            if (g->slot[i].state != KV_RS_COPYING || g->slot[i].rreq != tag) {
-                continue;
-            }
-            for (spins = 0; spins < 60000; spins++) {
-                if (c->ops->query(c, g->slot[i].seq) != 0) {
-                    break;
-                }
-                nanosleep(&ts, NULL);
-            }
-            g->slot[i].state = KV_RS_FREE;
-            g->nfree++;
-            r->held--;
-        }
-    }
-}
-
-
 /* r's sender can no longer write its granted slots (it drained, or it is
- * gone, or the keys changed): they go back to the ring. */
+ * gone, or the keys changed): they go back to the ring.  Slots still
+ * being copied in stay r's until their events complete (kv_ring_progress
+ * finishes the release then). */
 void
 kv_ring_release(kv_ctx_t *ctx, kv_rreq_t *r)
 {
@@ -173,8 +193,7 @@ kv_ring_release(kv_ctx_t *ctx, kv_rreq_t *r)
     if (!r->ring) {
         return;
     }
-    kv_ring_wait(ctx, r);
-    for (k = 0; r->held && k < ctx->nranks; k++) {
+    for (k = 0; r->held > r->copying && k < ctx->nranks; k++) {
         g = ctx->rring[k];
         for (i = 0; g && i < g->nslots; i++) {
             if (g->slot[i].state == KV_RS_GRANTED && g->slot[i].rreq == tag) {
@@ -184,14 +203,19 @@ kv_ring_release(kv_ctx_t *ctx, kv_rreq_t *r)
             }
         }
     }
-    if (r->held) {
+    if (r->held != r->copying) {
         kv_err("ring: %s: %u slot(s) unaccounted for (bug)", r->req_id,
-               r->held);
-        r->held = 0;
+               r->held - r->copying);
+        r->held = r->copying;
+    }
+    if (r->copying) {
+        r->ring_left = 1;
+        return;
     }
     free(r->blocks);
     r->blocks = NULL;
     r->ring = 0;
+    r->ring_left = 0;
 }
 
 
@@ -249,7 +273,7 @@ kv_ring_grant(kv_ctx_t *ctx)
         arr = NULL;
         for (k = 0; k < ctx->nranks; k++) {
             g = ctx->rring[k];
-            if (g == NULL) {
+            if (g == NULL || ctx->rcopy[k].failed) {
                 continue;
             }
             quota = g->nslots / nact ? g->nslots / nact : 1;
@@ -324,6 +348,7 @@ slot_copy(kv_ctx_t *ctx, kv_rreq_t *r, int k, uint32_t s)
     uint32_t lr, i;
     char *src = g->buf + (size_t) s * g->chunk;
 
+    sl->seq = 0;
     pos = (uint64_t) sl->chunk * g->chunk;
     end = pos + sl->len;
     while (pos < end) {
@@ -362,6 +387,33 @@ slot_copy(kv_ctx_t *ctx, kv_rreq_t *r, int k, uint32_t s)
         return -1;
     }
     return c->ops->record(c, &sl->seq);
+}
+
+
+/* A copy-in whose event cannot be followed: nobody can say when (or
+ * whether) its copies stop writing the holder's blocks.  The slot is lost
+ * and the blocks stay owned until the agent exits (the CUDA context goes
+ * with the process); the rank takes no staged transfer any more. */
+static void
+engine_failed(kv_ctx_t *ctx, int k, uint32_t s, const char *why)
+{
+    kv_rring_t *g = ctx->rring[k];
+    kv_rslot_t *sl = &g->slot[s];
+    kv_rreq_t *r = &ctx->rreq[sl->rreq];
+
+    sl->state = KV_RS_LOST;
+    g->nlost++;
+    if (!ctx->rcopy[k].failed) {
+        ctx->rcopy[k].failed = 1;
+        kv_err("ring: rank %d: the %s copy engine failed (%s): ring slot %u "
+               "and the blocks of %s it copies into stay held until the "
+               "agent exits; rank %d takes no staged transfer any more "
+               "(restart the agent)", k, ctx->rcopy[k].ops->name, why, s,
+               r->req_id, k);
+    } else {
+        kv_err("ring: rank %d: slot %u lost to the failed copy engine (%s); "
+               "%s's blocks stay held", k, s, why, r->req_id);
+    }
 }
 
 
@@ -412,25 +464,30 @@ kv_ring_notice(kv_ctx_t *ctx, const char *buf, size_t len)
         ctx->stat_ring_bad++;
         return;
     }
-    if (slot_copy(ctx, r, (int) m.rank, m.slot) != 0) {
-        /* the copies queued so far must finish before the slot is free */
-        if (ctx->rcopy[m.rank].ops->record(&ctx->rcopy[m.rank], &sl->seq)
-            != 0)
-        {
-            sl->seq = 0;
-        }
-        sl->state = KV_RS_COPYING;
-        kv_rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy to GPU failed");
-        return;
-    }
     sl->state = KV_RS_COPYING;
+    sl->t_us = sl->warn_us = kv_now_us();
+    r->copying++;
+    if (slot_copy(ctx, r, (int) m.rank, m.slot) != 0) {
+        /* the copies queued so far must finish before the slot and r's
+         * blocks are free: follow the event like any other */
+        kv_copy_t *c = &ctx->rcopy[m.rank];
+        if (sl->seq == 0 && c->ops->record(c, &sl->seq) != 0) {
+            sl->seq = 0;
+            engine_failed(ctx, (int) m.rank, m.slot, "could not record the "
+                          "event after a failed copy");
+        }
+        kv_rreq_set(ctx, r, DPD_REQ_FAILED, "staging copy to GPU failed");
+    }
 }
 
 
-/* Copies that completed free their slots; 1 while some are queued. */
+/* Copies that completed free their slots; 1 while some are queued.  A
+ * copy the engine has not reported for long is warned about (every 10 s),
+ * never given up on. */
 int
 kv_ring_progress(kv_ctx_t *ctx)
 {
+    uint64_t now = 0;
     kv_rring_t *g;
     kv_rslot_t *sl;
     kv_rreq_t *r;
@@ -444,26 +501,46 @@ kv_ring_progress(kv_ctx_t *ctx)
             if (sl->state != KV_RS_COPYING) {
                 continue;
             }
-            q = sl->seq ? ctx->rcopy[k].ops->query(&ctx->rcopy[k], sl->seq)
-                        : -1;
+            r = &ctx->rreq[sl->rreq];
+            q = ctx->rcopy[k].ops->query(&ctx->rcopy[k], sl->seq);
             if (q == 0) {
                 busy = 1;
+                now = now ? now : kv_now_us();
+                if (now - sl->warn_us >= KV_COPY_WARN_US) {
+                    sl->warn_us = now;
+                    kv_warn("ring: rank %d: slot %u: the copy engine has not "
+                            "completed the copy into %s's blocks for %llu s; "
+                            "the slot and those blocks stay held until it "
+                            "does", k, i, r->req_id,
+                            (unsigned long long) ((now - sl->t_us)
+                                                  / 1000000));
+                }
                 continue;
             }
-            sl->state = KV_RS_FREE;
-            g->nfree++;
-            r = &ctx->rreq[sl->rreq];
-            r->held--;
             if (q < 0) {
+                engine_failed(ctx, k, i, "an event reported an error");
                 if (r->state == DPD_REQ_TRANSFERRING) {
                     kv_rreq_set(ctx, r, DPD_REQ_FAILED,
                                 "staging copy to GPU failed");
                 }
                 continue;
             }
-            r->copied[k]++;
-            ctx->stat_ring_chunks++;
-            kv_rreq_ring_check(ctx, r);
+            sl->state = KV_RS_FREE;
+            g->nfree++;
+            r->held--;
+            r->copying--;
+            if (r->state == DPD_REQ_TRANSFERRING) {
+                r->copied[k]++;
+                ctx->stat_ring_chunks++;
+                kv_rreq_ring_check(ctx, r);
+            } else if (r->copying == 0) {
+                /* what waited for its copies: the release of its ring,
+                 * its blocks */
+                if (r->ring_left) {
+                    kv_ring_release(ctx, r);
+                }
+                kv_rreq_copies_done(ctx, r);
+            }
         }
     }
     kv_ring_grant(ctx);
@@ -484,7 +561,8 @@ kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled)
         for (i = 0; g && i < g->nslots; i++) {
             if (g->slot[i].state == KV_RS_COPYING) {
                 *copies = 1;
-                *polled |= ctx->rcopy[k].wake_fd < 0;
+                *polled |= ctx->rcopy[k].wake_fd < 0
+                           && kv_now_us() - g->slot[i].t_us < KV_COPY_SPIN_US;
             }
         }
     }

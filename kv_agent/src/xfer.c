@@ -49,6 +49,8 @@
 
 static int push_active(const kv_push_t *p);
 static void rreq_quar_end(kv_ctx_t *ctx, kv_rreq_t *r, const char *why);
+static void rreq_hold_end(kv_ctx_t *ctx, kv_rreq_t *r);
+static void stage_lost(kv_ctx_t *ctx, int r, uint32_t i, const char *why);
 static void fault_parse(void);
 static int  fault_no_credits, fault_repeat_notice;
 
@@ -371,6 +373,11 @@ block_busy_err(kv_ctx_t *ctx, uint32_t b, char *err, size_t elen)
     if (o->quar) {
         snprintf(err, elen, "block %u is quarantined (a failed transfer "
                  "from %s may still write it)", b, o->peer_id);
+    } else if (o->copying && o->state != DPD_REQ_TRANSFERRING) {
+        snprintf(err, elen, "block %u is held: a copy from the staging ring "
+                 "into it has not completed%s", b,
+                 kv_ring_lost(ctx) ? " (the copy engine failed; restart the "
+                 "agent)" : "");
     } else {
         snprintf(err, elen, "block %u is not free", b);
     }
@@ -536,7 +543,19 @@ rreq_quar_end(kv_ctx_t *ctx, kv_rreq_t *r, const char *why)
     kv_info("xfer: quarantine of %s (%u block(s)) lifted: %s", r->req_id,
             r->n, why);
     kv_ring_release(ctx, r);           /* its ring slots too */
-    if (r->auto_res || r->detached) {
+    rreq_hold_end(ctx, r);
+}
+
+
+/* Nothing holds r's blocks any more (no quarantine, no copy from the ring
+ * still writing them): what waited for that. */
+static void
+rreq_hold_end(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    if (r->quar || r->copying) {
+        return;
+    }
+    if (r->detached || (r->auto_res && r->state == DPD_REQ_FAILED)) {
         /* nobody local holds these blocks any more */
         rreq_free_blocks(ctx, r);
         kv_ctrl_update_self(ctx);
@@ -547,6 +566,20 @@ rreq_quar_end(kv_ctx_t *ctx, kv_rreq_t *r, const char *why)
 }
 
 
+/* The last copy from the ring into a failed or released r's blocks
+ * completed (ring.c). */
+void
+kv_rreq_copies_done(kv_ctx_t *ctx, kv_rreq_t *r)
+{
+    if (r->quar) {
+        return;                        /* its quarantine still holds them */
+    }
+    kv_info("xfer: the copies into %s's %u block(s) completed; they are no "
+            "longer held", r->req_id, r->n);
+    rreq_hold_end(ctx, r);
+}
+
+
 /* drained: the sender said nothing of its push is in flight any more */
 static void
 rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error,
@@ -554,9 +587,6 @@ rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error,
 {
     uint32_t was = r->state;
 
-    if (r->ring && state == DPD_REQ_FAILED) {
-        kv_ring_wait(ctx, r);          /* copies into its blocks */
-    }
     r->state = state;
     if (state == DPD_REQ_READY || state == DPD_REQ_FAILED) {
         r->t_done_ms = kv_wall_ms();
@@ -576,8 +606,9 @@ rreq_set(kv_ctx_t *ctx, kv_rreq_t *r, uint32_t state, const char *error,
         if (was == DPD_REQ_TRANSFERRING && r->peer >= 0 && !drained) {
             /* the sender was told these blocks: it may still write */
             rreq_quar_start(ctx, r);
-        } else if (r->auto_res) {
-            /* nobody local asked for these blocks: give them back */
+        } else if (r->auto_res && !r->copying) {
+            /* nobody local asked for these blocks: give them back (once
+             * copies still writing them completed: kv_rreq_copies_done) */
             rreq_free_blocks(ctx, r);
         }
     }
@@ -605,12 +636,11 @@ kv_rreq_release(kv_ctx_t *ctx, kv_rreq_t *r)
     dpd_req_rec_t *rec;
     uint32_t st = r->state;
 
-    if (r->ring) {
-        kv_ring_wait(ctx, r);          /* copies write its blocks */
-    }
     if (!r->quar) {
         kv_ring_release(ctx, r);
-        rreq_free_blocks(ctx, r);
+        if (!r->copying) {
+            rreq_free_blocks(ctx, r);
+        }
     }
     r->state = DPD_REQ_FREE;            /* routers drop their copy */
     kv_ctrl_req_event(ctx, r);
@@ -619,9 +649,9 @@ kv_rreq_release(kv_ctx_t *ctx, kv_rreq_t *r)
     if (rec) {
         kv_state_req_delete(&ctx->st, rec);
     }
-    if (r->quar) {
+    if (r->quar || r->copying) {
         /* the request id is free again; the slot keeps its blocks until
-         * the quarantine ends */
+         * the quarantine ends and the copies into them completed */
         r->detached = 1;
     } else {
         r->used = 0;
@@ -2012,6 +2042,12 @@ stage_fill(kv_ctx_t *ctx, kv_push_t *p, int r)
     uint32_t i, added = 0, cri;
     kv_slot_t *sl;
 
+    if (s->copy.failed) {
+        push_finish(ctx, p, 0, "the staging copy engine failed earlier (a "
+                    "slot's copies could not be followed); restart the "
+                    "agent");
+        return 0;
+    }
     while (s->nfree > 0 && !p->rank_done[r]) {
         for (i = 0; i < s->nslots && s->slot[i].state != KV_SLOT_FREE; i++) {
         }
@@ -2049,15 +2085,19 @@ stage_fill(kv_ctx_t *ctx, kv_push_t *p, int r)
         if (sl->npieces == 0) {
             break;
         }
-        if (s->copy.ops->record(&s->copy, &sl->seq) != 0) {
-            /* wait for the copies already queued before freeing it */
-            push_finish(ctx, p, 0, "staging copy from GPU failed");
-            sl->seq = 0;
-        }
-        sl->state = KV_SLOT_COPYING;
         sl->push = (uint32_t) (p - ctx->push);
         sl->gen = p->gen;
         s->nfree--;
+        sl->t_us = sl->warn_us = kv_now_us();
+        if (s->copy.ops->record(&s->copy, &sl->seq) != 0) {
+            /* the copies queued into it may still run and nothing will
+             * say when: the slot is never filled again */
+            stage_lost(ctx, r, i, "could not record the event after its "
+                       "copies");
+            push_finish(ctx, p, 0, "staging copy from GPU failed");
+            break;
+        }
+        sl->state = KV_SLOT_COPYING;
         s->stat_batches++;
         added = 1;
         if (!push_active(p)) {
@@ -2065,6 +2105,25 @@ stage_fill(kv_ctx_t *ctx, kv_push_t *p, int r)
         }
     }
     return (int) added;
+}
+
+
+/* A staging slot whose copies cannot be followed (ring.c's engine_failed
+ * for the sender): a copy still queued could land in it after another
+ * push filled it, and that push would send those bytes. */
+static void
+stage_lost(kv_ctx_t *ctx, int r, uint32_t i, const char *why)
+{
+    kv_stage_t *s = ctx->stage[r];
+
+    s->slot[i].state = KV_SLOT_LOST;
+    s->nlost++;
+    if (!s->copy.failed) {
+        s->copy.failed = 1;
+        kv_err("stage: rank %d: the %s copy engine failed (%s): staging slot "
+               "%u is never used again and rank %d sends no staged push any "
+               "more (restart the agent)", r, s->copy.ops->name, why, i, r);
+    }
 }
 
 
@@ -2093,15 +2152,31 @@ stage_post(kv_ctx_t *ctx, int r)
             continue;
         }
         p = &ctx->push[sl->push];
+        if (sl->state == KV_SLOT_LOST) {
+            continue;
+        }
         if (sl->state == KV_SLOT_COPYING) {
-            q = sl->seq ? s->copy.ops->query(&s->copy, sl->seq) : 1;
+            q = s->copy.ops->query(&s->copy, sl->seq);
             if (q == 0) {
+                uint64_t now = kv_now_us();
+                if (now - sl->warn_us >= KV_COPY_WARN_US) {
+                    sl->warn_us = now;
+                    kv_warn("stage: rank %d: slot %u: the copy engine has not "
+                            "completed its copies for %llu s; the slot stays "
+                            "held until it does", r, i,
+                            (unsigned long long) ((now - sl->t_us)
+                                                  / 1000000));
+                }
+                continue;
+            }
+            if (q < 0) {
+                stage_lost(ctx, r, i, "an event reported an error");
+                if (p->gen == sl->gen && push_active(p)) {
+                    push_finish(ctx, p, 0, "staging copy from GPU failed");
+                }
                 continue;
             }
             sl->state = KV_SLOT_READY;
-            if (q < 0 && p->gen == sl->gen && push_active(p)) {
-                push_finish(ctx, p, 0, "staging copy from GPU failed");
-            }
         }
         if (p->gen != sl->gen || p->state != KV_PUSH_WRITING) {
             /* its push failed: nothing more of it goes out */
@@ -2374,7 +2449,7 @@ kv_xfer_progress(kv_ctx_t *ctx)
 void
 kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
 {
-    uint64_t lim = 2 * (uint64_t) ctx->cfg.heartbeat_ms;
+    uint64_t lim = 2 * (uint64_t) ctx->cfg.heartbeat_ms, now_us = kv_now_us();
     uint32_t i;
     int k;
 
@@ -2385,10 +2460,11 @@ kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
         for (i = 0; s && i < s->nslots; i++) {
             if (s->slot[i].state == KV_SLOT_COPYING) {
                 ps->copies = 1;
-                ps->polled |= s->copy.wake_fd < 0;
+                ps->polled |= s->copy.wake_fd < 0
+                              && now_us - s->slot[i].t_us < KV_COPY_SPIN_US;
             }
         }
-        if (s && s->nfree < s->nslots) {
+        if (s && s->nfree + s->nlost < s->nslots) {
             ps->busy = 1;
         }
     }
@@ -2409,6 +2485,21 @@ kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
 }
 
 
+/* Slots (staging and landing) lost to a failed copy engine: their copies
+ * may still read or write the pool. */
+uint32_t
+kv_xfer_lost(kv_ctx_t *ctx)
+{
+    uint32_t n = kv_ring_lost(ctx);
+    int k;
+
+    for (k = 0; k < ctx->nranks; k++) {
+        n += ctx->stage[k] ? ctx->stage[k]->nlost : 0;
+    }
+    return n;
+}
+
+
 int
 kv_xfer_busy(kv_ctx_t *ctx)
 {
@@ -2418,8 +2509,15 @@ kv_xfer_busy(kv_ctx_t *ctx)
         return 1;
     }
     for (i = 0; i < (uint32_t) ctx->nranks; i++) {
-        if (ctx->stage[i] && ctx->stage[i]->nfree < ctx->stage[i]->nslots) {
+        if (ctx->stage[i] && ctx->stage[i]->nfree + ctx->stage[i]->nlost
+                             < ctx->stage[i]->nslots)
+        {
             return 1;                  /* copies or writes of a slot */
+        }
+        if (ctx->rring[i] && ctx->rring[i]->nfree + ctx->rring[i]->nlost
+                             < ctx->rring[i]->nslots)
+        {
+            return 1;                  /* granted, or copying in */
         }
     }
     for (i = 0; ctx->push && i < ctx->npush; i++) {
@@ -2463,7 +2561,7 @@ kv_xfer_timeouts(kv_ctx_t *ctx, uint64_t now)
         if (r->state == DPD_REQ_TRANSFERRING && now > r->deadline_ms) {
             kv_rreq_set(ctx, r, DPD_REQ_FAILED, why);
         } else if (r->state == DPD_REQ_FAILED && r->n == 0 && !r->quar
-                   && now > r->t_final_ms + keep)
+                   && !r->copying && now > r->t_final_ms + keep)
         {
             r->used = 0;
         }
