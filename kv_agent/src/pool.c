@@ -270,7 +270,9 @@ static int
 cuda_alloc_range(void *ptr, uintptr_t *base, size_t *size, char *err,
     size_t elen)
 {
+#if CUDART_VERSION >= 12000
     enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSuccess;
+#endif
     unsigned long long b = 0;
     kv_cu_range_fn fn = NULL;
     cudaError_t ce;
@@ -284,10 +286,16 @@ cuda_alloc_range(void *ptr, uintptr_t *base, size_t *size, char *err,
     ce = cudaGetDriverEntryPoint("cuMemGetAddressRange", (void **) &fn,
                                  cudaEnableDefault, &q);
 #else
+    /* CUDA 11 (Debian 12's nvidia-cuda-dev): no query result */
     ce = cudaGetDriverEntryPoint("cuMemGetAddressRange", (void **) &fn,
                                  cudaEnableDefault);
 #endif
-    if (ce != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn) {
+#if CUDART_VERSION >= 12000
+    if (q != cudaDriverEntryPointSuccess) {
+        fn = NULL;
+    }
+#endif
+    if (ce != cudaSuccess || !fn) {
         snprintf(err, elen, "cannot check the size of the imported "
                  "allocation (cuMemGetAddressRange unavailable: %s)",
                  cudaGetErrorString(ce));
