@@ -404,12 +404,24 @@ engine_failed(kv_ctx_t *ctx, int k, uint32_t s, const char *why)
     sl->state = KV_RS_LOST;
     g->nlost++;
     if (!ctx->rcopy[k].failed) {
+        uint32_t i;
         ctx->rcopy[k].failed = 1;
         kv_err("ring: rank %d: the %s copy engine failed (%s): ring slot %u "
                "and the blocks of %s it copies into stay held until the "
                "agent exits; rank %d takes no staged transfer any more "
                "(restart the agent)", k, ctx->rcopy[k].ops->name, why, s,
                r->req_id, k);
+        /* the others landing now would wait for grants that never come;
+         * the caller fails r itself */
+        for (i = 0; i < ctx->nrreq; i++) {
+            kv_rreq_t *o = &ctx->rreq[i];
+            if (o != r && o->used && o->ring
+                && o->state == DPD_REQ_TRANSFERRING)
+            {
+                kv_rreq_set(ctx, o, DPD_REQ_FAILED, "the copy engine of "
+                            "its staging ring failed; restart the agent");
+            }
+        }
     } else {
         kv_err("ring: rank %d: slot %u lost to the failed copy engine (%s); "
                "%s's blocks stay held", k, s, why, r->req_id);

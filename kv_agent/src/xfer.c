@@ -2503,7 +2503,7 @@ kv_xfer_lost(kv_ctx_t *ctx)
 int
 kv_xfer_busy(kv_ctx_t *ctx)
 {
-    uint32_t i;
+    uint32_t i, k;
 
     if (ctx->writes_inflight) {
         return 1;
@@ -2514,10 +2514,10 @@ kv_xfer_busy(kv_ctx_t *ctx)
         {
             return 1;                  /* copies or writes of a slot */
         }
-        if (ctx->rring[i] && ctx->rring[i]->nfree + ctx->rring[i]->nlost
-                             < ctx->rring[i]->nslots)
-        {
-            return 1;                  /* granted, or copying in */
+        for (k = 0; ctx->rring[i] && k < ctx->rring[i]->nslots; k++) {
+            if (ctx->rring[i]->slot[k].state == KV_RS_COPYING) {
+                return 1;              /* copying into the pool */
+            }
         }
     }
     for (i = 0; ctx->push && i < ctx->npush; i++) {

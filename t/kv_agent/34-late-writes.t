@@ -211,7 +211,10 @@ for my $prov ("tcp;ofi_rxm", "shm") {
        "$tag: its blocks come back once the sender's process is gone");
     $info = api($d, { verb => "info" });
     is($info->{pool}{free}, 600, "$tag: every block is free again");
-    $p = start_agent(agent_config(%pc));
+    # the new sender writes at the default pace: the decode's 3 s timeout
+    # (short, to fail the stopped sender above) must not fail this one
+    # on a loaded machine
+    $p = start_agent(agent_config(%pc, transfer => undef));
     ok(wait_connected($p, ["decode-0"]), "$tag: a new prefill connected");
     api($p, { verb => "fill", blocks_runs => [[0, 64]], seed => 6 });
     $r = api($p, { verb => "push", req_id => "kk", peer => "decode-0",

@@ -164,11 +164,30 @@ for my $f (["copy_fail:30", "an event reported an error"],
     my ($fault, $why) = @$f;
     my ($p, $d) = pair(what => "receiver $fault",
                        denv => { KV_TEST_FAULT => $fault });
-    my $r = kvpush($p, $d, "bad", 32);
-    is($r->{recv_state}, "failed", "receiver $fault: the request fails")
-        or diag(explain($r));
-    like($r->{recv_error} // "", qr/staging copy to GPU failed/,
-         "receiver $fault: ... with the reason");
+    my $r = kvpush($p, $d, "warm", 1);        # 10 chunks: events 1..10
+    is($r->{recv_state}, "ready", "receiver $fault: a push before the "
+       . "fault lands") or diag(explain($r));
+    # two requests landing at once when the engine fails: both fail now,
+    # not after transfer_ms (30 s)
+    my $t0 = time;
+    ok(api($p, { verb => "push", req_id => "a", peer => "decode-0",
+                 src_runs => [[0, 16]] })->{ok}, "receiver $fault: push a");
+    ok(api($p, { verb => "push", req_id => "b", peer => "decode-0",
+                 src_runs => [[16, 16]] })->{ok}, "receiver $fault: push b");
+    my %w;
+    for my $q ("a", "b") {
+        $w{$q} = api($d, { verb => "wait", req_id => $q,
+                           timeout_ms => 20000 }, 25);
+    }
+    is($w{a}{state}, "failed", "receiver $fault: a fails");
+    is($w{b}{state}, "failed", "receiver $fault: b fails");
+    ok(time - $t0 < 8, sprintf("receiver $fault: both at once (%.1f s), "
+       . "not by their timeout", time - $t0));
+    like("$w{a}{error} | $w{b}{error}", qr/staging copy to GPU failed/,
+         "receiver $fault: ... one with the reason: $w{a}{error}");
+    like("$w{a}{error} | $w{b}{error}", qr/staging copy to GPU failed|(?#
+         )copy engine of its staging ring failed; restart the agent/,
+         "receiver $fault: ... the other too: $w{b}{error}");
     ok(log_wait($d, qr/the host copy engine failed \(\Q$why\E/, 5),
        "receiver $fault: the log says the engine failed and why");
     my $s = stats($d);

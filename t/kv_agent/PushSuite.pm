@@ -12,13 +12,17 @@ use KvAgentTest;
 
 sub pair {
     my ($prov, $po, %o) = @_;
+    # 30 s per transfer: a shuffled 160 MiB push over shm (40960 writes
+    # of 4 KiB) takes ~2 s alone and can exceed 10 s on 2 loaded cores;
+    # what is proven here is the bytes, not the speed
     my $p = agent_config(id => "prefill-0", role => "prefill",
         provider => $prov, port => kv_port($po), pool => llama_pool(),
+        transfer_ms => 30000,
         peers => [{ id => "decode-0", ctrl => "127.0.0.1:" . kv_port($po + 1),
                     role => "decode", http => "127.0.0.1:8200" }], %o);
     my $d = agent_config(id => "decode-0", role => "decode",
         provider => $prov, port => kv_port($po + 1), pool => llama_pool(),
-        http => "127.0.0.1:8200",
+        http => "127.0.0.1:8200", transfer_ms => 30000,
         peers => [{ id => "prefill-0", ctrl => "127.0.0.1:" . kv_port($po),
                     role => "prefill" }], %o);
     my $pa = start_agent($p);
