@@ -61,6 +61,7 @@ typedef struct {
      * on fail (a broken device context) */
     uint64_t         ncopies, stall_at, fail_at, rec_fail_at;
     long             stall_ms;
+    int              no_wake;         /* polled like CUDA's events */
 } kv_hcopy_t;
 
 
@@ -157,6 +158,7 @@ host_faults(kv_hcopy_t *h)
     if ((q = strstr(f, "copy_record_fail:")) != NULL) {
         h->rec_fail_at = strtoull(q + 17, NULL, 10);
     }
+    h->no_wake = strstr(f, "copy_no_wake") != NULL;
 }
 
 
@@ -189,7 +191,7 @@ host_open(kv_copy_t *c, int dev)
     }
     c->dev = dev;
     c->priv = h;
-    c->wake_fd = h->efd;
+    c->wake_fd = h->no_wake ? -1 : h->efd;
     return 0;
 }
 

@@ -807,6 +807,8 @@ void kv_xfer_fail_all(kv_ctx_t *ctx, const char *why);
 int  kv_xfer_busy(kv_ctx_t *ctx);
 typedef struct {
     int busy, copies, polled, live;
+    int slow;                          /* copies to poll, all older than
+                                        * KV_COPY_SPIN_US: back off */
 } kv_poll_state_t;
 void kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps);
 int  kv_dup_check(kv_ctx_t *ctx, const uint32_t *ids, uint32_t n,
@@ -829,7 +831,8 @@ void kv_rreq_copies_done(kv_ctx_t *ctx, kv_rreq_t *r);
 void kv_ring_grant(kv_ctx_t *ctx);
 void kv_ring_notice(kv_ctx_t *ctx, const char *buf, size_t len);
 int  kv_ring_progress(kv_ctx_t *ctx);
-void kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled);
+void kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled,
+    int *slow);
 int  kv_rreq_ctrl_send(kv_ctx_t *ctx, kv_rreq_t *r, struct cJSON *j);
 void kv_rreq_ring_check(kv_ctx_t *ctx, kv_rreq_t *r);
 void kv_push_credit_msg(kv_ctx_t *ctx, int peer, struct cJSON *j);

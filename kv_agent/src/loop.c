@@ -290,6 +290,16 @@ fabric_wait_setup(kv_ctx_t *ctx, struct pollfd *pfd, int *who, int *n)
     if (ps.polled) {
         return 0;                      /* cudaEventQuery: poll it */
     }
+    if (ps.slow) {
+        /* a copy taking long (or a hung stream): poll it with the busy
+         * back-off, not a spin and not the idle timer */
+        ctx->poll_backoff_us = ctx->poll_backoff_us == 0
+                               ? KV_POLL_MIN_US : ctx->poll_backoff_us * 2;
+        if (ctx->poll_backoff_us > KV_BUSY_POLL_MAX_US) {
+            ctx->poll_backoff_us = KV_BUSY_POLL_MAX_US;
+        }
+        return ctx->poll_backoff_us;
+    }
     for (i = 0; i < ctx->fab.nrails; i++) {
         kv_rail_t *r = &ctx->fab.rail[i];
         if (r->cq_fd < 0) {

@@ -561,9 +561,9 @@ kv_ring_progress(kv_ctx_t *ctx)
 
 
 /* For the poll loop: copies queued (*polled: on an engine without a wake
- * fd). */
+ * fd, queued within KV_COPY_SPIN_US; *slow: older ones). */
 void
-kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled)
+kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled, int *slow)
 {
     uint32_t i;
     int k;
@@ -573,8 +573,14 @@ kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled)
         for (i = 0; g && i < g->nslots; i++) {
             if (g->slot[i].state == KV_RS_COPYING) {
                 *copies = 1;
-                *polled |= ctx->rcopy[k].wake_fd < 0
-                           && kv_now_us() - g->slot[i].t_us < KV_COPY_SPIN_US;
+                if (ctx->rcopy[k].wake_fd >= 0) {
+                    continue;
+                }
+                if (kv_now_us() - g->slot[i].t_us < KV_COPY_SPIN_US) {
+                    *polled = 1;
+                } else {
+                    *slow = 1;
+                }
             }
         }
     }

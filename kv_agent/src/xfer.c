@@ -234,6 +234,9 @@ kv_xfer_fini(kv_ctx_t *ctx)
         }
     }
     free(ctx->push);
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        free(ctx->rreq[i].blocks);     /* a ring held by a lost copy */
+    }
     free(ctx->rreq);
     free(ctx->owner);
     free(ctx->scratch);
@@ -2460,8 +2463,13 @@ kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
         for (i = 0; s && i < s->nslots; i++) {
             if (s->slot[i].state == KV_SLOT_COPYING) {
                 ps->copies = 1;
-                ps->polled |= s->copy.wake_fd < 0
-                              && now_us - s->slot[i].t_us < KV_COPY_SPIN_US;
+                if (s->copy.wake_fd < 0) {
+                    if (now_us - s->slot[i].t_us < KV_COPY_SPIN_US) {
+                        ps->polled = 1;
+                    } else {
+                        ps->slow = 1;
+                    }
+                }
             }
         }
         if (s && s->nfree + s->nlost < s->nslots) {
@@ -2481,7 +2489,7 @@ kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
             ps->live = 1;
         }
     }
-    kv_ring_poll_state(ctx, &ps->copies, &ps->polled);
+    kv_ring_poll_state(ctx, &ps->copies, &ps->polled, &ps->slow);
 }
 
 

@@ -11,13 +11,16 @@
 #  * an event that reports an error, or one that cannot be recorded
 #    (the receiver's, then the sender's engine): the slot is lost, not
 #    freed; the request fails with the reason; the rank refuses further
-#    staged transfers and register_pool with "restart the agent".
+#    staged transfers and register_pool with "restart the agent";
+#  * a stalled engine without a wake fd (CUDA's events are polled): the
+#    receiver backs off instead of spinning a core.
 use strict;
 use warnings;
 use FindBin;
 use lib $FindBin::Bin;
 use Test::More;
 use Time::HiRes qw(time sleep);
+use POSIX ();
 use KvAgentTest;
 
 plan skip_all => "build/kv_agent not built" unless -x kv_bin();
@@ -67,6 +70,14 @@ sub kvpush {
 }
 
 sub stats { api($_[0], { verb => "info" })->{stats} }
+
+my $HZ = POSIX::sysconf(POSIX::_SC_CLK_TCK()) || 100;
+sub cpu_s {
+    my ($pid) = @_;
+    open my $fh, '<', "/proc/$pid/stat" or return 0;
+    my @f = split ' ', (split /\)/, <$fh>, 2)[1];
+    return ($f[11] + $f[12]) / $HZ;            # utime + stime
+}
 
 # a push through the API on the pools kvpush registered (kvpush itself
 # registers new pools, which a failed engine refuses)
@@ -154,6 +165,38 @@ sub api_push {
         or diag(explain($r));
     is($r->{mismatched_slices}, 0, "stall: ... bit-exact");
     unlike(log_text($d), qr/unaccounted/, "stall: no slot unaccounted for");
+    stop_agent($_) for $p, $d;
+}
+
+# --- a stalled engine without a wake fd (polled, as CUDA's events are):
+# the loop backs off instead of spinning a core, the push completes after
+{
+    my ($p, $d) = pair(what => "stall polled", denv => {
+        KV_TEST_FAULT => "copy_no_wake,copy_stall:200:4000" });
+    my $r = kvpush($p, $d, "warm", 1);
+    is($r->{recv_state}, "ready", "stall polled: a push lands (events "
+       . "polled)") or diag(explain($r));
+    # the warm push took 160 copies (one block: 16 pieces a chunk); this
+    # one's 160 chunks are one copy each: the engine stalls at its 40th
+    my $tp = time;
+    ok(api($p, { verb => "push", req_id => "slow", peer => "decode-0",
+                 src_runs => [[0, 16]] })->{ok}, "stall polled: push slow");
+    sleep 1;
+    my ($c0, $t0) = (cpu_s($d->{pid}), time);
+    sleep 2;
+    my $used = (cpu_s($d->{pid}) - $c0) / (time - $t0);
+    ok($used < 0.5, sprintf("stall polled: the receiver uses %.0f%% of a "
+       . "core while the copy is stuck (not a spin)", $used * 100));
+    $r = api($d, { verb => "wait", req_id => "slow", timeout_ms => 20000 },
+             25);
+    is($r->{state}, "ready", "stall polled: ready once the engine is back")
+        or diag(explain($r));
+    ok(time - $tp > 3.5, sprintf("stall polled: ... after the stall "
+       . "(%.1f s)", time - $tp));
+    is(api($d, { verb => "checksum", blocks_runs => $r->{blocks_runs} // [] })
+       ->{checksum}, api($p, { verb => "checksum",
+                               blocks_runs => [[0, 16]] })->{checksum},
+       "stall polled: ... bit-exact");
     stop_agent($_) for $p, $d;
 }
 
