@@ -22,17 +22,6 @@ plan skip_all => "build/kv_agent not built" unless -x kv_bin();
 my $po = 140;
 my $NB = 512;
 
-sub wait_for {
-    my ($secs, $f) = @_;
-    my $deadline = time + $secs;
-    while (time < $deadline) {
-        my $r = $f->();
-        return $r if $r;
-        sleep 0.01;
-    }
-    return undef;
-}
-
 sub poll_state {
     my ($a, $req, $re, $secs) = @_;
     return wait_for($secs, sub {

@@ -20,14 +20,6 @@ plan skip_all => "build/kv_agent not built" unless -x kv_bin();
 plan skip_all => "libfabric shm provider not available here"
     unless provider_ok('shm');
 
-my $HZ = POSIX::sysconf(POSIX::_SC_CLK_TCK()) || 100;
-sub cpu_s {
-    my ($pid) = @_;
-    open my $fh, '<', "/proc/$pid/stat" or return 0;
-    my @f = split ' ', (split /\)/, <$fh>, 2)[1];
-    return ($f[11] + $f[12]) / $HZ;            # utime + stime
-}
-
 my ($pa, $da) = PushSuite::pair('shm', 780, transfer => { coalesce => JSON::PP::false },
                                 transfer_ms => 60000);
 ok(wait_connected($pa, ["decode-0"]), "shm pair connected");

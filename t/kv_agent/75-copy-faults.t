@@ -31,17 +31,6 @@ my $NB = 64;
 my $T = { staging => "host", stage_chunk => 1 << 20, recv_slots => 2,
           recv_chunk => 65536 };
 
-sub wait_for {
-    my ($secs, $f) = @_;
-    my $deadline = time + $secs;
-    while (time < $deadline) {
-        my $r = $f->();
-        return $r if $r;
-        sleep 0.02;
-    }
-    return undef;
-}
-
 sub pair {
     my (%o) = @_;
     my $p = start_agent(agent_config(id => "prefill-0", role => "prefill",
@@ -70,14 +59,6 @@ sub kvpush {
 }
 
 sub stats { api($_[0], { verb => "info" })->{stats} }
-
-my $HZ = POSIX::sysconf(POSIX::_SC_CLK_TCK()) || 100;
-sub cpu_s {
-    my ($pid) = @_;
-    open my $fh, '<', "/proc/$pid/stat" or return 0;
-    my @f = split ' ', (split /\)/, <$fh>, 2)[1];
-    return ($f[11] + $f[12]) / $HZ;            # utime + stime
-}
 
 # a push through the API on the pools kvpush registered (kvpush itself
 # registers new pools, which a failed engine refuses)

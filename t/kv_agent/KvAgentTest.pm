@@ -19,7 +19,7 @@ use File::Basename qw(dirname);
 our @EXPORT = qw(kv_bin kv_ctl kv_root kv_tmpdir kv_port agent_config
     start_agent stop_agent agent_alive api api_raw log_wait log_text
     wait_connected status_json run_kvpush json_enc json_dec provider_ok
-    llama_pool small_pool link_key);
+    llama_pool small_pool link_key wait_for cpu_s);
 
 my $ROOT = $ENV{DPD_ROOT} // abs_path(dirname(__FILE__) . "/../..");
 my $BUILD = $ENV{DPD_BUILD} // "$ROOT/build";
@@ -239,6 +239,28 @@ sub log_wait {
         sleep 0.05;
     }
     return 0;
+}
+
+# $f->() until it returns something true (that value), or undef after
+# $secs seconds
+sub wait_for {
+    my ($secs, $f) = @_;
+    my $deadline = time + $secs;
+    while (time < $deadline) {
+        my $r = $f->();
+        return $r if $r;
+        sleep 0.01;
+    }
+    return undef;
+}
+
+# CPU seconds (user + system) process $pid used so far
+my $HZ = POSIX::sysconf(POSIX::_SC_CLK_TCK()) || 100;
+sub cpu_s {
+    my ($pid) = @_;
+    open my $fh, '<', "/proc/$pid/stat" or return 0;
+    my @f = split ' ', (split /\)/, <$fh>, 2)[1];
+    return ($f[11] + $f[12]) / $HZ;            # utime + stime
 }
 
 sub _frame { my ($s) = @_; return pack("N", length $s) . $s }
