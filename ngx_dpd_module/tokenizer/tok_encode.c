@@ -541,7 +541,7 @@ static void
 tok_work_release(tok_work_t *w)
 {
     free(w->sym);
-    free(w->heap);
+    free(w->tree);
     if (w->md) {
         pcre2_match_data_free(w->md);
     }
