@@ -121,16 +121,19 @@ typedef struct {
 static inline void
 tok_tree_set(uint64_t *t, size_t n, size_t i, uint64_t v)
 {
-    uint64_t  m;
+    uint64_t  s;
 
+    /* v is the new value of node i: its parent's is min(v, sibling) */
     i += n;
     t[i] = v;
-    for (i >>= 1; i > 0; i >>= 1) {
-        m = t[2 * i] < t[2 * i + 1] ? t[2 * i] : t[2 * i + 1];
-        if (t[i] == m) {
+    while (i > 1) {
+        s = t[i ^ 1];
+        v = v < s ? v : s;
+        i >>= 1;
+        if (t[i] == v) {
             break;
         }
-        t[i] = m;
+        t[i] = v;
     }
 }
 
