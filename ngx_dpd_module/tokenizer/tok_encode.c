@@ -6,6 +6,7 @@
  */
 
 #include <limits.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <utf8proc.h>
@@ -202,6 +203,68 @@ tok_norm_flagged(uint32_t cp, int decomposes)
 }
 
 
+/*
+ * tok_norm_flagged(cp, 0) as a bitmap, filled 64 code points at a time on
+ * first use, process-wide: the answer depends on no tokenizer, so racing
+ * threads store the same bits (the mask, then its "known" byte).  Text
+ * then skips the property lookups for every character seen before.
+ */
+static _Atomic uint64_t  tok_norm_mask[0x110000 / 64];
+static _Atomic uint8_t   tok_norm_known[0x110000 / 64];
+
+
+static inline int
+tok_norm_flagged_fast(uint32_t cp, int decomposes)
+{
+    uint32_t  k = cp / 64, c;
+    uint64_t  m;
+
+    if (decomposes && cp >= 0xAC00 && cp <= 0xD7A3) {
+        return 1;
+    }
+    if (cp >= 0x110000) {
+        return tok_norm_flagged(cp, decomposes);
+    }
+    if (atomic_load_explicit(&tok_norm_known[k], memory_order_acquire)) {
+        m = atomic_load_explicit(&tok_norm_mask[k], memory_order_relaxed);
+    } else {
+        m = 0;
+        for (c = 0; c < 64; c++) {
+            m |= (uint64_t) tok_norm_flagged(k * 64 + c, 0) << c;
+        }
+        atomic_store_explicit(&tok_norm_mask[k], m, memory_order_relaxed);
+        atomic_store_explicit(&tok_norm_known[k], 1, memory_order_release);
+    }
+    return (int) (m >> (cp % 64) & 1);
+}
+
+
+/* tok_utf8_decode() of s[0] >= 0x80, with the two- and three-byte forms
+ * of valid UTF-8 inline */
+static inline size_t
+tok_norm_decode(const char *s, size_t len, uint32_t *cp)
+{
+    const unsigned char  *p = (const unsigned char *) s;
+    uint32_t              c;
+
+    if (p[0] >= 0xC2 && p[0] <= 0xDF && len >= 2 && (p[1] & 0xC0) == 0x80) {
+        *cp = (uint32_t) (p[0] & 0x1F) << 6 | (p[1] & 0x3F);
+        return 2;
+    }
+    if (p[0] >= 0xE0 && p[0] <= 0xEF && len >= 3 && (p[1] & 0xC0) == 0x80
+        && (p[2] & 0xC0) == 0x80)
+    {
+        c = (uint32_t) (p[0] & 0x0F) << 12 | (uint32_t) (p[1] & 0x3F) << 6
+            | (p[2] & 0x3F);
+        if (c >= 0x800 && (c < 0xD800 || c > 0xDFFF)) {
+            *cp = c;
+            return 3;
+        }
+    }
+    return tok_utf8_decode(s, len, cp);
+}
+
+
 typedef struct {
     char    *p;
     size_t   len;
@@ -294,8 +357,8 @@ tok_norm_unicode(const dpd_tok_t *tok, int k0, int k1, const char *s,
             safe = i++;
             continue;
         }
-        n = tok_utf8_decode(s + i, len - i, &cp);
-        if (!tok_norm_flagged(cp, dec)) {
+        n = tok_norm_decode(s + i, len - i, &cp);
+        if (!tok_norm_flagged_fast(cp, dec)) {
             safe = i;
             i += n;
             continue;
@@ -312,8 +375,8 @@ tok_norm_unicode(const dpd_tok_t *tok, int k0, int k1, const char *s,
             if ((unsigned char) s[j] < 0x80) {
                 break;
             }
-            n = tok_utf8_decode(s + j, len - j, &cp);
-            if (!tok_norm_flagged(cp, dec)) {
+            n = tok_norm_decode(s + j, len - j, &cp);
+            if (!tok_norm_flagged_fast(cp, dec)) {
                 break;
             }
         }
@@ -541,7 +604,7 @@ static void
 tok_work_release(tok_work_t *w)
 {
     free(w->sym);
-    free(w->heap);
+    free(w->tree);
     if (w->md) {
         pcre2_match_data_free(w->md);
     }

@@ -401,8 +401,8 @@ typedef struct {
     /* BPE scratch */
     void              *sym;
     size_t             sym_cap;
-    void              *heap;
-    size_t             heap_cap;
+    uint64_t          *tree;        /* tok_bpe.c: the pairs of a long piece */
+    size_t             tree_cap;
     int                oom;
     int                at_start;    /* this piece starts the input text */
 } tok_work_t;
