@@ -269,15 +269,8 @@ verb_info(kv_ctx_t *ctx)
         cJSON_AddNumberToObject(p, "size", (double) l->size);
         cJSON_AddNumberToObject(p, "free", ctx->free_blocks);
         cJSON_AddNumberToObject(p, "quarantined", ctx->nquar);
-        {
-            /* failed or released: blocks held until ring copies report */
-            uint32_t ch = 0, q;
-            for (q = 0; ctx->rreq && q < ctx->nrreq; q++) {
-                ch += ctx->rreq[q].used && ctx->rreq[q].copying
-                      && ctx->rreq[q].state != DPD_REQ_TRANSFERRING;
-            }
-            cJSON_AddNumberToObject(p, "copy_held", ch);
-        }
+        /* failed or released: blocks held until ring copies report */
+        cJSON_AddNumberToObject(p, "copy_held", kv_copy_held(ctx));
         cJSON_AddStringToObject(p, "memory", KV_POOL(ctx, 0)->cuda_dev >= 0
                                 ? "cuda" : "host");
         cJSON_AddStringToObject(p, "access", kv_pool_access_name(ctx));

@@ -34,7 +34,12 @@
 
 /* ---- host stand-in ------------------------------------------------------ */
 
-#define KV_HQ_CAP 16384
+/* The queue holds what its user can queue at once (kv_copy_t.jobs, at
+ * least KV_HQ_MIN), so queuing never waits for the worker; past KV_HQ_MAX
+ * (a config with tiny blocks and huge chunks) it is capped and a full
+ * queue makes the loop wait (said at open). */
+#define KV_HQ_MIN (16u << 10)
+#define KV_HQ_MAX (4u << 20)
 
 typedef struct {
     void       *dst;
@@ -48,7 +53,7 @@ typedef struct {
     pthread_mutex_t  mu;
     pthread_cond_t   cv_work, cv_room;
     kv_hjob_t       *q;
-    uint32_t         head, tail, n;
+    uint32_t         cap, head, tail, n;
     uint64_t         recorded;
     volatile uint64_t done;           /* last event passed (under mu) */
     int              stop;
@@ -113,7 +118,7 @@ host_worker(void *arg)
             break;
         }
         j = h->q[h->head];
-        h->head = (h->head + 1) % KV_HQ_CAP;
+        h->head = (h->head + 1) % h->cap;
         h->n--;
         pthread_cond_signal(&h->cv_room);
         if (j.mark) {
@@ -167,11 +172,19 @@ host_open(kv_copy_t *c, int dev)
 {
     kv_hcopy_t *h = calloc(1, sizeof(*h));
     const char *g = getenv("KV_COPY_HOST_GBPS");
+    size_t cap = c->jobs < KV_HQ_MIN ? KV_HQ_MIN : c->jobs;
 
-    if (h == NULL || (h->q = calloc(KV_HQ_CAP, sizeof(kv_hjob_t))) == NULL) {
+    if (cap > KV_HQ_MAX) {
+        kv_warn("copy: up to %zu copies may be queued at once (chunk / "
+                "block_bytes x slots); the host engine's queue holds %u, "
+                "past that queuing waits for it", cap, KV_HQ_MAX);
+        cap = KV_HQ_MAX;
+    }
+    if (h == NULL || (h->q = calloc(cap, sizeof(kv_hjob_t))) == NULL) {
         free(h);
         return -1;
     }
+    h->cap = (uint32_t) cap;
     h->bps = g ? atof(g) * 1e9 : 0;
     host_faults(h);
     h->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -200,11 +213,11 @@ static void
 host_push(kv_hcopy_t *h, kv_hjob_t *j)
 {
     pthread_mutex_lock(&h->mu);
-    while (h->n == KV_HQ_CAP) {
+    while (h->n == h->cap) {
         pthread_cond_wait(&h->cv_room, &h->mu);   /* back-pressure */
     }
     h->q[h->tail] = *j;
-    h->tail = (h->tail + 1) % KV_HQ_CAP;
+    h->tail = (h->tail + 1) % h->cap;
     h->n++;
     pthread_cond_signal(&h->cv_work);
     pthread_mutex_unlock(&h->mu);

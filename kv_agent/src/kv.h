@@ -557,6 +557,9 @@ struct kv_copy {
                                        * -1 (then the loop polls) */
     void                *priv;
     uint64_t             flushes;
+    size_t               jobs;        /* set before open: the most copies
+                                       * and events its user queues at
+                                       * once (the host queue's size) */
     int                  failed;      /* an event could not be recorded or
                                        * reported an error: what was queued
                                        * may still run, nobody can say when */
@@ -706,6 +709,7 @@ struct kv_ctx {
     uint64_t     stat_flushes;
     uint64_t     poll_last_us;         /* adaptive CQ polling (loop.c): */
     int          poll_backoff_us;      /* last completion or post */
+    int          copy_backoff_us;      /* polling a slow copy's event */
     struct kv_lmc *lmc;                /* lmcache_notify.c, or NULL */
 };
 
@@ -826,6 +830,8 @@ int  kv_ring_complete(kv_ctx_t *ctx, const kv_rreq_t *r);
 void kv_ring_release(kv_ctx_t *ctx, kv_rreq_t *r);
 int  kv_ring_usable(kv_ctx_t *ctx, char *err, size_t elen);
 uint32_t kv_xfer_lost(kv_ctx_t *ctx);
+uint32_t kv_copy_held(kv_ctx_t *ctx);
+uint32_t kv_copies_settle(kv_ctx_t *ctx, int ms);
 uint32_t kv_ring_lost(kv_ctx_t *ctx);
 void kv_rreq_copies_done(kv_ctx_t *ctx, kv_rreq_t *r);
 void kv_ring_grant(kv_ctx_t *ctx);

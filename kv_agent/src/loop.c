@@ -262,18 +262,47 @@ housekeeping(kv_ctx_t *ctx, uint64_t now)
  * KV_IDLE_POLL_MS when idle) instead of spinning a core on a stalled or
  * silent peer.  Microseconds.
  */
+static int64_t fabric_wait(kv_ctx_t *ctx, kv_poll_state_t *ps,
+    struct pollfd *pfd, int *who, int *n);
+
+
+/* A copy taking long (or a hung stream) is polled with a back-off of its
+ * own (20 us doubling to 200 us) that bounds the timeout the fabric
+ * chose, so neither a spin nor the idle timer, and other transfers keep
+ * their CQ waits and busy polls. */
 static int64_t
 fabric_wait_setup(kv_ctx_t *ctx, struct pollfd *pfd, int *who, int *n)
 {
-    struct fid *fid;
-    int i, waitable = 1, cap;
     kv_poll_state_t ps;
-    uint64_t since;
+    int64_t t;
 
     if (!ctx->fab_ok) {
         return KV_WAIT_POLL_MS * 1000;
     }
     kv_xfer_poll_state(ctx, kv_now_ms(), &ps);
+    t = fabric_wait(ctx, &ps, pfd, who, n);
+    if (!ps.slow || ps.polled) {
+        ctx->copy_backoff_us = 0;
+        return t;
+    }
+    ctx->copy_backoff_us = ctx->copy_backoff_us == 0
+                           ? KV_POLL_MIN_US : ctx->copy_backoff_us * 2;
+    if (ctx->copy_backoff_us > KV_BUSY_POLL_MAX_US) {
+        ctx->copy_backoff_us = KV_BUSY_POLL_MAX_US;
+    }
+    return t < ctx->copy_backoff_us ? t : ctx->copy_backoff_us;
+}
+
+
+static int64_t
+fabric_wait(kv_ctx_t *ctx, kv_poll_state_t *ps_in, struct pollfd *pfd,
+    int *who, int *n)
+{
+    struct fid *fid;
+    int i, waitable = 1, cap;
+    kv_poll_state_t ps = *ps_in;
+    uint64_t since;
+
     for (i = 0; i < ctx->nranks; i++) {
         int fd = ctx->stage[i] ? ctx->stage[i]->copy.wake_fd : -1;
         int k;
@@ -289,16 +318,6 @@ fabric_wait_setup(kv_ctx_t *ctx, struct pollfd *pfd, int *who, int *n)
     }
     if (ps.polled) {
         return 0;                      /* cudaEventQuery: poll it */
-    }
-    if (ps.slow) {
-        /* a copy taking long (or a hung stream): poll it with the busy
-         * back-off, not a spin and not the idle timer */
-        ctx->poll_backoff_us = ctx->poll_backoff_us == 0
-                               ? KV_POLL_MIN_US : ctx->poll_backoff_us * 2;
-        if (ctx->poll_backoff_us > KV_BUSY_POLL_MAX_US) {
-            ctx->poll_backoff_us = KV_BUSY_POLL_MAX_US;
-        }
-        return ctx->poll_backoff_us;
     }
     for (i = 0; i < ctx->fab.nrails; i++) {
         kv_rail_t *r = &ctx->fab.rail[i];
@@ -471,6 +490,15 @@ shutdown_ctx(kv_ctx_t *ctx)
     if (ctx->api_lfd >= 0) {
         close(ctx->api_lfd);
         kv_api_unlink(ctx);
+    }
+    if (kv_copies_settle(ctx, 2000) > 0) {
+        /* closing an engine waits for its stream (forever, if it hung)
+         * and freeing memory a copy may still touch is what all of this
+         * avoids: the process exit ends the CUDA context and its DMA */
+        kv_warn("exit: %u copy batch(es) never reported by the copy "
+                "engine; the engines and the pool are left to the process "
+                "exit", kv_copies_settle(ctx, 0));
+        _exit(0);
     }
     for (i = 0; i < ctx->nranks; i++) {
         kv_stage_close(ctx, i);       /* its MRs go before the domains */

@@ -510,7 +510,11 @@ open_engines(kv_ctx_t *ctx, int rank)
         }
         if (!ctx->rcopy_open[rank]) {
             kv_copy_t *c = &ctx->rcopy[rank];
+            uint64_t bb = ctx->cfg.layout.block_bytes;
             memset(c, 0, sizeof(*c));
+            /* a slot's copy-in: a piece per block at most, and its event */
+            c->jobs = (size_t) ctx->cfg.recv_slots
+                      * (ctx->cfg.recv_chunk / (bb ? bb : 1) + 3);
 #ifdef KV_HAVE_CUDA
             c->ops = p->cuda_dev >= 0 ? &kv_copy_cuda_ops : &kv_copy_host_ops;
 #else

@@ -43,6 +43,7 @@ kv_stage_open(kv_ctx_t *ctx, int rank)
     s->copy.ops = &kv_copy_host_ops;
 #endif
     s->copy.dev = p->cuda_dev;
+    s->copy.jobs = (size_t) s->nslots * (KV_SLOT_PIECES + 1);
     if (s->slot == NULL) {
         free(s);
         return -1;

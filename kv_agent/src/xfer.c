@@ -426,10 +426,11 @@ kv_rreq_reserve(kv_ctx_t *ctx, const char *req_id, uint32_t n,
     if (n > ctx->free_blocks) {
         snprintf(err, elen, "pool full: %u blocks requested, %u free of %u",
                  n, ctx->free_blocks, l->nblocks);
-        if (ctx->nquar) {
+        if (ctx->nquar || kv_copy_held(ctx)) {
             size_t k = strlen(err);
-            snprintf(err + k, elen - k, " (%u request(s) quarantined)",
-                     ctx->nquar);
+            snprintf(err + k, elen - k, " (%u request(s) quarantined, %u "
+                     "held by copies from the staging ring)", ctx->nquar,
+                     kv_copy_held(ctx));
         }
         return -1;
     }
@@ -2097,7 +2098,9 @@ stage_fill(kv_ctx_t *ctx, kv_push_t *p, int r)
              * say when: the slot is never filled again */
             stage_lost(ctx, r, i, "could not record the event after its "
                        "copies");
-            push_finish(ctx, p, 0, "staging copy from GPU failed");
+            if (push_active(p)) {
+                push_finish(ctx, p, 0, "staging copy from GPU failed");
+            }
             break;
         }
         sl->state = KV_SLOT_COPYING;
@@ -2490,6 +2493,71 @@ kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
         }
     }
     kv_ring_poll_state(ctx, &ps->copies, &ps->polled, &ps->slow);
+}
+
+
+/* At exit: wait up to ms for the copies queued (staging and landing) to
+ * report; what is still outstanding then (lost slots count). */
+uint32_t
+kv_copies_settle(kv_ctx_t *ctx, int ms)
+{
+    struct timespec ts = { 0, 1000000 };
+    uint32_t n, i;
+    int k, q, t;
+
+    for (t = 0;; t++) {
+        n = 0;
+        for (k = 0; k < ctx->nranks; k++) {
+            kv_stage_t *s = ctx->stage[k];
+            kv_rring_t *g = ctx->rring[k];
+            for (i = 0; s && i < s->nslots; i++) {
+                if (s->slot[i].state == KV_SLOT_COPYING) {
+                    q = s->copy.ops->query(&s->copy, s->slot[i].seq);
+                    if (q == 0) {
+                        n++;
+                    } else {
+                        s->slot[i].state = q > 0 ? KV_SLOT_READY
+                                                 : KV_SLOT_LOST;
+                        n += q < 0;
+                    }
+                } else if (s->slot[i].state == KV_SLOT_LOST) {
+                    n++;
+                }
+            }
+            for (i = 0; g && i < g->nslots; i++) {
+                if (g->slot[i].state == KV_RS_COPYING) {
+                    q = ctx->rcopy[k].ops->query(&ctx->rcopy[k],
+                                                 g->slot[i].seq);
+                    if (q == 0) {
+                        n++;
+                    } else {
+                        g->slot[i].state = q > 0 ? KV_RS_FREE : KV_RS_LOST;
+                        n += q < 0;
+                    }
+                } else if (g->slot[i].state == KV_RS_LOST) {
+                    n++;
+                }
+            }
+        }
+        if (n == 0 || t >= ms) {
+            return n;
+        }
+        nanosleep(&ts, NULL);
+    }
+}
+
+
+/* Failed or released requests whose blocks wait for ring copies. */
+uint32_t
+kv_copy_held(kv_ctx_t *ctx)
+{
+    uint32_t i, n = 0;
+
+    for (i = 0; ctx->rreq && i < ctx->nrreq; i++) {
+        n += ctx->rreq[i].used && ctx->rreq[i].copying
+             && ctx->rreq[i].state != DPD_REQ_TRANSFERRING;
+    }
+    return n;
 }
 
 

@@ -13,7 +13,8 @@
 #    freed; the request fails with the reason; the rank refuses further
 #    staged transfers and register_pool with "restart the agent";
 #  * a stalled engine without a wake fd (CUDA's events are polled): the
-#    receiver backs off instead of spinning a core.
+#    receiver backs off instead of spinning a core;
+#  * SIGTERM with a copy stuck: the agent exits within seconds, saying why.
 use strict;
 use warnings;
 use FindBin;
@@ -179,6 +180,26 @@ sub api_push {
                                blocks_runs => [[0, 16]] })->{checksum},
        "stall polled: ... bit-exact");
     stop_agent($_) for $p, $d;
+}
+
+# --- SIGTERM while a copy is stuck: the agent exits (it does not wait on
+# the engine, nor free memory under it), saying why
+{
+    my ($p, $d) = pair(what => "exit stuck", denv => {
+        KV_TEST_FAULT => "copy_stall:200:60000" });
+    my $r = kvpush($p, $d, "warm", 1);
+    is($r->{recv_state}, "ready", "exit stuck: a push lands");
+    ok(api($p, { verb => "push", req_id => "stuck", peer => "decode-0",
+                 src_runs => [[0, 16]] })->{ok}, "exit stuck: push stuck");
+    sleep 1;
+    my $t = time;
+    is(stop_agent($d, 'TERM', 20), 0, "exit stuck: SIGTERM: exit 0");
+    ok(time - $t < 8, sprintf("exit stuck: ... in %.1f s (the stall had "
+       . "59 s to go)", time - $t));
+    like(log_text($d), qr/copy batch\(es\) never reported by the copy (?#
+         )engine; the engines and the pool are left to the process exit/,
+         "exit stuck: ... saying why");
+    stop_agent($p);
 }
 
 # --- failed events: receiver side ---------------------------------------
