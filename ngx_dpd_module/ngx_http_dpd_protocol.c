@@ -69,23 +69,28 @@ static char *dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp,
 static cJSON *dpd_parse_object(const char *data, size_t len);
 
 
+/* with each name's length: most members are told apart without a compare */
+
+#define dpd_key(name, key)  { name, sizeof(name) - 1, key }
+
 static const struct {
     const char  *name;
+    size_t       len;
     unsigned     key;
 } dpd_keys[] = {
-    { DPD_KTP,                 NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS },
-    { "max_tokens",            NGX_HTTP_DPD_KEY_MAX_TOKENS },
-    { "max_completion_tokens", NGX_HTTP_DPD_KEY_MAX_COMPLETION_TOKENS },
-    { "stream",                NGX_HTTP_DPD_KEY_STREAM },
-    { "stream_options",        NGX_HTTP_DPD_KEY_STREAM_OPTIONS },
-    { "min_tokens",            NGX_HTTP_DPD_KEY_MIN_TOKENS },
-    { "min_completion_tokens", NGX_HTTP_DPD_KEY_MIN_COMPLETION_TOKENS },
-    { "prompt",                NGX_HTTP_DPD_KEY_PROMPT },
-    { "n",                     NGX_HTTP_DPD_KEY_N },
-    { "best_of",               NGX_HTTP_DPD_KEY_BEST_OF },
-    { "echo",                  NGX_HTTP_DPD_KEY_ECHO },
-    { "logprobs",              NGX_HTTP_DPD_KEY_LOGPROBS },
-    { NULL, 0 }
+    dpd_key(DPD_KTP,                 NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS),
+    dpd_key("max_tokens",            NGX_HTTP_DPD_KEY_MAX_TOKENS),
+    dpd_key("max_completion_tokens", NGX_HTTP_DPD_KEY_MAX_COMPLETION_TOKENS),
+    dpd_key("stream",                NGX_HTTP_DPD_KEY_STREAM),
+    dpd_key("stream_options",        NGX_HTTP_DPD_KEY_STREAM_OPTIONS),
+    dpd_key("min_tokens",            NGX_HTTP_DPD_KEY_MIN_TOKENS),
+    dpd_key("min_completion_tokens", NGX_HTTP_DPD_KEY_MIN_COMPLETION_TOKENS),
+    dpd_key("prompt",                NGX_HTTP_DPD_KEY_PROMPT),
+    dpd_key("n",                     NGX_HTTP_DPD_KEY_N),
+    dpd_key("best_of",               NGX_HTTP_DPD_KEY_BEST_OF),
+    dpd_key("echo",                  NGX_HTTP_DPD_KEY_ECHO),
+    dpd_key("logprobs",              NGX_HTTP_DPD_KEY_LOGPROBS),
+    { NULL, 0, 0 }
 };
 
 
@@ -405,10 +410,14 @@ too_many:
 static unsigned
 dpd_key_kind(const char *name)
 {
-    size_t  i;
+    size_t  i, len;
+
+    len = strlen(name);
 
     for (i = 0; dpd_keys[i].name; i++) {
-        if (strcmp(name, dpd_keys[i].name) == 0) {
+        if (dpd_keys[i].len == len && name[0] == dpd_keys[i].name[0]
+            && memcmp(name, dpd_keys[i].name, len) == 0)
+        {
             return dpd_keys[i].key;
         }
     }
