@@ -442,7 +442,8 @@ dpd_key_cmp(const void *a, const void *b)
  * route and rewrite something else than what the engine runs.  The
  * top-level kv_transfer_params are exempt: they all go.  Objects of up
  * to DPD_PAIRWISE_MAX members are compared pairwise, larger ones sorted:
- * O(n log n) in the members, whatever the keys.
+ * O(n log n) in the members, whatever the keys.  With top, obj is
+ * req->json and req->members holds its members' kinds.
  */
 
 static int
@@ -466,14 +467,18 @@ dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj, int top)
         return 0;
     }
 
+    /* at the top, the members' kinds (req->members, in the same order) */
+
     n = 0;
 
-    for (c = obj->child; c; c = c->next) {
+    for (c = obj->child, i = 0; c; c = c->next, i++) {
         if (c->string == NULL) {
             return -1;
         }
 
-        if (!(top && strcmp(c->string, DPD_KTP) == 0)) {
+        if (!(top && req->members[i].key
+                     == NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS))
+        {
             n++;
         }
     }
@@ -489,8 +494,10 @@ dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj, int top)
 
     i = 0;
 
-    for (c = obj->child; c; c = c->next) {
-        if (!(top && strcmp(c->string, DPD_KTP) == 0)) {
+    for (c = obj->child, j = 0; c; c = c->next, j++) {
+        if (!(top && req->members[j].key
+                     == NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS))
+        {
             keys[i++] = c;
         }
     }
