@@ -69,23 +69,28 @@ static char *dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp,
 static cJSON *dpd_parse_object(const char *data, size_t len);
 
 
+/* with each name's length: most members are told apart without a compare */
+
+#define dpd_key(name, key)  { name, sizeof(name) - 1, key }
+
 static const struct {
     const char  *name;
+    size_t       len;
     unsigned     key;
 } dpd_keys[] = {
-    { DPD_KTP,                 NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS },
-    { "max_tokens",            NGX_HTTP_DPD_KEY_MAX_TOKENS },
-    { "max_completion_tokens", NGX_HTTP_DPD_KEY_MAX_COMPLETION_TOKENS },
-    { "stream",                NGX_HTTP_DPD_KEY_STREAM },
-    { "stream_options",        NGX_HTTP_DPD_KEY_STREAM_OPTIONS },
-    { "min_tokens",            NGX_HTTP_DPD_KEY_MIN_TOKENS },
-    { "min_completion_tokens", NGX_HTTP_DPD_KEY_MIN_COMPLETION_TOKENS },
-    { "prompt",                NGX_HTTP_DPD_KEY_PROMPT },
-    { "n",                     NGX_HTTP_DPD_KEY_N },
-    { "best_of",               NGX_HTTP_DPD_KEY_BEST_OF },
-    { "echo",                  NGX_HTTP_DPD_KEY_ECHO },
-    { "logprobs",              NGX_HTTP_DPD_KEY_LOGPROBS },
-    { NULL, 0 }
+    dpd_key(DPD_KTP,                 NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS),
+    dpd_key("max_tokens",            NGX_HTTP_DPD_KEY_MAX_TOKENS),
+    dpd_key("max_completion_tokens", NGX_HTTP_DPD_KEY_MAX_COMPLETION_TOKENS),
+    dpd_key("stream",                NGX_HTTP_DPD_KEY_STREAM),
+    dpd_key("stream_options",        NGX_HTTP_DPD_KEY_STREAM_OPTIONS),
+    dpd_key("min_tokens",            NGX_HTTP_DPD_KEY_MIN_TOKENS),
+    dpd_key("min_completion_tokens", NGX_HTTP_DPD_KEY_MIN_COMPLETION_TOKENS),
+    dpd_key("prompt",                NGX_HTTP_DPD_KEY_PROMPT),
+    dpd_key("n",                     NGX_HTTP_DPD_KEY_N),
+    dpd_key("best_of",               NGX_HTTP_DPD_KEY_BEST_OF),
+    dpd_key("echo",                  NGX_HTTP_DPD_KEY_ECHO),
+    dpd_key("logprobs",              NGX_HTTP_DPD_KEY_LOGPROBS),
+    { NULL, 0, 0 }
 };
 
 
@@ -405,10 +410,14 @@ too_many:
 static unsigned
 dpd_key_kind(const char *name)
 {
-    size_t  i;
+    size_t  i, len;
+
+    len = strlen(name);
 
     for (i = 0; dpd_keys[i].name; i++) {
-        if (strcmp(name, dpd_keys[i].name) == 0) {
+        if (dpd_keys[i].len == len && name[0] == dpd_keys[i].name[0]
+            && memcmp(name, dpd_keys[i].name, len) == 0)
+        {
             return dpd_keys[i].key;
         }
     }
@@ -433,7 +442,8 @@ dpd_key_cmp(const void *a, const void *b)
  * route and rewrite something else than what the engine runs.  The
  * top-level kv_transfer_params are exempt: they all go.  Objects of up
  * to DPD_PAIRWISE_MAX members are compared pairwise, larger ones sorted:
- * O(n log n) in the members, whatever the keys.
+ * O(n log n) in the members, whatever the keys.  With top, obj is
+ * req->json and req->members holds its members' kinds.
  */
 
 static int
@@ -457,14 +467,18 @@ dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj, int top)
         return 0;
     }
 
+    /* at the top, the members' kinds (req->members, in the same order) */
+
     n = 0;
 
-    for (c = obj->child; c; c = c->next) {
+    for (c = obj->child, i = 0; c; c = c->next, i++) {
         if (c->string == NULL) {
             return -1;
         }
 
-        if (!(top && strcmp(c->string, DPD_KTP) == 0)) {
+        if (!(top && req->members[i].key
+                     == NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS))
+        {
             n++;
         }
     }
@@ -480,8 +494,10 @@ dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj, int top)
 
     i = 0;
 
-    for (c = obj->child; c; c = c->next) {
-        if (!(top && strcmp(c->string, DPD_KTP) == 0)) {
+    for (c = obj->child, j = 0; c; c = c->next, j++) {
+        if (!(top && req->members[j].key
+                     == NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS))
+        {
             keys[i++] = c;
         }
     }
