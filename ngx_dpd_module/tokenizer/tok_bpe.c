@@ -28,6 +28,17 @@
 #define TOK_BPE_STACK  128
 
 /*
+ * The tree touches all of its 32 bytes per byte at once; past
+ * TOK_BPE_TREE_MAX bytes (a hostile one-word prompt of megabytes) the
+ * heap of candidates merges instead: 12-byte symbols and 8-byte
+ * candidates filled as they come (about 20 bytes per byte resident, the
+ * bound t/261-body-memory.t holds the worker to).  Same result.
+ */
+#ifndef TOK_BPE_TREE_MAX
+#define TOK_BPE_TREE_MAX  16384
+#endif
+
+/*
  * Per-thread cache of recent BPE results for short pre-tokens that needed
  * merging (whole-vocab hits are already one lookup).  Direct-mapped by the
  * piece's hash; entries carry the tokenizer's load generation, so several
@@ -138,28 +149,172 @@ tok_tree_set(uint64_t *t, size_t n, size_t i, uint64_t v)
 }
 
 
+/* nsym symbols of symsz bytes, ntree 8-byte words (tree or heap) */
 static int
-tok_work_reserve(tok_work_t *w, size_t len)
+tok_work_reserve(tok_work_t *w, size_t nsym, size_t symsz, size_t ntree)
 {
     void  *p;
 
-    if (w->sym_cap < len) {
-        p = realloc(w->sym, len * sizeof(tok_sym_t));
+    if (w->sym_cap < nsym * symsz) {
+        p = realloc(w->sym, nsym * symsz);
         if (p == NULL) {
             return -1;
         }
         w->sym = p;
-        w->sym_cap = len;
+        w->sym_cap = nsym * symsz;
     }
-    if (w->tree_cap < 2 * len) {
-        p = realloc(w->tree, 2 * len * sizeof(uint64_t));
+    if (w->tree_cap < ntree) {
+        p = realloc(w->tree, ntree * sizeof(uint64_t));
         if (p == NULL) {
             return -1;
         }
         w->tree = p;
-        w->tree_cap = 2 * len;
+        w->tree_cap = ntree;
     }
     return 0;
+}
+
+
+/* ---- the heap path, for pieces over TOK_BPE_TREE_MAX bytes ---------- */
+
+typedef struct {
+    uint32_t  id;       /* TOK_NO_ID once merged into its left neighbour */
+    int32_t   prev;
+    int32_t   next;
+} tok_hsym_t;
+
+/* a candidate is rank << 32 | pos: (rank, leftmost) order is one compare;
+ * it keeps no merged id: the rank names one pair of the merges table and
+ * a symbol only ever grows, so the pair now at pos with the same rank is
+ * the pair it was pushed for */
+static inline void
+tok_heap_up(uint64_t *h, size_t i, uint64_t c)
+{
+    size_t  p;
+
+    while (i > 0) {
+        p = (i - 1) / 2;
+        if (c >= h[p]) {
+            break;
+        }
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = c;
+}
+
+
+/* Floyd's pop: the hole goes down by the smaller child, then the last
+ * entry rises from there */
+static inline uint64_t
+tok_heap_pop(uint64_t *h, size_t *n)
+{
+    uint64_t  top = h[0];
+    size_t    i = 0, c, m = --(*n);
+
+    if (m == 0) {
+        return top;
+    }
+    for ( ;; ) {
+        c = 2 * i + 1;
+        if (c + 1 >= m) {
+            if (c < m) {
+                h[i] = h[c];
+                i = c;
+            }
+            break;
+        }
+        c += h[c + 1] < h[c];
+        h[i] = h[c];
+        i = c;
+    }
+    tok_heap_up(h, i, h[m]);
+    return top;
+}
+
+
+static inline size_t tok_bpe_word(const dpd_tok_t *tok, const char *s,
+    size_t len, uint32_t *id);
+
+
+static void
+tok_bpe_merge_heap(tok_work_t *w, const char *s, size_t len)
+{
+    const dpd_tok_t  *tok = w->tok;
+    tok_hsym_t       *sym, *l;
+    uint64_t         *heap, c;
+    size_t            i, nh = 0, cap = 3 * len;
+    int32_t           n, prev, nx;
+    uint32_t          rank, merged;
+
+    /* each merge pushes at most 2 candidates: len + 2 * len bounds it */
+    if (tok_work_reserve(w, len, sizeof(tok_hsym_t), cap) != 0) {
+        w->oom = 1;
+        return;
+    }
+    sym = w->sym;
+    heap = w->tree;
+
+    /* the word's ids go through the heap's space, then into the symbols */
+    n = (int32_t) tok_bpe_word(tok, s, len, (uint32_t *) heap);
+    if (n == 0) {
+        return;
+    }
+    for (i = 0; i < (size_t) n; i++) {
+        sym[i].id = ((uint32_t *) heap)[i];
+        sym[i].prev = (int32_t) i - 1;
+        sym[i].next = (int32_t) i + 1;
+    }
+    sym[n - 1].next = -1;
+    for (i = 0; i + 1 < (size_t) n; i++) {
+        if (tok_pairmap_get(&tok->merges, sym[i].id, sym[i + 1].id, &rank,
+                            &merged))
+        {
+            tok_heap_up(heap, nh++, (uint64_t) rank << 32 | i);
+        }
+    }
+
+    while (nh > 0) {
+        c = tok_heap_pop(heap, &nh);
+        l = &sym[(uint32_t) c];
+        if (l->id == TOK_NO_ID || l->next < 0) {
+            continue;
+        }
+        nx = l->next;
+        if (!tok_pairmap_get(&tok->merges, l->id, sym[nx].id, &rank, &merged)
+            || rank != (uint32_t) (c >> 32))
+        {
+            continue;
+        }
+        l->id = merged;
+        l->next = sym[nx].next;
+        sym[nx].id = TOK_NO_ID;
+        if (l->next >= 0) {
+            sym[l->next].prev = (int32_t) (uint32_t) c;
+        }
+        prev = l->prev;
+        if (prev >= 0 && nh < cap
+            && tok_pairmap_get(&tok->merges, sym[prev].id, l->id, &rank,
+                               &merged))
+        {
+            tok_heap_up(heap, nh++, (uint64_t) rank << 32 | (uint32_t) prev);
+        }
+        nx = l->next;
+        if (nx >= 0 && nh < cap
+            && tok_pairmap_get(&tok->merges, l->id, sym[nx].id, &rank,
+                               &merged))
+        {
+            tok_heap_up(heap, nh++, (uint64_t) rank << 32 | (uint32_t) c);
+        }
+    }
+
+    for (i = 0; (int32_t) i >= 0 && i < (size_t) n; ) {
+        tok_emit(w->sink, sym[i].id);
+        if (sym[i].next < 0) {
+            break;
+        }
+        i = (size_t) sym[i].next;
+    }
 }
 
 
@@ -407,11 +562,15 @@ tok_bpe_merge(tok_work_t *w, const char *s, size_t len, uint64_t h)
         tok_bpe_small(w, s, len, h | (h == 0 && len <= TOK_CACHE_MAXLEN));
         return;
     }
+    if (len > TOK_BPE_TREE_MAX) {
+        tok_bpe_merge_heap(w, s, len);
+        return;
+    }
     if (len <= TOK_BPE_STACK) {
         sym = sym_stack;
         t = tree_stack;
     } else {
-        if (tok_work_reserve(w, len) != 0) {
+        if (tok_work_reserve(w, len, sizeof(tok_sym_t), 2 * len) != 0) {
             w->oom = 1;
             return;
         }
