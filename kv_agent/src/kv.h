@@ -814,6 +814,33 @@ typedef struct {
     int slow;                          /* copies to poll, all older than
                                         * KV_COPY_SPIN_US: back off */
 } kv_poll_state_t;
+
+/* A copy batch queued at t_us on engine c, for the poll loop: counted,
+ * and without a wake fd busy-polled while young, backed off after. */
+static inline void
+kv_copy_poll(const kv_copy_t *c, uint64_t t_us, uint64_t now,
+    kv_poll_state_t *ps)
+{
+    ps->copies = 1;
+    if (c->wake_fd < 0) {
+        if (now - t_us < KV_COPY_SPIN_US) {
+            ps->polled = 1;
+        } else {
+            ps->slow = 1;
+        }
+    }
+}
+
+/* 1 (and *warn_us = now) when a copy still unreported is due a warning */
+static inline int
+kv_copy_overdue(uint64_t now, uint64_t *warn_us)
+{
+    if (now - *warn_us < KV_COPY_WARN_US) {
+        return 0;
+    }
+    *warn_us = now;
+    return 1;
+}
 void kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps);
 int  kv_dup_check(kv_ctx_t *ctx, const uint32_t *ids, uint32_t n,
     uint32_t *dup);
@@ -837,8 +864,8 @@ void kv_rreq_copies_done(kv_ctx_t *ctx, kv_rreq_t *r);
 void kv_ring_grant(kv_ctx_t *ctx);
 void kv_ring_notice(kv_ctx_t *ctx, const char *buf, size_t len);
 int  kv_ring_progress(kv_ctx_t *ctx);
-void kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled,
-    int *slow);
+void kv_ring_poll_state(kv_ctx_t *ctx, uint64_t now_us,
+    kv_poll_state_t *ps);
 int  kv_rreq_ctrl_send(kv_ctx_t *ctx, kv_rreq_t *r, struct cJSON *j);
 void kv_rreq_ring_check(kv_ctx_t *ctx, kv_rreq_t *r);
 void kv_push_credit_msg(kv_ctx_t *ctx, int peer, struct cJSON *j);

@@ -518,8 +518,7 @@ kv_ring_progress(kv_ctx_t *ctx)
             if (q == 0) {
                 busy = 1;
                 now = now ? now : kv_now_us();
-                if (now - sl->warn_us >= KV_COPY_WARN_US) {
-                    sl->warn_us = now;
+                if (kv_copy_overdue(now, &sl->warn_us)) {
                     kv_warn("ring: rank %d: slot %u: the copy engine has not "
                             "completed the copy into %s's blocks for %llu s; "
                             "the slot and those blocks stay held until it "
@@ -560,10 +559,9 @@ kv_ring_progress(kv_ctx_t *ctx)
 }
 
 
-/* For the poll loop: copies queued (*polled: on an engine without a wake
- * fd, queued within KV_COPY_SPIN_US; *slow: older ones). */
+/* For the poll loop: the copies queued (kv_copy_poll). */
 void
-kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled, int *slow)
+kv_ring_poll_state(kv_ctx_t *ctx, uint64_t now_us, kv_poll_state_t *ps)
 {
     uint32_t i;
     int k;
@@ -572,15 +570,7 @@ kv_ring_poll_state(kv_ctx_t *ctx, int *copies, int *polled, int *slow)
         kv_rring_t *g = ctx->rring[k];
         for (i = 0; g && i < g->nslots; i++) {
             if (g->slot[i].state == KV_RS_COPYING) {
-                *copies = 1;
-                if (ctx->rcopy[k].wake_fd >= 0) {
-                    continue;
-                }
-                if (kv_now_us() - g->slot[i].t_us < KV_COPY_SPIN_US) {
-                    *polled = 1;
-                } else {
-                    *slow = 1;
-                }
+                kv_copy_poll(&ctx->rcopy[k], g->slot[i].t_us, now_us, ps);
             }
         }
     }

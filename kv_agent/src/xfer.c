@@ -2165,8 +2165,7 @@ stage_post(kv_ctx_t *ctx, int r)
             q = s->copy.ops->query(&s->copy, sl->seq);
             if (q == 0) {
                 uint64_t now = kv_now_us();
-                if (now - sl->warn_us >= KV_COPY_WARN_US) {
-                    sl->warn_us = now;
+                if (kv_copy_overdue(now, &sl->warn_us)) {
                     kv_warn("stage: rank %d: slot %u: the copy engine has not "
                             "completed its copies for %llu s; the slot stays "
                             "held until it does", r, i,
@@ -2465,14 +2464,7 @@ kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
         kv_stage_t *s = ctx->stage[k];
         for (i = 0; s && i < s->nslots; i++) {
             if (s->slot[i].state == KV_SLOT_COPYING) {
-                ps->copies = 1;
-                if (s->copy.wake_fd < 0) {
-                    if (now_us - s->slot[i].t_us < KV_COPY_SPIN_US) {
-                        ps->polled = 1;
-                    } else {
-                        ps->slow = 1;
-                    }
-                }
+                kv_copy_poll(&s->copy, s->slot[i].t_us, now_us, ps);
             }
         }
         if (s && s->nfree + s->nlost < s->nslots) {
@@ -2492,7 +2484,7 @@ kv_xfer_poll_state(kv_ctx_t *ctx, uint64_t now, kv_poll_state_t *ps)
             ps->live = 1;
         }
     }
-    kv_ring_poll_state(ctx, &ps->copies, &ps->polled, &ps->slow);
+    kv_ring_poll_state(ctx, now_us, ps);
 }
 
 
