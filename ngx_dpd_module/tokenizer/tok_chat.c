@@ -29,6 +29,7 @@
  * told: rc 2).  With no template at all, the documented estimate.
  */
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +41,40 @@
 
 
 #define TOK_CHAT_MAX_FILES  16
+
+
+/*
+ * cJSON's type tests and cJSON_GetObjectItemCaseSensitive() without the
+ * library calls, for the request's walk (a dozen lookups and some forty
+ * tests a request): the same answers, the first byte telling most keys
+ * apart before strcmp()
+ */
+#define tok_is(j, t)  ((j) != NULL && ((j)->type & 0xff) == (t))
+#define tok_is_null(j)   tok_is(j, cJSON_NULL)
+#define tok_is_string(j) tok_is(j, cJSON_String)
+#define tok_is_array(j)  tok_is(j, cJSON_Array)
+#define tok_is_object(j) tok_is(j, cJSON_Object)
+#define tok_is_bool(j)                                                        \
+    ((j) != NULL && ((j)->type & (cJSON_True | cJSON_False)) != 0)
+#define tok_is_true(j)   tok_is(j, cJSON_True)
+
+
+static inline const cJSON *
+tok_get(const cJSON *obj, const char *name)
+{
+    const cJSON  *e;
+
+    if (obj == NULL) {
+        return NULL;
+    }
+    /* as cJSON: the first match; a member without a name ends the search */
+    for (e = obj->child; e && e->string; e = e->next) {
+        if (e->string[0] == name[0] && strcmp(e->string, name) == 0) {
+            return e;
+        }
+    }
+    return NULL;
+}
 
 struct tok_chat_s {
     tj_template_t      *model;          /* chat_template / "default" */
@@ -507,8 +542,6 @@ tok_set_k(tok_prep_t *p, tj_dict_t *d, const char *k, size_t n, tj_val_t v)
     return 0;
 }
 
-/* a literal key: its length known here */
-#define tok_set_lit(p, d, k, v)  tok_set_n(p, d, k, sizeof(k) - 1, v)
 
 
 /* the text of one content part (vLLM's MM_PARSER_MAP), NULL if none */
@@ -611,11 +644,11 @@ tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
             return tok_prep_oom(p);
         }
     }
-    if (c == NULL || cJSON_IsNull(c)) {
+    if (c == NULL || tok_is_null(c)) {
         *out = openai && !tool_role ? l : tj_str("", 0);
         return 0;
     }
-    if (cJSON_IsString(c)) {
+    if (tok_is_string(c)) {
         n = strlen(c->valuestring);
         p->bytes += n;
         if (!openai || tool_role) {
@@ -642,8 +675,8 @@ tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
         if (openai && !tool_role) {
 one:
             if ((d = tj_a_dict(&p->a)) == NULL
-                || tok_set_lit(p, d, "type", tj_str("text", 4)) != 0
-                || tok_set_lit(p, d, "text", tok_cstr(p, text)) != 0)
+                || tok_set_k(p, d, tj_k_type, 4, tj_str("text", 4)) != 0
+                || tok_set_k(p, d, tj_k_text, 4, tok_cstr(p, text)) != 0)
             {
                 return tok_prep_oom(p);
             }
@@ -758,8 +791,9 @@ tok_prep_message(tok_prep_t *p, const cJSON *m, size_t i, int openai,
     tj_val_t      v, l;
     const char   *r, *k;
     size_t        n = 0;
+    int           tool_role;
 
-    if (!cJSON_IsObject(m)) {
+    if (!tok_is_object(m)) {
         tok_err(p->err, p->errlen, "messages[%zu]: expected an object", i);
         return -1;
     }
@@ -797,25 +831,29 @@ tok_prep_message(tok_prep_t *p, const cJSON *m, size_t i, int openai,
             break;
         }
     }
-    if (!cJSON_IsString(role)) {
+    if (!tok_is_string(role)) {
         tok_err(p->err, p->errlen, "messages[%zu].role: missing or not a "
                 "string", i);
         return -1;
     }
     r = role->valuestring;
+    tool_role = (r[0] == 't' && strcmp(r, "tool") == 0);
     if ((d = tj_a_dict(&p->a)) == NULL) {
         return tok_prep_oom(p);
     }
-    if (tok_set_k(p, d, tj_k_role, 4, tok_cstr(p, r)) != 0
-        || tok_prep_content(p, content, i, openai, strcmp(r, "tool") == 0, &v)
-           != 0
-        || tok_set_k(p, d, tj_k_content, 7, v) != 0)
-    {
+    /* a fresh dict: role and content are added, not looked up first */
+    if (tj_a_dict_add(&p->a, d, tj_k_role, 4, tok_cstr(p, r)) != 0) {
+        return tok_prep_oom(p);
+    }
+    if (tok_prep_content(p, content, i, openai, tool_role, &v) != 0) {
         return -1;
     }
-    if (strcmp(r, "assistant") == 0) {
-        if (calls && !cJSON_IsNull(calls)) {
-            if (!cJSON_IsArray(calls)) {
+    if (tj_a_dict_add(&p->a, d, tj_k_content, 7, v) != 0) {
+        return tok_prep_oom(p);
+    }
+    if (r[0] == 'a' && strcmp(r, "assistant") == 0) {
+        if (calls && !tok_is_null(calls)) {
+            if (!tok_is_array(calls)) {
                 tok_err(p->err, p->errlen, "messages[%zu].tool_calls: "
                         "expected an array", i);
                 return -1;
@@ -834,40 +872,43 @@ tok_prep_message(tok_prep_t *p, const cJSON *m, size_t i, int openai,
                         return tok_prep_oom(p);
                     }
                 }
-                if (tok_set_lit(p, d, "tool_calls", l) != 0) {
+                if (tok_set_k(p, d, tj_k_tool_calls, 10, l) != 0) {
                     return -1;
                 }
             }
         }
-        if (reasoning && !cJSON_IsNull(reasoning)) {
+        if (reasoning && !tok_is_null(reasoning)) {
             if (tok_prep_val(p, reasoning, &v) != 0
-                || tok_set_lit(p, d, "reasoning", v) != 0
-                || tok_set_lit(p, d, "reasoning_content", v) != 0)
+                || tok_set_k(p, d, tj_k_reasoning, 9, v) != 0
+                || tok_set_k(p, d, tj_k_reasoning_content, 17, v) != 0)
             {
                 return -1;
             }
         }
-    } else if (strcmp(r, "tool") == 0) {
+    } else if (tool_role) {
         if (call_id) {
             if (tok_prep_val(p, call_id, &v) != 0
-                || tok_set_lit(p, d, "tool_call_id", v) != 0)
+                || tok_set_k(p, d, tj_k_tool_call_id, 12, v) != 0)
             {
                 return -1;
             }
         }
     }
-    if (cJSON_IsString(name)
-        && tok_set_lit(p, d, "name", tok_cstr(p, name->valuestring)) != 0)
+    if (tok_is_string(name)
+        && tok_set_k(p, d, tj_k_name, 4, tok_cstr(p, name->valuestring)) != 0)
     {
         return -1;
     }
-    if (cJSON_IsString(task)
-        && tok_set_lit(p, d, "task", tok_cstr(p, task->valuestring)) != 0)
+    /* "task" is no interned name: tj_intern() would give it back */
+    if (tok_is_string(task)
+        && tok_set_k(p, d, "task", 4, tok_cstr(p, task->valuestring)) != 0)
     {
         return -1;
     }
-    if (strcmp(r, "developer") == 0) {
-        if (tok_prep_val(p, tools, &v) != 0 || tok_set_lit(p, d, "tools", v) != 0) {
+    if (r[0] == 'd' && strcmp(r, "developer") == 0) {
+        if (tok_prep_val(p, tools, &v) != 0
+            || tok_set_k(p, d, tj_k_tools, 5, v) != 0)
+        {
             return -1;
         }
     }
@@ -910,8 +951,8 @@ tok_prep_tool(tok_prep_t *p, const cJSON *tool, size_t i, tj_val_t *out)
     v.t = TJ_DICT;
     v.n = 0;
     v.u.d = fd;
-    if (tok_set_lit(p, d, "type", tj_str("function", 8)) != 0
-        || tok_set_lit(p, d, "function", v) != 0)
+    if (tok_set_k(p, d, tj_k_type, 4, tj_str("function", 8)) != 0
+        || tok_set_k(p, d, tj_k_function, 8, v) != 0)
     {
         return -1;
     }
@@ -959,22 +1000,84 @@ tok_prep_tool(tok_prep_t *p, const cJSON *tool, size_t i, tj_val_t *out)
 }
 
 
+/* v: the request's member named key, or NULL */
 static int
-tok_prep_bool(tok_prep_t *p, const cJSON *req, const char *key, int dflt,
+tok_prep_bool(tok_prep_t *p, const cJSON *v, const char *key, int dflt,
     int *out)
 {
-    const cJSON  *v = req ? cJSON_GetObjectItemCaseSensitive(req, key) : NULL;
-
-    if (v == NULL || cJSON_IsNull(v)) {
+    if (v == NULL || tok_is_null(v)) {
         *out = dflt;
         return 0;
     }
-    if (!cJSON_IsBool(v)) {
+    if (!tok_is_bool(v)) {
         tok_err(p->err, p->errlen, "%s: expected a boolean", key);
         return -1;
     }
-    *out = cJSON_IsTrue(v);
+    *out = tok_is_true(v);
     return 0;
+}
+
+
+/* the request's members tok_prep() reads */
+typedef struct {
+    const cJSON    *messages;
+    const cJSON    *tools;
+    const cJSON    *documents;
+    const cJSON    *agp;            /* add_generation_prompt */
+    const cJSON    *cfm;            /* continue_final_message */
+    const cJSON    *kwargs;         /* chat_template_kwargs */
+} tok_req_keys_t;
+
+
+/*
+ * One pass over the members instead of a lookup for each: what
+ * cJSON_GetObjectItemCaseSensitive() finds (the first of a name; none
+ * past a member without a name).  in: the request, or a messages array.
+ */
+static void
+tok_req_keys(const cJSON *in, tok_req_keys_t *k)
+{
+    const cJSON  *e;
+    const char   *s;
+
+    memset(k, 0, sizeof(*k));
+    if (!tok_is_object(in)) {
+        return;
+    }
+    for (e = in->child; e && e->string; e = e->next) {
+        s = e->string;
+        switch (s[0]) {
+        case 'm':
+            if (k->messages == NULL && strcmp(s, "messages") == 0) {
+                k->messages = e;
+            }
+            break;
+        case 't':
+            if (k->tools == NULL && strcmp(s, "tools") == 0) {
+                k->tools = e;
+            }
+            break;
+        case 'd':
+            if (k->documents == NULL && strcmp(s, "documents") == 0) {
+                k->documents = e;
+            }
+            break;
+        case 'a':
+            if (k->agp == NULL && strcmp(s, "add_generation_prompt") == 0) {
+                k->agp = e;
+            }
+            break;
+        case 'c':
+            if (k->cfm == NULL && strcmp(s, "continue_final_message") == 0) {
+                k->cfm = e;
+            } else if (k->kwargs == NULL
+                       && strcmp(s, "chat_template_kwargs") == 0)
+            {
+                k->kwargs = e;
+            }
+            break;
+        }
+    }
 }
 
 
@@ -984,10 +1087,11 @@ tok_prep_bool(tok_prep_t *p, const cJSON *req, const char *key, int dflt,
  * continue_final_message (NULL if off).
  */
 static int
-tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in, int openai,
-    tj_dict_t **vars, int *has_tools, tj_val_t *final)
+tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in,
+    const tok_req_keys_t *k, int openai, tj_dict_t **vars, int *has_tools,
+    tj_val_t *final)
 {
-    const cJSON  *req = NULL, *msgs = in, *e, *kw;
+    const cJSON  *msgs = in, *e, *kw;
     tj_dict_t    *g;
     tj_val_t      v, l;
     size_t        i = 0;
@@ -995,11 +1099,10 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in, int openai,
 
     *has_tools = 0;
     *final = tj_undef(NULL, 0);
-    if (cJSON_IsObject(in)) {
-        req = in;
-        msgs = cJSON_GetObjectItemCaseSensitive(in, "messages");
+    if (tok_is_object(in)) {
+        msgs = k->messages;
     }
-    if (!cJSON_IsArray(msgs)) {
+    if (!tok_is_array(msgs)) {
         tok_err(p->err, p->errlen, "messages: expected an array");
         return -1;
     }
@@ -1007,7 +1110,10 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in, int openai,
         tok_err(p->err, p->errlen, "messages: empty array");
         return -1;
     }
-    if ((g = tj_a_dict(&p->a)) == NULL) {
+    /* room for the request's variables and the special tokens */
+    g = tj_a_dict_cap(&p->a, 5 + (tok->chat && tok->chat->specials
+                                  ? tok->chat->specials->n : 0));
+    if (g == NULL) {
         return tok_prep_oom(p);
     }
 
@@ -1025,15 +1131,16 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in, int openai,
             return tok_prep_oom(p);
         }
     }
-    if (tok_set_lit(p, g, "messages", l) != 0) {
-        return -1;
+    /* g is new and its five names distinct: added, not looked up */
+    if (tj_a_dict_add(&p->a, g, tj_k_messages, 8, l) != 0) {
+        return tok_prep_oom(p);
     }
 
     v = tj_none();
-    e = req ? cJSON_GetObjectItemCaseSensitive(req, "tools") : NULL;
-    if (e && !cJSON_IsNull(e)) {
+    e = k->tools;
+    if (e && !tok_is_null(e)) {
         const cJSON *t;
-        if (!cJSON_IsArray(e)) {
+        if (!tok_is_array(e)) {
             tok_err(p->err, p->errlen, "tools: expected an array");
             return -1;
         }
@@ -1053,20 +1160,23 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in, int openai,
         }
         *has_tools = 1;
     }
-    if (tok_set_lit(p, g, "tools", v) != 0) {
-        return -1;
+    if (tj_a_dict_add(&p->a, g, tj_k_tools, 5, v) != 0) {
+        return tok_prep_oom(p);
     }
-    e = req ? cJSON_GetObjectItemCaseSensitive(req, "documents") : NULL;
-    if (e && !cJSON_IsNull(e) && !cJSON_IsArray(e)) {
+    e = k->documents;
+    if (e && !tok_is_null(e) && !tok_is_array(e)) {
         tok_err(p->err, p->errlen, "documents: expected an array of objects");
         return -1;
     }
-    if (tok_prep_val(p, e, &v) != 0 || tok_set_lit(p, g, "documents", v) != 0) {
+    if (tok_prep_val(p, e, &v) != 0) {
         return -1;
     }
+    if (tj_a_dict_add(&p->a, g, tj_k_documents, 9, v) != 0) {
+        return tok_prep_oom(p);
+    }
 
-    if (tok_prep_bool(p, req, "add_generation_prompt", 1, &agp) != 0
-        || tok_prep_bool(p, req, "continue_final_message", 0, &cfm) != 0)
+    if (tok_prep_bool(p, k->agp, "add_generation_prompt", 1, &agp) != 0
+        || tok_prep_bool(p, k->cfm, "continue_final_message", 0, &cfm) != 0)
     {
         return -1;
     }
@@ -1075,27 +1185,30 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in, int openai,
                 "and `add_generation_prompt` to True.");
         return -1;
     }
-    if (tok_set_lit(p, g, "add_generation_prompt", tj_bool(agp)) != 0
-        || tok_set_lit(p, g, "continue_final_message", tj_bool(cfm)) != 0)
+    if (tj_a_dict_add(&p->a, g, tj_k_add_generation_prompt, 21,
+                      tj_bool(agp)) != 0
+        || tj_a_dict_add(&p->a, g, tj_k_continue_final_message, 22,
+                         tj_bool(cfm)) != 0)
     {
-        return -1;
+        return tok_prep_oom(p);
     }
 
     /* the special tokens (after the request's variables, which are looked
      * up most; no name is shared), then the kwargs over everything */
     if (tok->chat && tok->chat->specials) {
+        /* the specials' names (*_token, additional_special_tokens) are
+         * distinct, and none of the five above */
         for (i = 0; i < tok->chat->specials->n; i++) {
             const tj_pair_t *sp = &tok->chat->specials->p[i];
-            if (tj_a_dict_set(&p->a, g, sp->k, sp->kn, sp->v) != 0) {
+            if (tj_a_dict_add(&p->a, g, sp->k, sp->kn, sp->v) != 0) {
                 return tok_prep_oom(p);
             }
         }
     }
 
-    kw = req ? cJSON_GetObjectItemCaseSensitive(req, "chat_template_kwargs")
-             : NULL;
-    if (kw && !cJSON_IsNull(kw)) {
-        if (!cJSON_IsObject(kw)) {
+    kw = k->kwargs;
+    if (kw && !tok_is_null(kw)) {
+        if (!tok_is_object(kw)) {
             tok_err(p->err, p->errlen, "chat_template_kwargs: expected an "
                     "object");
             return -1;
@@ -1228,11 +1341,10 @@ tok_limits(tj_limits_t *lim, size_t bytes)
 }
 
 
-/* render request with t (the fuzzer calls it with its own templates) */
-int
-tok_chat_render_with(const dpd_tok_t *tok, const tj_template_t *t,
-    const cJSON *request, char **out, size_t *outlen, char *err,
-    size_t errlen)
+static int
+tok_chat_render_keys(const dpd_tok_t *tok, const tj_template_t *t,
+    const cJSON *request, const tok_req_keys_t *k, char **out,
+    size_t *outlen, char *err, size_t errlen)
 {
     tok_prep_t    p;
     tj_dict_t    *vars;
@@ -1242,10 +1354,14 @@ tok_chat_render_with(const dpd_tok_t *tok, const tj_template_t *t,
 
     *out = NULL;
     *outlen = 0;
-    memset(&p, 0, sizeof(p));
+    /* the note is written before it is read (p.skipped) */
+    memset(&p, 0, offsetof(tok_prep_t, note));
+    p.note[0] = '\0';
     p.err = err;
     p.errlen = errlen;
-    if (tok_prep(&p, tok, request, t->openai, &vars, &tools, &final) != 0) {
+    if (tok_prep(&p, tok, request, k, t->openai, &vars, &tools, &final)
+        != 0)
+    {
         tj_arena_free(&p.a);
         return -1;
     }
@@ -1277,13 +1393,27 @@ tok_chat_render_with(const dpd_tok_t *tok, const tj_template_t *t,
 }
 
 
+/* render request with t (the fuzzer calls it with its own templates) */
+int
+tok_chat_render_with(const dpd_tok_t *tok, const tj_template_t *t,
+    const cJSON *request, char **out, size_t *outlen, char *err,
+    size_t errlen)
+{
+    tok_req_keys_t  k;
+
+    tok_req_keys(request, &k);
+    return tok_chat_render_keys(tok, t, request, &k, out, outlen, err,
+                                errlen);
+}
+
+
 int
 dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
     const struct cJSON *request, char **out, size_t *outlen,
     char *err, size_t errlen)
 {
     const tj_template_t  *t;
-    const cJSON          *tv;
+    tok_req_keys_t        k;
 
     *out = NULL;
     *outlen = 0;
@@ -1296,13 +1426,13 @@ dpd_chat_render_json(const dpd_tok_t *tok, dpd_chat_template_t tmpl,
         return dpd_chat_harmony_json(tok, request, out, outlen, NULL, NULL,
                                      NULL, err, errlen);
     }
-    tv = cJSON_IsObject(request)
-         ? cJSON_GetObjectItemCaseSensitive(request, "tools") : NULL;
-    t = tok_chat_pick(tok, tmpl, cJSON_IsArray(tv));
+    tok_req_keys(request, &k);
+    t = tok_chat_pick(tok, tmpl, tok_is_array(k.tools));
     if (t == NULL) {
         return 1;
     }
-    return tok_chat_render_with(tok, t, request, out, outlen, err, errlen);
+    return tok_chat_render_keys(tok, t, request, &k, out, outlen, err,
+                                errlen);
 }
 
 

@@ -187,7 +187,12 @@ void tj_dict_set(tj_ctx_t *c, tj_dict_t *d, const char *k, size_t kn,
     tj_val_t v);
 tj_val_t *tj_dict_get(const tj_dict_t *d, const char *k, size_t kn);
 const char *tj_intern(const char *s, size_t n);     /* common names */
-extern const char tj_k_role[], tj_k_content[];      /* two of them */
+/* some of them, for keys set without tj_intern()'s search */
+extern const char tj_k_role[], tj_k_content[], tj_k_name[], tj_k_type[],
+    tj_k_text[], tj_k_loop[], tj_k_tools[], tj_k_messages[], tj_k_function[],
+    tj_k_reasoning[], tj_k_documents[], tj_k_tool_calls[], tj_k_tool_call_id[],
+    tj_k_reasoning_content[], tj_k_add_generation_prompt[],
+    tj_k_continue_final_message[];
 
 /* the same on an arena, for values built before a render (NULL: OOM) */
 int tj_a_list_push(tj_arena_t *a, tj_list_t *l, tj_val_t v);
@@ -196,6 +201,7 @@ int tj_a_dict_set(tj_arena_t *a, tj_dict_t *d, const char *k, size_t kn,
 int tj_a_dict_add(tj_arena_t *a, tj_dict_t *d, const char *k, size_t kn,
     tj_val_t v);                                    /* k not there */
 tj_dict_t *tj_a_dict(tj_arena_t *a);
+tj_dict_t *tj_a_dict_cap(tj_arena_t *a, size_t cap);   /* room for cap */
 tj_list_t *tj_a_list(tj_arena_t *a);
 
 /* cJSON to values: strings are referenced, not copied (NULL v: OOM) */

@@ -2902,7 +2902,7 @@ tj_exec_for(tj_ctx_t *c, const tj_node_t *nd)
     loopv.u.p = lp;
     f = tj_frame_new(c, saved);
     c->frame = f;
-    tj_frame_set(c, f, tj_intern("loop", 4), 4, loopv);
+    tj_frame_set(c, f, tj_k_loop, 4, loopv);
     for (i = 0; i < items->n; i++) {
         tj_step(c);
         lp->i = i;

@@ -5,6 +5,7 @@
  */
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,33 @@ struct tj_blk_s {
 #define TJ_BLK_MIN  (16 * 1024)
 
 
+/*
+ * A first block kept by each thread between arenas: a request's arena
+ * (its preparation and render) mostly fits one, and its malloc() and
+ * free() cost more than the preparation of a short chat's variables.  A
+ * thread that ends frees its own (a key's destructor: no leak reported
+ * for a pool's thread).
+ */
+static __thread tj_blk_t  *tj_blk_kept;
+static __thread int        tj_blk_reg;      /* 1 keys, -1 none (no keep) */
+static pthread_key_t       tj_blk_key;
+static pthread_once_t      tj_blk_once = PTHREAD_ONCE_INIT;
+static int                 tj_blk_key_ok;
+
+/* under AddressSanitizer every block goes back: a use after the free
+ * stays visible */
+#if defined(__SANITIZE_ADDRESS__)
+#define TJ_BLK_KEEP  0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TJ_BLK_KEEP  0
+#endif
+#endif
+#ifndef TJ_BLK_KEEP
+#define TJ_BLK_KEEP  1
+#endif
+
+
 void *
 tj_arena_alloc(tj_arena_t *a, size_t n)
 {
@@ -42,7 +70,12 @@ tj_arena_alloc(tj_arena_t *a, size_t n)
         if (a->limit && a->total + cap > a->limit) {
             return NULL;
         }
-        b = malloc(sizeof(tj_blk_t) + cap);
+        if (TJ_BLK_KEEP && cap == TJ_BLK_MIN && tj_blk_kept != NULL) {
+            b = tj_blk_kept;
+            tj_blk_kept = NULL;
+        } else {
+            b = malloc(sizeof(tj_blk_t) + cap);
+        }
         if (b == NULL) {
             return NULL;
         }
@@ -58,6 +91,38 @@ tj_arena_alloc(tj_arena_t *a, size_t n)
 }
 
 
+static void
+tj_blk_key_free(void *unused)
+{
+    free(tj_blk_kept);
+    tj_blk_kept = NULL;
+}
+
+
+static void
+tj_blk_key_init(void)
+{
+    tj_blk_key_ok = (pthread_key_create(&tj_blk_key, tj_blk_key_free) == 0);
+}
+
+
+/* 1: this thread may keep a block (its destructor is registered) */
+static int
+tj_blk_may_keep(void)
+{
+    if (tj_blk_reg == 0) {
+        tj_blk_reg = -1;
+        if (pthread_once(&tj_blk_once, tj_blk_key_init) == 0
+            && tj_blk_key_ok
+            && pthread_setspecific(tj_blk_key, &tj_blk_reg) == 0)
+        {
+            tj_blk_reg = 1;
+        }
+    }
+    return tj_blk_reg == 1;
+}
+
+
 void
 tj_arena_free(tj_arena_t *a)
 {
@@ -65,7 +130,13 @@ tj_arena_free(tj_arena_t *a)
 
     for (b = a->head; b; b = next) {
         next = b->next;
-        free(b);
+        if (TJ_BLK_KEEP && b->cap == TJ_BLK_MIN && tj_blk_kept == NULL
+            && tj_blk_may_keep())
+        {
+            tj_blk_kept = b;
+        } else {
+            free(b);
+        }
     }
     a->head = NULL;
     a->total = 0;
@@ -224,12 +295,19 @@ tj_dict_t *
 tj_a_dict(tj_arena_t *a)
 {
     /* room for 4 pairs in the same allocation (a message's keys) */
-    tj_dict_t  *d = tj_arena_alloc(a, sizeof(*d) + 4 * sizeof(tj_pair_t));
+    return tj_a_dict_cap(a, 4);
+}
+
+
+tj_dict_t *
+tj_a_dict_cap(tj_arena_t *a, size_t cap)
+{
+    tj_dict_t  *d = tj_arena_alloc(a, sizeof(*d) + cap * sizeof(tj_pair_t));
 
     if (d) {
         memset(d, 0, sizeof(*d));
         d->p = (tj_pair_t *) (d + 1);
-        d->cap = 4;
+        d->cap = cap;
     }
     return d;
 }
@@ -298,23 +376,40 @@ tj_a_list_push(tj_arena_t *a, tj_list_t *l, tj_val_t v)
 /* the names by length: one short list per lookup, no strlen() */
 const char tj_k_role[] = "role";
 const char tj_k_content[] = "content";
+const char tj_k_name[] = "name";
+const char tj_k_type[] = "type";
+const char tj_k_text[] = "text";
+const char tj_k_loop[] = "loop";
+const char tj_k_tools[] = "tools";
+const char tj_k_messages[] = "messages";
+const char tj_k_function[] = "function";
+const char tj_k_reasoning[] = "reasoning";
+const char tj_k_documents[] = "documents";
+const char tj_k_tool_calls[] = "tool_calls";
+const char tj_k_tool_call_id[] = "tool_call_id";
+const char tj_k_reasoning_content[] = "reasoning_content";
+const char tj_k_add_generation_prompt[] = "add_generation_prompt";
+const char tj_k_continue_final_message[] = "continue_final_message";
 
 static const char *const tj_in2[] = { "ns", NULL };
-static const char *const tj_in4[] = { tj_k_role, "name", "type", "text", "tool",
-    "loop", "user", "last", NULL };
-static const char *const tj_in5[] = { "tools", "index", "first", NULL };
+static const char *const tj_in4[] = { tj_k_role, tj_k_name, tj_k_type,
+    tj_k_text, "tool", tj_k_loop, "user", "last", NULL };
+static const char *const tj_in5[] = { tj_k_tools, "index", "first", NULL };
 static const char *const tj_in6[] = { "system", "index0", "length", NULL };
 static const char *const tj_in7[] = { tj_k_content, "message", NULL };
-static const char *const tj_in8[] = { "messages", "function", "thinking", NULL };
-static const char *const tj_in9[] = { "tool_call", "arguments", "reasoning",
-    "documents", "bos_token", "eos_token", "assistant", NULL };
-static const char *const tj_in10[] = { "tool_calls", "parameters", NULL };
+static const char *const tj_in8[] = { tj_k_messages, tj_k_function,
+    "thinking", NULL };
+static const char *const tj_in9[] = { "tool_call", "arguments",
+    tj_k_reasoning, tj_k_documents, "bos_token", "eos_token", "assistant",
+    NULL };
+static const char *const tj_in10[] = { tj_k_tool_calls, "parameters", NULL };
 static const char *const tj_in11[] = { "description", NULL };
-static const char *const tj_in12[] = { "tool_call_id", "content_type", NULL };
+static const char *const tj_in12[] = { tj_k_tool_call_id, "content_type",
+    NULL };
 static const char *const tj_in15[] = { "enable_thinking", NULL };
-static const char *const tj_in17[] = { "reasoning_content", NULL };
-static const char *const tj_in21[] = { "add_generation_prompt", NULL };
-static const char *const tj_in22[] = { "continue_final_message", NULL };
+static const char *const tj_in17[] = { tj_k_reasoning_content, NULL };
+static const char *const tj_in21[] = { tj_k_add_generation_prompt, NULL };
+static const char *const tj_in22[] = { tj_k_continue_final_message, NULL };
 
 static const char *const *const tj_interned[23] = {
     NULL, NULL, tj_in2, NULL, tj_in4, tj_in5, tj_in6, tj_in7, tj_in8, tj_in9,
