@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "ngx_http_dpd_count.h"
+#include "ngx_http_dpd_json.h"
 
 
 static int dpd_refuse(ngx_http_dpd_count_t *out, int bad,
@@ -60,7 +61,7 @@ ngx_http_dpd_count(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
     out->why[0] = '\0';
     out->note[0] = '\0';
 
-    if (!cJSON_IsObject(req)) {
+    if (!ngx_http_dpd_json_is(req, cJSON_Object)) {
         return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
                           "the request body must be a JSON object");
     }
@@ -352,14 +353,14 @@ dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
 
     tok = cf->tok;
 
-    messages = cJSON_GetObjectItemCaseSensitive(req, "messages");
+    messages = ngx_http_dpd_json_get(req, "messages");
 
     if (messages == NULL) {
         return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
                           "field \"messages\" is required");
     }
 
-    if (!cJSON_IsArray(messages)) {
+    if (!ngx_http_dpd_json_is(messages, cJSON_Array)) {
         return dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
                           "field \"messages\" must be an array");
     }
@@ -478,23 +479,23 @@ dpd_check_messages(const cJSON *messages, size_t max,
             return 1;
         }
 
-        if (!cJSON_IsObject(m)) {
+        if (!ngx_http_dpd_json_is(m, cJSON_Object)) {
             dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
                        "messages[%ld] must be an object", i);
             return 1;
         }
 
-        role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        role = ngx_http_dpd_json_get(m, "role");
 
-        if (!cJSON_IsString(role)) {
+        if (!ngx_http_dpd_json_is(role, cJSON_String)) {
             dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD, "messages[%ld].role: %s",
                        i, role ? "expected a string" : "is required");
             return 1;
         }
 
-        content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        content = ngx_http_dpd_json_get(m, "content");
 
-        if (content == NULL || cJSON_IsNull(content)) {
+        if (content == NULL || ngx_http_dpd_json_is(content, cJSON_NULL)) {
             if (strcmp(role->valuestring, "assistant") == 0) {
                 continue;
             }
@@ -504,11 +505,11 @@ dpd_check_messages(const cJSON *messages, size_t max,
             return 1;
         }
 
-        if (cJSON_IsString(content)) {
+        if (ngx_http_dpd_json_is(content, cJSON_String)) {
             continue;
         }
 
-        if (!cJSON_IsArray(content)) {
+        if (!ngx_http_dpd_json_is(content, cJSON_Array)) {
             dpd_refuse(out, NGX_HTTP_DPD_BAD_FIELD,
                        "messages[%ld].content: expected a string or an "
                        "array of content parts", i);

@@ -27,19 +27,39 @@
 #include "ngx_http_dpd_json.h"
 
 
+/* _parse_in(): the block carved into nodes and short strings */
+#define DPD_JSON_BLOCK  4000
+
+/* a string longer than this: an allocation of its own (bounds the waste) */
+#define DPD_JSON_SHORT  256
+
+#define DPD_JSON_ONES   0x0101010101010101ULL
+
+
 typedef struct {
     const unsigned char  *data;
     size_t                len;
     size_t                off;
     size_t                depth;
     unsigned char         point;    /* the locale's decimal point, or 0 */
+
+    /* _parse_in(): the caller's pool, else cJSON_malloc() */
+    void               *(*alloc)(void *data, size_t size);
+    void                 *alloc_data;
+    unsigned char        *pos;      /* the free part of the block */
+    unsigned char        *last;
 } dpd_json_t;
 
 
-static cJSON *dpd_json_item(void);
+static cJSON *dpd_json_run(dpd_json_t *b, const char *data, size_t len,
+    const char **end);
+static void *dpd_json_alloc(dpd_json_t *b, size_t size);
+static void dpd_json_drop(dpd_json_t *b, cJSON *item);
+static cJSON *dpd_json_item(dpd_json_t *b);
 static void dpd_json_space(dpd_json_t *b);
 static int dpd_json_value(dpd_json_t *b, cJSON *item);
 static int dpd_json_string(dpd_json_t *b, cJSON *item);
+static const unsigned char *dpd_json_short(const unsigned char *p);
 static unsigned dpd_json_hex4(const unsigned char *p);
 static size_t dpd_json_utf16(const unsigned char *p,
     const unsigned char *end, unsigned char **out);
@@ -65,9 +85,39 @@ static const unsigned char  dpd_json_stop[256] = {
 cJSON *
 ngx_http_dpd_json_parse(const char *data, size_t len, const char **end)
 {
+    dpd_json_t  b;
+
+    b.alloc = NULL;
+    b.alloc_data = NULL;
+    b.pos = NULL;
+    b.last = NULL;
+
+    return dpd_json_run(&b, data, len, end);
+}
+
+
+cJSON *
+ngx_http_dpd_json_parse_in(const char *data, size_t len, const char **end,
+    void *(*alloc)(void *data, size_t size), void *alloc_data)
+{
+    dpd_json_t  b;
+
+    b.alloc = alloc;
+    b.alloc_data = alloc_data;
+    b.pos = NULL;
+    b.last = NULL;
+
+    return dpd_json_run(&b, data, len, end);
+}
+
+
+static cJSON *
+dpd_json_run(dpd_json_t *b_, const char *data, size_t len, const char **end)
+{
     cJSON       *root;
     dpd_json_t   b;
 
+    b = *b_;
     b.data = (const unsigned char *) data;
     b.len = len;
     b.off = 0;
@@ -84,7 +134,7 @@ ngx_http_dpd_json_parse(const char *data, size_t len, const char **end)
         goto fail;
     }
 
-    root = dpd_json_item();
+    root = dpd_json_item(&b);
     if (root == NULL) {
         goto fail;
     }
@@ -108,7 +158,7 @@ ngx_http_dpd_json_parse(const char *data, size_t len, const char **end)
 fail:
 
     if (root) {
-        cJSON_Delete(root);
+        dpd_json_drop(&b, root);
     }
 
     if (end) {
@@ -119,12 +169,60 @@ fail:
 }
 
 
+/*
+ * From the caller's pool: nodes and short strings carved from a block (a
+ * call of alloc() for each would cost more than the parse of the value)
+ */
+
+static void *
+dpd_json_alloc(dpd_json_t *b, size_t size)
+{
+    unsigned char  *p;
+
+    if (b->alloc == NULL) {
+        return cJSON_malloc(size);
+    }
+
+    if (size > DPD_JSON_SHORT) {
+        return b->alloc(b->alloc_data, size);
+    }
+
+    size = (size + 7) & ~(size_t) 7;
+
+    if ((size_t) (b->last - b->pos) < size) {
+        p = b->alloc(b->alloc_data, DPD_JSON_BLOCK);
+        if (p == NULL) {
+            return NULL;
+        }
+
+        b->pos = p;
+        b->last = p + DPD_JSON_BLOCK;
+    }
+
+    p = b->pos;
+    b->pos += size;
+
+    return p;
+}
+
+
+/* a failed part: the pool's memory goes back with the pool */
+
+static void
+dpd_json_drop(dpd_json_t *b, cJSON *item)
+{
+    if (b->alloc == NULL) {
+        cJSON_Delete(item);
+    }
+}
+
+
 static cJSON *
-dpd_json_item(void)
+dpd_json_item(dpd_json_t *b)
 {
     cJSON  *item;
 
-    item = cJSON_malloc(sizeof(cJSON));
+    item = dpd_json_alloc(b, sizeof(cJSON));
     if (item) {
         memset(item, 0, sizeof(cJSON));
     }
@@ -241,6 +339,18 @@ dpd_json_string(dpd_json_t *b, cJSON *item)
     dq = NULL;
     skipped = 0;
 
+    /* a short string without escapes (keys, most values): found here */
+
+    if (lim - s >= 16) {
+        dq = dpd_json_short(s);
+
+        if (dq && *dq == '"') {
+            goto found;
+        }
+
+        dq = NULL;
+    }
+
     for ( ;; ) {
         if (dq == NULL || dq < q) {
             dq = (q < lim) ? memchr(q, '"', lim - q) : NULL;
@@ -260,7 +370,9 @@ dpd_json_string(dpd_json_t *b, cJSON *item)
         q = bs + 2;
     }
 
-    out = cJSON_malloc((size_t) (dq - s) + 2 - skipped);
+found:
+
+    out = dpd_json_alloc(b, (size_t) (dq - s) + 2 - skipped);
     if (out == NULL) {
         b->off = s - b->data;
         return 0;
@@ -337,10 +449,55 @@ dpd_json_string(dpd_json_t *b, cJSON *item)
 
 fail:
 
-    cJSON_free(out);
+    if (b->alloc == NULL) {
+        cJSON_free(out);
+    }
+
     b->off = q - b->data;
 
     return 0;
+}
+
+
+/*
+ * The first '"' or '\\' of the 16 bytes at p, NULL if none: two words
+ * tested at once for both (the lowest byte a zero test flags is a zero:
+ * a borrow only flags bytes above one), instead of two memchr() calls.
+ */
+
+static const unsigned char *
+dpd_json_short(const unsigned char *p)
+{
+#if (defined(__GNUC__) && defined(__BYTE_ORDER__)                             \
+     && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
+    size_t    i;
+    uint64_t  v, q, e, m;
+
+    for (i = 0; i < 16; i += 8) {
+        memcpy(&v, p + i, 8);
+
+        q = v ^ (DPD_JSON_ONES * '"');
+        e = v ^ (DPD_JSON_ONES * '\\');
+        m = (((q - DPD_JSON_ONES) & ~q) | ((e - DPD_JSON_ONES) & ~e))
+            & (DPD_JSON_ONES * 0x80);
+
+        if (m) {
+            return p + i + (__builtin_ctzll(m) >> 3);
+        }
+    }
+
+    return NULL;
+#else
+    size_t  i;
+
+    for (i = 0; i < 16; i++) {
+        if (p[i] == '"' || p[i] == '\\') {
+            return p + i;
+        }
+    }
+
+    return NULL;
+#endif
 }
 
 
@@ -577,7 +734,7 @@ dpd_json_array(dpd_json_t *b, cJSON *item)
     b->off--;
 
     do {
-        next = dpd_json_item();
+        next = dpd_json_item(b);
         if (next == NULL) {
             goto fail;
         }
@@ -624,7 +781,7 @@ done:
 fail:
 
     if (head) {
-        cJSON_Delete(head);
+        dpd_json_drop(b, head);
     }
 
     return 0;
@@ -660,7 +817,7 @@ dpd_json_object(dpd_json_t *b, cJSON *item)
     b->off--;
 
     do {
-        next = dpd_json_item();
+        next = dpd_json_item(b);
         if (next == NULL) {
             goto fail;
         }
@@ -724,7 +881,7 @@ done:
 fail:
 
     if (head) {
-        cJSON_Delete(head);
+        dpd_json_drop(b, head);
     }
 
     return 0;

@@ -19,6 +19,7 @@
 
 #include "ngx_http_dpd_module.h"
 #include "ngx_http_dpd_count.h"
+#include "ngx_http_dpd_json.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -33,6 +34,9 @@
 
 /* a body from this size on: the freed pages go back to the system */
 #define NGX_HTTP_DPD_TRIM_BODY    (256 * 1024)
+
+/* bodies up to this size parse into the event loop's kept tree pool */
+#define NGX_HTTP_DPD_TREE_KEPT_BODY  2048
 
 
 /*
@@ -61,7 +65,8 @@ typedef struct {
 
 static void ngx_http_dpd_job_init(ngx_http_dpd_job_t *job,
     ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
-    ngx_http_dpd_main_conf_t *dmcf, ngx_http_dpd_loc_conf_t *dlcf);
+    ngx_http_dpd_main_conf_t *dmcf, ngx_http_dpd_loc_conf_t *dlcf,
+    ngx_uint_t inline_job);
 static void ngx_http_dpd_job_conf(ngx_http_dpd_job_t *job,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_loc_conf_t *dlcf);
 static void ngx_http_dpd_job_run(ngx_http_dpd_job_t *job);
@@ -85,6 +90,7 @@ static void *ngx_http_dpd_pool_alloc(void *pool, size_t size);
 static void *ngx_http_dpd_tree_alloc(size_t size);
 static void ngx_http_dpd_tree_free(void *p);
 static void ngx_http_dpd_tree_release(void *data);
+static void ngx_http_dpd_tree_reset(void *data);
 #if defined(__GLIBC__)
 static void ngx_http_dpd_trim_handler(ngx_event_t *ev);
 #endif
@@ -101,6 +107,13 @@ static __thread ngx_pool_t  *ngx_http_dpd_tree_pool;
 /* malloc_trim() once the current event is done with a big request */
 static ngx_event_t  ngx_http_dpd_trim_event;
 #endif
+
+/*
+ * The tree pool of small bodies counted inline (the event loop's thread
+ * only): reset after each, not created and destroyed (a malloc() and a
+ * free() of its block cost more than the parse of a short chat)
+ */
+static ngx_pool_t  *ngx_http_dpd_tree_kept;
 
 
 /*
@@ -187,7 +200,7 @@ ngx_http_dpd_openai_process(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
 #endif
 
-    ngx_http_dpd_job_init(&job, r, ctx, dmcf, dlcf);
+    ngx_http_dpd_job_init(&job, r, ctx, dmcf, dlcf, 1);
 
     if (job.tree == NULL) {
         return NGX_ERROR;
@@ -233,7 +246,7 @@ ngx_http_dpd_openai_init_process(void)
 static void
 ngx_http_dpd_job_init(ngx_http_dpd_job_t *job, ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_main_conf_t *dmcf,
-    ngx_http_dpd_loc_conf_t *dlcf)
+    ngx_http_dpd_loc_conf_t *dlcf, ngx_uint_t inline_job)
 {
     size_t  size;
 
@@ -259,6 +272,28 @@ ngx_http_dpd_job_init(ngx_http_dpd_job_t *job, ngx_http_request_t *r,
         ngx_http_dpd_job_conf(job, ctx, dlcf);
     }
 
+    if (inline_job && ctx->body.len <= NGX_HTTP_DPD_TREE_KEPT_BODY) {
+
+        /* one block holds such a tree; the pool is reset once counted */
+
+        if (ngx_http_dpd_tree_kept == NULL) {
+            ngx_http_dpd_tree_kept = ngx_create_pool(
+                                         NGX_HTTP_DPD_TREE_KEPT_BODY * 32,
+                                         ngx_cycle->log);
+        }
+
+        job->tree = ngx_http_dpd_tree_kept;
+        if (job->tree == NULL) {
+            return;
+        }
+
+        ctx->req.tree_release = ngx_http_dpd_tree_reset;
+        ctx->req.tree_data = job->tree;
+        ctx->req.tree_alloc = ngx_http_dpd_pool_alloc;
+
+        return;
+    }
+
     /*
      * a value takes at least 2 bytes of the body, a node 64 bytes of the
      * pool: a block holds the tree of a small body whole
@@ -279,6 +314,7 @@ ngx_http_dpd_job_init(ngx_http_dpd_job_t *job, ngx_http_request_t *r,
 
     ctx->req.tree_release = ngx_http_dpd_tree_release;
     ctx->req.tree_data = job->tree;
+    ctx->req.tree_alloc = ngx_http_dpd_pool_alloc;
 }
 
 
@@ -334,8 +370,8 @@ ngx_http_dpd_job_run(ngx_http_dpd_job_t *job)
     }
 
     if (job->parse_rc == 0 && job->model_bad == 0) {
-        stream = cJSON_GetObjectItemCaseSensitive(ctx->req.json, "stream");
-        job->stream = cJSON_IsTrue(stream) ? 1 : 0;
+        stream = ngx_http_dpd_json_get(ctx->req.json, "stream");
+        job->stream = ngx_http_dpd_json_is(stream, cJSON_True) ? 1 : 0;
 
         job->count_rc = ngx_http_dpd_count(ctx->req.json, &job->cf,
                                            &job->count);
@@ -487,7 +523,7 @@ ngx_http_dpd_job_post(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     job = task->ctx;
 
-    ngx_http_dpd_job_init(job, r, ctx, dmcf, dlcf);
+    ngx_http_dpd_job_init(job, r, ctx, dmcf, dlcf, 0);
 
     if (job->tree == NULL) {
         return NGX_ERROR;
@@ -761,6 +797,16 @@ static void
 ngx_http_dpd_tree_release(void *data)
 {
     ngx_destroy_pool(data);
+}
+
+
+/* the kept pool: its 64 KB block stays (a tree of 2 KB of body fills at
+ * most one, and the few bytes of a second), large parts go */
+
+static void
+ngx_http_dpd_tree_reset(void *data)
+{
+    ngx_reset_pool(data);
 }
 
 

@@ -221,16 +221,26 @@ dpd_scan(ngx_http_dpd_req_t *req, const ngx_http_dpd_limits_t *limits,
                 p++;
 
                 while (end - p >= 8) {
-                    uint64_t  v;
+                    uint64_t  v, m;
 
                     memcpy(&v, p, 8);
 
-                    if (((v - DPD_ONES * 0x20)
+                    m = ((v - DPD_ONES * 0x20)
                          | ((v ^ (DPD_ONES * '"')) - DPD_ONES)
                          | ((v ^ (DPD_ONES * '\\')) - DPD_ONES)
                          | v)
-                        & (DPD_ONES * 0x80))
-                    {
+                        & (DPD_ONES * 0x80);
+
+                    if (m) {
+#if (defined(__GNUC__) && defined(__BYTE_ORDER__)                             \
+     && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
+                        /*
+                         * the lowest flagged byte is the first of them (a
+                         * borrow only flags the bytes above a flagged one):
+                         * on to it, not byte by byte (short strings: keys)
+                         */
+                        p += __builtin_ctzll(m) >> 3;
+#endif
                         break;
                     }
 
@@ -407,16 +417,24 @@ too_many:
 }
 
 
+/* the names of dpd_keys[] by their first byte: most keys meet none */
+
 static unsigned
 dpd_key_kind(const char *name)
 {
-    size_t  i, len;
+    size_t  i;
 
-    len = strlen(name);
+    switch (name[0]) {
+    case 'k': case 'm': case 's': case 'p': case 'n': case 'b': case 'e':
+    case 'l':
+        break;
+    default:
+        return NGX_HTTP_DPD_KEY_OTHER;
+    }
 
     for (i = 0; dpd_keys[i].name; i++) {
-        if (dpd_keys[i].len == len && name[0] == dpd_keys[i].name[0]
-            && memcmp(name, dpd_keys[i].name, len) == 0)
+        if (name[0] == dpd_keys[i].name[0]
+            && strcmp(name, dpd_keys[i].name) == 0)
         {
             return dpd_keys[i].key;
         }
@@ -455,7 +473,10 @@ dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj, int top)
     const cJSON   *c, *dup, *small[DPD_PAIRWISE_MAX], **keys;
 
     for (c = obj->child; c; c = c->next) {
-        if ((cJSON_IsObject(c) || cJSON_IsArray(c)) && c->child) {
+        if ((ngx_http_dpd_json_is(c, cJSON_Object)
+             || ngx_http_dpd_json_is(c, cJSON_Array))
+            && c->child)
+        {
             rc = dpd_check_keys(req, c, 0);
             if (rc != 0) {
                 return rc;
@@ -463,7 +484,7 @@ dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj, int top)
         }
     }
 
-    if (!cJSON_IsObject(obj)) {
+    if (!ngx_http_dpd_json_is(obj, cJSON_Object)) {
         return 0;
     }
 
@@ -507,7 +528,9 @@ dpd_check_keys(ngx_http_dpd_req_t *req, const cJSON *obj, int top)
     if (n <= DPD_PAIRWISE_MAX) {
         for (i = 0; dup == NULL && i < n; i++) {
             for (j = i + 1; j < n; j++) {
-                if (strcmp(keys[i]->string, keys[j]->string) == 0) {
+                if (keys[i]->string[0] == keys[j]->string[0]
+                    && strcmp(keys[i]->string, keys[j]->string) == 0)
+                {
                     dup = keys[i];
                     break;
                 }
@@ -593,7 +616,14 @@ ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req, const char *data,
 
     end = NULL;
 
-    req->json = ngx_http_dpd_json_parse(data, len, &end);
+    if (req->tree_alloc && req->tree_release) {
+        req->json = ngx_http_dpd_json_parse_in(data, len, &end,
+                                               req->tree_alloc,
+                                               req->tree_data);
+
+    } else {
+        req->json = ngx_http_dpd_json_parse(data, len, &end);
+    }
 
     if (req->json == NULL) {
         if (end == NULL || end < data || end > data + len) {
@@ -619,7 +649,7 @@ ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req, const char *data,
                        "byte %zu", (size_t) (end - data));
     }
 
-    if (!cJSON_IsObject(req->json)) {
+    if (!ngx_http_dpd_json_is(req->json, cJSON_Object)) {
         return dpd_bad(req, NGX_HTTP_DPD_BAD_FIELD,
                        "the request body must be a JSON object");
     }
@@ -650,11 +680,19 @@ ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req, const char *data,
 
     req->nmembers = n;
 
+    xargs = NULL;
+
     for (i = 0, c = req->json->child; c; c = c->next, i++) {
         req->members[i].key = dpd_key_kind(c->string);
 
         if (req->members[i].key == NGX_HTTP_DPD_KEY_KV_TRANSFER_PARAMS) {
             req->kv_params++;
+
+        } else if (xargs == NULL && c->string[0] == 'v'
+                   && strcmp(c->string, "vllm_xargs") == 0)
+        {
+            /* the first, as cJSON_GetObjectItemCaseSensitive() finds */
+            xargs = c;
         }
     }
 
@@ -668,9 +706,7 @@ ngx_http_dpd_proto_parse_request(ngx_http_dpd_req_t *req, const char *data,
      * connectors look for kv_transfer_params when the request has none
      */
 
-    xargs = cJSON_GetObjectItemCaseSensitive(req->json, "vllm_xargs");
-
-    if (cJSON_GetObjectItemCaseSensitive(xargs, DPD_KTP) != NULL) {
+    if (ngx_http_dpd_json_get(xargs, DPD_KTP) != NULL) {
         return dpd_bad(req, NGX_HTTP_DPD_BAD_FIELD,
                        "vllm_xargs.kv_transfer_params is reserved for the "
                        "gateway");
@@ -687,6 +723,7 @@ ngx_http_dpd_proto_drop_tree(ngx_http_dpd_req_t *req)
         req->tree_release(req->tree_data);
         req->tree_release = NULL;
         req->tree_data = NULL;
+        req->tree_alloc = NULL;
 
     } else {
         cJSON_Delete(req->json);

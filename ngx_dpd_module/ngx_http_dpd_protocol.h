@@ -108,6 +108,10 @@ typedef struct {
     void                   (*tree_release)(void *data);
     void                    *tree_data;
 
+    /* optional, with tree_release: the tree's nodes and strings come from
+     * tree_alloc(tree_data, size) directly, not through cJSON's hooks */
+    void                  *(*tree_alloc)(void *data, size_t size);
+
     /* the client's bytes (not copied: they must outlive the bodies) */
     const char              *data;
     size_t                   len;
