@@ -10,7 +10,10 @@
  *     links, child counts; the same number of live allocations of the
  *     same total size through cJSON's hooks (cJSON's temporary number
  *     copies are freed again, so they do not count);
- *   - refused: nothing left allocated by either.
+ *   - refused: nothing left allocated by either;
+ *   - ngx_http_dpd_json_parse_in() (nodes from a caller's pool, here each
+ *     block malloc()ed alone) gives the same verdict, end and tree, and
+ *     leaves nothing allocated through cJSON's hooks.
  * Without libFuzzer (-DDPD_JSON_MAIN, t/216-json-builder.t): each file
  * named on the command line is one input, or with "-r FILE" a series of
  * inputs, each "LENGTH\n" then its bytes; prints "ok N" (inputs) or
@@ -72,6 +75,45 @@ count_free(void *q)
 }
 
 
+/* the pool of _parse_in(): every block of its own, freed together */
+static void   **pool_v;
+static size_t   pool_n, pool_cap;
+
+
+static void *
+pool_alloc(void *data, size_t size)
+{
+    void  *p, **v;
+
+    (void) data;
+
+    if (pool_n == pool_cap) {
+        pool_cap = pool_cap ? pool_cap * 2 : 64;
+        v = realloc(pool_v, pool_cap * sizeof(void *));
+        if (v == NULL) {
+            return NULL;
+        }
+        pool_v = v;
+    }
+
+    p = malloc(size ? size : 1);
+    if (p) {
+        pool_v[pool_n++] = p;
+    }
+
+    return p;
+}
+
+
+static void
+pool_free(void)
+{
+    while (pool_n) {
+        free(pool_v[--pool_n]);
+    }
+}
+
+
 static void
 same_tree(const cJSON *a, const cJSON *b)
 {
@@ -109,16 +151,29 @@ same_tree(const cJSON *a, const cJSON *b)
 static void
 one(const char *data, size_t len)
 {
-    cJSON       *a, *b;
+    cJSON       *a, *b, *c;
     size_t       an, abytes;
-    const char  *ea, *eb;
+    const char  *ea, *eb, *ec;
 
     ea = NULL;
     eb = NULL;
+    ec = NULL;
 
     a = cJSON_ParseWithLengthOpts(data, len, &ea, 0);
     an = live_n;
     abytes = live_bytes;
+
+    c = ngx_http_dpd_json_parse_in(data, len, &ec, pool_alloc, NULL);
+
+    CHECK((a == NULL) == (c == NULL));
+    CHECK(ea == ec);
+    CHECK(live_n == an && live_bytes == abytes);
+
+    if (a) {
+        same_tree(a, c);
+    }
+
+    pool_free();
 
     b = ngx_http_dpd_json_parse(data, len, &eb);
 

@@ -6,7 +6,9 @@
  * params, the direct body).
  *
  * Input byte 0 picks the endpoint (chat or completions), dpd_count exact
- * or bound, and the threshold; the rest is the body.  Asserted, beyond
+ * or bound, the threshold, and (bit 6) whether the tree comes from a pool
+ * (tree_alloc, as the module parses) or from cJSON's hooks; the rest is
+ * the body.  Asserted, beyond
  * ASan/UBSan and the leak check:
  *   - a refused body has a reason and a message;
  *   - an accepted one has a top-level "prompt" string that an independent
@@ -40,6 +42,52 @@
 
 
 static dpd_tok_t  *tok;
+
+
+/* the tree's pool (req.tree_alloc): each block malloc()ed alone */
+typedef struct {
+    void    **v;
+    size_t    n, cap;
+} fz_pool_t;
+
+
+static void *
+fz_pool_alloc(void *data, size_t size)
+{
+    void       *p, **v;
+    fz_pool_t  *pool = data;
+
+    if (pool->n == pool->cap) {
+        pool->cap = pool->cap ? pool->cap * 2 : 64;
+        v = realloc(pool->v, pool->cap * sizeof(void *));
+        if (v == NULL) {
+            return NULL;
+        }
+        pool->v = v;
+    }
+
+    p = malloc(size ? size : 1);
+    if (p) {
+        pool->v[pool->n++] = p;
+    }
+
+    return p;
+}
+
+
+static void
+fz_pool_release(void *data)
+{
+    fz_pool_t  *pool = data;
+
+    while (pool->n) {
+        free(pool->v[--pool->n]);
+    }
+
+    free(pool->v);
+    pool->v = NULL;
+    pool->cap = 0;
+}
 
 
 int
@@ -413,6 +461,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t                        len;
     cJSON                        *params;
     const char                   *body;
+    fz_pool_t                     pool;
     ngx_http_dpd_req_t            req;
     ngx_http_dpd_count_t          cnt;
     ngx_http_dpd_limits_t         lim = { 64, 20000 };
@@ -429,6 +478,14 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size -= 1;
 
     memset(&req, 0, sizeof(req));
+
+    if (data[0] & 0x40) {
+        memset(&pool, 0, sizeof(pool));
+        req.tree_alloc = fz_pool_alloc;
+        req.tree_release = fz_pool_release;
+        req.tree_data = &pool;
+    }
+
     rc = ngx_http_dpd_proto_parse_request(&req, body, size, &lim);
     CHECK(rc == 0 || rc == 1);
 
