@@ -69,7 +69,8 @@ static char *dpd_prefill_copy(const ngx_http_dpd_req_t *req, cJSON *ktp,
 static cJSON *dpd_parse_object(const char *data, size_t len);
 
 
-/* with each name's length: most members are told apart without a compare */
+/* with each name's length: most members are told apart without a compare;
+ * a new name's first byte goes into dpd_key_kind()'s switch as well */
 
 #define dpd_key(name, key)  { name, sizeof(name) - 1, key }
 
@@ -417,7 +418,8 @@ too_many:
 }
 
 
-/* the names of dpd_keys[] by their first byte: most keys meet none */
+/* the names of dpd_keys[] by their first byte (every first byte of
+ * dpd_keys[] is a case here): most keys meet none */
 
 static unsigned
 dpd_key_kind(const char *name)
