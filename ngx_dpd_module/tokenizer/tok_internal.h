@@ -225,23 +225,27 @@ tok_pairmap_get(const tok_pairmap_t *m, uint32_t l, uint32_t r,
     return tok_pairmap_get_at(m, key, tok_pairmap_slot(m, key), rank, merged);
 }
 
-/* ---- added tokens: byte trie, leftmost-longest as Hugging Face */
+/* ---- added tokens: byte trie, leftmost-longest as Hugging Face
+ *
+ * Path-compressed: a node's label holds the bytes after the edge that
+ * reaches it, a chain of nodes that end no token and have one child each
+ * (the "tart_header_id|>" of "<|start_header_id|>"), compared at once. */
 
 typedef struct {
-    uint32_t    first_edge;  /* index into edges */
-    uint16_t    n_edges;
-    int32_t     token;       /* index into added[], -1 if not terminal */
+    uint32_t    label;       /* offset into labels */
+    uint32_t    label_len;
+    uint32_t    first_edge;  /* index into edge_byte / edge_child */
+    uint32_t    n_edges;
+    int32_t     token;       /* index into added[] at the label's end, or -1 */
 } tok_trie_node_t;
 
 typedef struct {
-    uint8_t     byte;
-    uint32_t    child;
-} tok_trie_edge_t;
-
-typedef struct {
     tok_trie_node_t  *nodes;
-    tok_trie_edge_t  *edges;
+    uint8_t          *edge_byte;    /* sorted per node */
+    uint32_t         *edge_child;
+    char             *labels;
     uint32_t          n_nodes;
+    uint32_t          root[256];    /* node after the first byte, 0: none */
     uint8_t           first[256];   /* 1 if some token starts with byte */
     int               single;       /* the only such byte, or -1 */
     int               empty;

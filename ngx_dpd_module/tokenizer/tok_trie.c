@@ -33,17 +33,21 @@ tok_idx_cmp(const void *a, const void *b, void *base)
 /*
  * Built from the tokens in byte order: each token shares a prefix with the
  * previous one, so new nodes are only appended along the previous path and
- * every node's children come out sorted by byte.
+ * every node's children come out sorted by byte.  That byte trie is then
+ * laid out path-compressed, breadth first.
  */
 int
 tok_trie_build(tok_trie_t *t, const tok_added_t *added, uint32_t n,
     int normalized)
 {
-    uint32_t   *idx = NULL, *path = NULL, *parent = NULL, m = 0, i, nn = 1;
+    uint32_t   *idx = NULL, *path = NULL, *parent = NULL, *first = NULL;
+    uint32_t   *cnt = NULL, *kids = NULL, *orig = NULL;
+    uint32_t    m = 0, i, nn = 1, x, k, c, ne, nl;
     uint8_t    *byte = NULL;
     int32_t    *term = NULL;
-    size_t      total = 1, maxlen = 0, j, common, ne;
+    size_t      total = 1, maxlen = 0, j, common;
     const tok_added_t  *prev = NULL;
+    tok_trie_node_t    *nd;
 
     memset(t, 0, sizeof(*t));
     for (i = 0; i < n; i++) {
@@ -92,31 +96,65 @@ tok_trie_build(tok_trie_t *t, const tok_added_t *added, uint32_t n,
         prev = a;
     }
 
-    /* lay the edges out per parent; creation order is byte order */
+    /* the children of each byte-trie node; creation order is byte order */
+    first = calloc(nn + 1, sizeof(*first));
+    cnt = calloc(nn, sizeof(*cnt));
+    kids = malloc(nn * sizeof(*kids));
+    orig = malloc(nn * sizeof(*orig));
     t->nodes = calloc(nn, sizeof(*t->nodes));
-    t->edges = malloc(nn * sizeof(*t->edges));
-    if (t->nodes == NULL || t->edges == NULL) {
+    t->edge_byte = malloc(nn);
+    t->edge_child = malloc(nn * sizeof(*t->edge_child));
+    t->labels = malloc(nn);
+    if (!first || !cnt || !kids || !orig || !t->nodes || !t->edge_byte
+        || !t->edge_child || !t->labels)
+    {
         goto nomem;
     }
+    for (i = 1; i < nn; i++) {
+        first[parent[i] + 1]++;
+    }
     for (i = 0; i < nn; i++) {
-        t->nodes[i].token = term[i];
+        first[i + 1] += first[i];
     }
     for (i = 1; i < nn; i++) {
-        t->nodes[parent[i]].n_edges++;
+        kids[first[parent[i]] + cnt[parent[i]]++] = i;
     }
+
+    /*
+     * Node k of the compressed trie stands for byte-trie node orig[k],
+     * reached by its byte; its label runs down the chain below it while a
+     * node ends no token and has one child.  Children are numbered as
+     * they are found: breadth first, so orig[k] is known when k is laid.
+     */
+    orig[0] = 0;
+    t->nodes[0].token = -1;
+    for (j = 0; j < cnt[0]; j++) {
+        x = kids[first[0] + j];
+        t->root[byte[x]] = (uint32_t) j + 1;
+        orig[j + 1] = x;
+    }
+    k = cnt[0] + 1;
     ne = 0;
-    for (i = 0; i < nn; i++) {
-        t->nodes[i].first_edge = (uint32_t) ne;
-        ne += t->nodes[i].n_edges;
-        t->nodes[i].n_edges = 0;
+    nl = 0;
+    for (c = 1; c < k; c++) {
+        nd = &t->nodes[c];
+        x = orig[c];
+        nd->label = nl;
+        while (term[x] < 0 && cnt[x] == 1) {
+            x = kids[first[x]];
+            t->labels[nl++] = (char) byte[x];
+        }
+        nd->label_len = nl - nd->label;
+        nd->token = term[x];
+        nd->first_edge = ne;
+        nd->n_edges = cnt[x];
+        for (j = 0; j < cnt[x]; j++) {
+            t->edge_byte[ne] = byte[kids[first[x] + j]];
+            t->edge_child[ne++] = k;
+            orig[k++] = kids[first[x] + j];
+        }
     }
-    for (i = 1; i < nn; i++) {
-        tok_trie_node_t *p = &t->nodes[parent[i]];
-        tok_trie_edge_t *e = &t->edges[p->first_edge + p->n_edges++];
-        e->byte = byte[i];
-        e->child = i;
-    }
-    t->n_nodes = nn;
+    t->n_nodes = k;
     t->empty = (m == 0);
 
     /* one first byte (Llama 3, Qwen: every added token starts with '<'):
@@ -137,6 +175,10 @@ tok_trie_build(tok_trie_t *t, const tok_added_t *added, uint32_t n,
     free(parent);
     free(byte);
     free(term);
+    free(first);
+    free(cnt);
+    free(kids);
+    free(orig);
     return 0;
 
 nomem:
@@ -145,6 +187,10 @@ nomem:
     free(parent);
     free(byte);
     free(term);
+    free(first);
+    free(cnt);
+    free(kids);
+    free(orig);
     tok_trie_free(t);
     return -1;
 }
@@ -154,7 +200,9 @@ void
 tok_trie_free(tok_trie_t *t)
 {
     free(t->nodes);
-    free(t->edges);
+    free(t->edge_byte);
+    free(t->edge_child);
+    free(t->labels);
     memset(t, 0, sizeof(*t));
 }
 
@@ -162,31 +210,62 @@ tok_trie_free(tok_trie_t *t)
 int32_t
 tok_trie_match(const tok_trie_t *t, const char *s, size_t len, size_t *mlen)
 {
-    uint32_t  node = 0, lo, hi, mid;
-    int32_t   best = -1;
-    size_t    i;
+    const uint8_t          *p = (const uint8_t *) s, *e = p + len, *eb;
+    const tok_trie_node_t  *nd;
+    uint32_t                node, lo, hi, mid;
+    int32_t                 best = -1;
+    uint8_t                 b;
 
-    for (i = 0; i < len; i++) {
-        const tok_trie_node_t *nd = &t->nodes[node];
-        uint8_t b = (uint8_t) s[i];
+    if (len == 0) {
+        return -1;
+    }
+    node = t->root[*p++];
 
-        lo = nd->first_edge;
-        hi = lo + nd->n_edges;
+    while (node != 0) {
+        nd = &t->nodes[node];
+        if (nd->label_len > 0) {
+            /* no token ends inside a label: a mismatch ends the search */
+            if ((size_t) (e - p) < nd->label_len
+                || !tok_bytes_eq((const char *) p, t->labels + nd->label,
+                                 nd->label_len))
+            {
+                break;
+            }
+            p += nd->label_len;
+        }
+        if (nd->token >= 0) {
+            best = nd->token;
+            *mlen = (size_t) (p - (const uint8_t *) s);
+        }
+        if (p == e || nd->n_edges == 0) {
+            break;
+        }
+
+        b = *p++;
+        eb = t->edge_byte + nd->first_edge;
+        node = 0;
+        if (nd->n_edges <= 8) {
+            /* few children (most nodes): a scan of the sorted bytes */
+            for (lo = 0; lo < nd->n_edges && eb[lo] <= b; lo++) {
+                if (eb[lo] == b) {
+                    node = t->edge_child[nd->first_edge + lo];
+                    break;
+                }
+            }
+            continue;
+        }
+        lo = 0;
+        hi = nd->n_edges;
         while (lo < hi) {
             mid = (lo + hi) / 2;
-            if (t->edges[mid].byte < b) {
+            if (eb[mid] < b) {
                 lo = mid + 1;
             } else {
                 hi = mid;
             }
         }
-        if (lo == nd->first_edge + nd->n_edges || t->edges[lo].byte != b) {
-            break;
-        }
-        node = t->edges[lo].child;
-        if (t->nodes[node].token >= 0) {
-            best = t->nodes[node].token;
-            *mlen = i + 1;
+        if (lo < nd->n_edges && eb[lo] == b) {
+            node = t->edge_child[nd->first_edge + lo];
         }
     }
     return best;
