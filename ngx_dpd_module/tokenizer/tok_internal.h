@@ -81,41 +81,48 @@ tok_mix64(uint64_t x)
 
 /*
  * a == b over len bytes, for the short strings of the hot lookups (a
- * pre-token is a few bytes): no call, and no load outside either string
+ * pre-token is a few bytes): no call, and no load outside either string.
+ * Two overlapping loads cover 2..3, 4..7 and the last 1..8 bytes.
  */
 static inline int
 tok_bytes_eq(const char *a, const char *b, size_t len)
 {
     uint64_t  x, y;
-    uint32_t  u, v;
+    uint32_t  u, v, d;
+    uint16_t  c, e;
 
-    while (len >= 8) {
-        memcpy(&x, a, 8);
-        memcpy(&y, b, 8);
-        if (x != y) {
-            return 0;
+    if (len >= 8) {
+        while (len > 8) {
+            memcpy(&x, a, 8);
+            memcpy(&y, b, 8);
+            if (x != y) {
+                return 0;
+            }
+            a += 8;
+            b += 8;
+            len -= 8;
         }
-        a += 8;
-        b += 8;
-        len -= 8;
+        memcpy(&x, a + len - 8, 8);
+        memcpy(&y, b + len - 8, 8);
+        return x == y;
     }
     if (len >= 4) {
         memcpy(&u, a, 4);
         memcpy(&v, b, 4);
-        if (u != v) {
-            return 0;
-        }
+        d = u ^ v;
         memcpy(&u, a + len - 4, 4);
         memcpy(&v, b + len - 4, 4);
-        return u == v;
+        return (d | (u ^ v)) == 0;
     }
-    while (len > 0) {
-        if (*a++ != *b++) {
-            return 0;
-        }
-        len--;
+    if (len >= 2) {
+        memcpy(&c, a, 2);
+        memcpy(&e, b, 2);
+        d = (uint32_t) (c ^ e);
+        memcpy(&c, a + len - 2, 2);
+        memcpy(&e, b + len - 2, 2);
+        return (d | (uint32_t) (c ^ e)) == 0;
     }
-    return 1;
+    return len == 0 || a[0] == b[0];
 }
 
 

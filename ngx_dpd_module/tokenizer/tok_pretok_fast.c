@@ -146,6 +146,40 @@ tok_run(const u_char *p, const u_char *e, int k)
 
 
 /*
+ * The class of a byte: the rows of tok_ascii_class below 0x80 (as
+ * tok_pretok_class.h has them), TOK_C_MB (a longer character: decode it)
+ * from 0x80, so one load tells an ASCII letter.
+ */
+#define TOK_C_MB  4
+
+static const unsigned char  tok_byte_class[256] = {
+    0,0,0,0,0,0,0,0,0,3,3,3,3,3,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,
+    3,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,2,2,2,2,2,2,2,2,2,2,0,0,0,0,0,0,
+    0,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,0,0,0,0,0,
+    0,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,0,0,0,0,0,
+    4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,
+    4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,
+    4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,
+    4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,
+};
+
+
+/* End of the run of \p{L} from p: ASCII letters by one load each,
+ * tok_run() from a longer character on. */
+static inline __attribute__((always_inline)) const u_char *
+tok_run_letters(const u_char *p, const u_char *e)
+{
+    while (p < e && tok_byte_class[*p] == TOK_C_L) {
+        p++;
+    }
+    if (p < e && *p >= 0x80) {
+        return tok_run(p, e, TOK_C_L);
+    }
+    return p;
+}
+
+
+/*
  * (?i:'s|'t|'re|'ve|'m|'ll|'d) at p (p[0] == '\''): the end, or NULL.
  * Caseless with UCP: 's' also matches U+017F (long s), 'k' is not used,
  * and no other of these letters has a third case form.
@@ -308,6 +342,20 @@ tok_fast_next(int kind, const char *s, size_t len, size_t at)
     const u_char  *p = (const u_char *) s + at, *e = (const u_char *) s + len;
     size_t         r;
 
+    /*
+     * Most pre-tokens of text are a space and an ASCII letter, or an ASCII
+     * letter, then letters: every pattern here takes the run of letters
+     * for them (no contraction starts so), so skip the matcher's call and
+     * its other cases.
+     */
+    if (p[0] == ' ') {
+        if (e - p > 1 && tok_byte_class[p[1]] == TOK_C_L) {
+            return (size_t) (tok_run_letters(p + 2, e) - (const u_char *) s);
+        }
+    } else if (tok_byte_class[p[0]] == TOK_C_L) {
+        return (size_t) (tok_run_letters(p + 1, e) - (const u_char *) s);
+    }
+
     switch (kind) {
     case TOK_FAST_LLAMA3:
         r = (size_t) (tok_match_llama3(p, e, 3) - (const u_char *) s);
@@ -339,34 +387,48 @@ tok_pretok_fast_next(int kind, const char *s, size_t len, size_t at)
 }
 
 
-/* every piece straight to BPE, the matcher inlined for its kind */
+/*
+ * Every piece straight to BPE, the matcher inlined for its kind and
+ * ignore_merges known at compile time.  The vocabulary is read through a
+ * local copy: the sink's stores could alias it.  BPE does not read
+ * w->at_start: it is set once, as the last piece left it.
+ */
 static inline __attribute__((always_inline)) void
-tok_fast_bpe_loop(tok_work_t *w, int kind, const char *s, size_t len,
-    int top)
+tok_fast_bpe_loop(tok_work_t *w, int kind, int ignore, const char *s,
+    size_t len, int top)
 {
-    size_t            at, me;
-    uint32_t          id;
-    uint64_t          h;
-    const dpd_tok_t  *tok = w->tok;
+    size_t             at, me, n, last = 0;
+    uint32_t           id;
+    uint64_t           h;
+    const dpd_tok_t   *tok = w->tok;
+    tok_strmap_t       vocab = tok->vocab;
 
-    for (at = 0; at < len && !w->oom; at = me) {
+    if (w->oom) {
+        return;
+    }
+    for (at = 0; at < len; at = me) {
         me = tok_fast_next(kind, s, len, at);
-        w->at_start = top && at == 0;
+        n = me - at;
+        last = at;
 
         /* tok_bpe()'s first step inlined: under ignore_merges most
          * pre-tokens of text are a vocabulary token of their own */
-        if (tok->ignore_merges && me - at > 1) {
-            h = tok_hash_bytes(s + at, me - at);
-            id = tok_strmap_get_h(&tok->vocab, s + at, me - at, h);
+        if (ignore && n > 1) {
+            h = tok_hash_bytes(s + at, n);
+            id = tok_strmap_get_h(&vocab, s + at, n, h);
             if (id != TOK_NO_ID) {
                 tok_emit(w->sink, id);
-            } else {
-                tok_bpe_merge(w, s + at, me - at, h);
+                continue;
             }
-            continue;
+            tok_bpe_merge(w, s + at, n, h);
+        } else {
+            tok_bpe(w, s + at, n);
         }
-        tok_bpe(w, s + at, me - at);
+        if (w->oom) {
+            break;
+        }
     }
+    w->at_start = top && last == 0;
 }
 
 
@@ -374,15 +436,29 @@ void
 tok_pretok_fast_bpe(tok_work_t *w, int kind, const char *s, size_t len,
     int top)
 {
+    if (w->tok->ignore_merges) {
+        switch (kind) {
+        case TOK_FAST_LLAMA3:
+            tok_fast_bpe_loop(w, TOK_FAST_LLAMA3, 1, s, len, top);
+            break;
+        case TOK_FAST_QWEN2:
+            tok_fast_bpe_loop(w, TOK_FAST_QWEN2, 1, s, len, top);
+            break;
+        default:
+            tok_fast_bpe_loop(w, kind, 1, s, len, top);
+            break;
+        }
+        return;
+    }
     switch (kind) {
     case TOK_FAST_LLAMA3:
-        tok_fast_bpe_loop(w, TOK_FAST_LLAMA3, s, len, top);
+        tok_fast_bpe_loop(w, TOK_FAST_LLAMA3, 0, s, len, top);
         break;
     case TOK_FAST_QWEN2:
-        tok_fast_bpe_loop(w, TOK_FAST_QWEN2, s, len, top);
+        tok_fast_bpe_loop(w, TOK_FAST_QWEN2, 0, s, len, top);
         break;
     default:
-        tok_fast_bpe_loop(w, kind, s, len, top);
+        tok_fast_bpe_loop(w, kind, 0, s, len, top);
         break;
     }
 }
