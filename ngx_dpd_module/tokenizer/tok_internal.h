@@ -130,9 +130,12 @@ tok_bytes_eq(const char *a, const char *b, size_t len)
 static inline uint64_t
 tok_hash_bytes(const char *s, size_t len)
 {
-    /* 8 bytes at a time, finished with a 64-bit mixer */
+    /* 8 bytes at a time, finished by a multiply that mixes every bit */
     uint64_t  h = 0x9e3779b97f4a7c15ULL ^ len;
     uint64_t  w;
+#ifdef __SIZEOF_INT128__
+    unsigned __int128  p;
+#endif
 
     while (len >= 8) {
         memcpy(&w, s, 8);
@@ -156,8 +159,15 @@ tok_hash_bytes(const char *s, size_t len)
     } else {
         w = 0;
     }
+#ifdef __SIZEOF_INT128__
+    /* the full 128-bit product, halves folded: one multiply reaches every
+     * bit of both halves (tok_mix64 takes three) */
+    p = (unsigned __int128) (h ^ w) * 0xc4ceb9fe1a85ec53ULL;
+    return (uint64_t) p ^ (uint64_t) (p >> 64);
+#else
     h = (h ^ w) * 0xc4ceb9fe1a85ec53ULL;
     return tok_mix64(h);
+#endif
 }
 
 
