@@ -164,18 +164,21 @@ static const unsigned char  tok_byte_class[256] = {
 };
 
 
-/* End of the run of \p{L} from p: ASCII letters by one load each,
- * tok_run() from a longer character on. */
-static inline __attribute__((always_inline)) const u_char *
-tok_run_letters(const u_char *p, const u_char *e)
+/* End of the run of \p{L} from s[i] (an index: s and len are at hand in
+ * the loops): ASCII letters by one load each, tok_run() from a longer
+ * character on. */
+static inline __attribute__((always_inline)) size_t
+tok_run_letters(const char *s, size_t len, size_t i)
 {
-    while (p < e && tok_byte_class[*p] == TOK_C_L) {
-        p++;
+    while (i < len && tok_byte_class[(u_char) s[i]] == TOK_C_L) {
+        i++;
     }
-    if (p < e && *p >= 0x80) {
-        return tok_run(p, e, TOK_C_L);
+    if (i < len && (u_char) s[i] >= 0x80) {
+        return (size_t) (tok_run((const u_char *) s + i,
+                                 (const u_char *) s + len, TOK_C_L)
+                         - (const u_char *) s);
     }
-    return p;
+    return i;
 }
 
 
@@ -349,11 +352,11 @@ tok_fast_next(int kind, const char *s, size_t len, size_t at)
      * its other cases.
      */
     if (p[0] == ' ') {
-        if (e - p > 1 && tok_byte_class[p[1]] == TOK_C_L) {
-            return (size_t) (tok_run_letters(p + 2, e) - (const u_char *) s);
+        if (len - at > 1 && tok_byte_class[p[1]] == TOK_C_L) {
+            return tok_run_letters(s, len, at + 2);
         }
     } else if (tok_byte_class[p[0]] == TOK_C_L) {
-        return (size_t) (tok_run_letters(p + 1, e) - (const u_char *) s);
+        return tok_run_letters(s, len, at + 1);
     }
 
     switch (kind) {
