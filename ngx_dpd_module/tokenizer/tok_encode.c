@@ -563,7 +563,9 @@ tok_encode_raw_piece(tok_work_t *w, const char *s, size_t len)
         tok_encode_normalized(w, s, len);
         return;
     }
-    if (tok_norm_run(w->tok, w->md, s, len, &buf, &blen) != 0) {
+    if (tok_work_md(w) == NULL
+        || tok_norm_run(w->tok, w->md, s, len, &buf, &blen) != 0)
+    {
         w->oom = 1;
         return;
     }
@@ -587,7 +589,9 @@ tok_encode_plain_piece(tok_work_t *w, const char *s, size_t len)
         tok_encode_pretok(w, s, len);
         return;
     }
-    if (tok_norm_run(w->tok, w->md, s, len, &buf, &blen) != 0) {
+    if (tok_work_md(w) == NULL
+        || tok_norm_run(w->tok, w->md, s, len, &buf, &blen) != 0)
+    {
         w->oom = 1;
         return;
     }
@@ -597,6 +601,19 @@ tok_encode_plain_piece(tok_work_t *w, const char *s, size_t len)
     }
     tok_encode_pretok(w, buf, blen);
     free(buf);
+}
+
+
+pcre2_match_data *
+tok_work_md(tok_work_t *w)
+{
+    if (w->md == NULL) {
+        w->md = pcre2_match_data_create(1, NULL);
+        if (w->md == NULL) {
+            w->oom = 1;
+        }
+    }
+    return w->md;
 }
 
 
@@ -636,10 +653,6 @@ tok_encode_any(const dpd_tok_t *tok, const char *text, size_t len,
     w.tok = tok;
     w.sink = sink;
     w.at_start = 1;
-    w.md = pcre2_match_data_create(1, NULL);
-    if (w.md == NULL) {
-        return -1;
-    }
 
     clen = tok_utf8_sanitize_len(text, len, &valid);
     if (!valid) {

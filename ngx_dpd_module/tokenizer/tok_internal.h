@@ -416,7 +416,7 @@ typedef struct {
 typedef struct {
     const dpd_tok_t   *tok;
     tok_sink_t        *sink;
-    pcre2_match_data  *md;
+    pcre2_match_data  *md;          /* tok_work_md(): made on first use */
     pcre2_match_context *mctx;      /* only after a JIT stack overflow */
     pcre2_jit_stack   *jstack;
     /* BPE scratch */
@@ -427,6 +427,10 @@ typedef struct {
     int                oom;
     int                at_start;    /* this piece starts the input text */
 } tok_work_t;
+
+/* w->md, made on first use (most encodes never run pcre2: the fast
+ * pre-tokenizers, no normalizer); NULL with w->oom set if it cannot be */
+pcre2_match_data *tok_work_md(tok_work_t *w);
 
 static inline void
 tok_emit(tok_sink_t *s, uint32_t id)

@@ -287,6 +287,9 @@ tok_split_regex(tok_work_t *w, int stage, const pcre2_code *re,
     sp.at_start = w->at_start;
     sp.behavior = behavior;
 
+    if (tok_work_md(w) == NULL) {
+        return;
+    }
     ov = pcre2_get_ovector_pointer(w->md);
     while (at <= len) {
         rc = pcre2_match(re, (PCRE2_SPTR) s, len, at, PCRE2_NO_UTF_CHECK,
