@@ -53,6 +53,7 @@
 # Knobs (env): DURATION=8 ROUNDS=3 CONNS=16 THRESHOLD=4096 STALL=10
 #              STALL_ROUNDS=3 SOAK=60 WARM_SOAK=10 (SOAK=0: skip)
 #              PARTS="ratio decision stall soak" (the parts to run)
+#              SIZES="100 1000 4096" (the prompt sizes of the ratio part)
 #              BENCH_PORT_BASE=18690 (uses BASE .. BASE+12)
 set -euo pipefail
 
@@ -78,6 +79,7 @@ CANNED=$((BASE + 12))
 STALL=${STALL:-10}
 STALL_ROUNDS=${STALL_ROUNDS:-3}
 PARTS=${PARTS:-ratio decision stall soak}
+SIZES=${SIZES:-100 1000 4096}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 SOAK=${SOAK:-60}
 WARM_SOAK=${WARM_SOAK:-10}
@@ -336,10 +338,22 @@ run_wrk() {
 
 median() { sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}'; }
 
+# FIELD SERVER [INVERT]: the median over rounds of SERVER's FIELD against
+# plain's in the same round (each round runs the servers back to back, so a
+# machine that slows down for a while slows both sides of a pair: steadier
+# than the ratio of the medians when other jobs share the host)
+paired() {
+    paste -d' ' "$WORK/PLAIN-$t" "$WORK/$2-$t" \
+        | awk -v f="$1" -v inv="${3:-0}" '{
+              p = $f; d = $(f + 3)
+              if (p > 0 && d > 0) print (inv ? p / d : d / p) }' \
+        | median
+}
+
 part ratio &&
 echo "# nginx 1 worker, wrk 1 thread x $CONNS connections, ${DURATION}s x $ROUNDS rounds each, dpd_threshold $THRESHOLD"
 part ratio &&
-for t in 100 1000 4096; do
+for t in $SIZES; do
     case $t in
     100)  tok=$T100;  servers="BACK PLAIN EXACT BOUND DISAGG" ;;
     1000) tok=$T1000; servers="PLAIN EXACT BOUND" ;;
@@ -360,6 +374,9 @@ for t in 100 1000 4096; do
     printf "prompt %5s tokens: plain %9.0f req/s  exact %9.0f req/s (ratio %.3f)  bound %9.0f req/s (ratio %.3f)\n" \
         "$tok" "$p" "$e" "$(echo "$e / $p" | bc -l)" \
         "$b" "$(echo "$b / $p" | bc -l)"
+    printf "      paired by round (median of each round's ratio to plain): exact %.3f  bound %.3f%s\n" \
+        "$(paired 1 EXACT)" "$(paired 1 BOUND)" \
+        "$([[ $t == 100 ]] && printf '  disaggregated %.3f' "$(paired 1 DISAGG)")"
     if [[ $t == 100 ]]; then
         k=$(cut -d' ' -f1 "$WORK/BACK-$t" | median)
         g=$(cut -d' ' -f1 "$WORK/DISAGG-$t" | median)
@@ -373,6 +390,9 @@ for t in 100 1000 4096; do
     printf "      worker CPU/request: plain %7.2f us  exact %7.2f us (ratio %.3f)  bound %7.2f us (ratio %.3f)\n" \
         "$p" "$e" "$(echo "$p / $e" | bc -l)" \
         "$b" "$(echo "$p / $b" | bc -l)"
+    printf "      worker CPU/request paired by round: exact %.3f  bound %.3f%s\n" \
+        "$(paired 3 EXACT 1)" "$(paired 3 BOUND 1)" \
+        "$([[ $t == 100 ]] && printf '  disaggregated %.3f' "$(paired 3 DISAGG 1)")"
     if [[ $t == 100 ]]; then
         g=$(cut -d' ' -f3 "$WORK/DISAGG-$t" | median)
         printf "      worker CPU/request: disaggregated %7.2f us (ratio %.3f)\n" \
