@@ -61,7 +61,8 @@ JSON_FUZZ := $(BUILD)/fuzz/dpd_fuzz_json
 
 $(JSON_FUZZ): ngx_dpd_module/fuzz/dpd_fuzz_json.c \
               ngx_dpd_module/ngx_http_dpd_json.c \
-              ngx_dpd_module/ngx_http_dpd_json.h
+              ngx_dpd_module/ngx_http_dpd_json.h \
+              $(TOK_DIR)/tok_cjson.h
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(FUZZ_FLAGS) -Ingx_dpd_module $< \
 	    ngx_dpd_module/ngx_http_dpd_json.c -o $@ -lcjson -lm

@@ -85,14 +85,7 @@ static const unsigned char  dpd_json_stop[256] = {
 cJSON *
 ngx_http_dpd_json_parse(const char *data, size_t len, const char **end)
 {
-    dpd_json_t  b;
-
-    b.alloc = NULL;
-    b.alloc_data = NULL;
-    b.pos = NULL;
-    b.last = NULL;
-
-    return dpd_json_run(&b, data, len, end);
+    return ngx_http_dpd_json_parse_in(data, len, end, NULL, NULL);
 }
 
 

@@ -14,6 +14,8 @@
 #include <string.h>
 #include <cjson/cJSON.h>
 
+#include "tokenizer/tok_cjson.h"
+
 
 /*
  * Parses the value at the start of data[0..len) (after a UTF-8 BOM and
@@ -27,41 +29,18 @@ cJSON *ngx_http_dpd_json_parse(const char *data, size_t len,
 /*
  * The same, the nodes and strings from alloc(alloc_data, size) (a pool the
  * caller frees whole: the tree must not go to cJSON_Delete()), carved from
- * blocks of a few KB; a long string has an allocation of its own.
+ * blocks of a few KB; a long string has an allocation of its own.  alloc
+ * NULL: cJSON_malloc(), as ngx_http_dpd_json_parse().
  */
 cJSON *ngx_http_dpd_json_parse_in(const char *data, size_t len,
     const char **end, void *(*alloc)(void *data, size_t size),
     void *alloc_data);
 
 
-/*
- * cJSON's type tests and cJSON_GetObjectItemCaseSensitive() without the
- * library calls (the request's walk makes dozens): the same answers, the
- * first byte telling most keys apart before strcmp()
- */
-#define ngx_http_dpd_json_is(j, t)                                           \
-    ((j) != NULL && ((j)->type & 0xff) == (t))
-
-
-static inline const cJSON *
-ngx_http_dpd_json_get(const cJSON *obj, const char *name)
-{
-    const cJSON  *e;
-
-    if (obj == NULL) {
-        return NULL;
-    }
-
-    /* as cJSON: the first match; a member without a name ends the search */
-
-    for (e = obj->child; e && e->string; e = e->next) {
-        if (e->string[0] == name[0] && strcmp(e->string, name) == 0) {
-            return e;
-        }
-    }
-
-    return NULL;
-}
+/* cJSON's type tests and cJSON_GetObjectItemCaseSensitive() inline: the
+ * tokenizer's (the same answers, no library call) */
+#define ngx_http_dpd_json_is(j, t)     tok_json_is(j, t)
+#define ngx_http_dpd_json_get(obj, n)  tok_json_get(obj, n)
 
 
 #endif /* _NGX_HTTP_DPD_JSON_H_INCLUDED_ */

@@ -18,7 +18,7 @@ TOK_SRCS    := $(addprefix $(TOK_DIR)/,tok_hash.c tok_utf8.c tok_trie.c \
                  tok_jinja_parse.c tok_jinja_eval.c)
 TOK_HDRS    := $(TOK_DIR)/dpd_tokenizer.h $(TOK_DIR)/tok_internal.h \
                $(TOK_DIR)/tok_jinja.h $(TOK_DIR)/tok_unicode9.h \
-               $(TOK_DIR)/tok_pretok_class.h
+               $(TOK_DIR)/tok_pretok_class.h $(TOK_DIR)/tok_cjson.h
 TOK_OBJS    := $(patsubst $(TOK_DIR)/%.c,$(BUILD)/tok/%.o,$(TOK_SRCS))
 TOK_PIC_OBJS:= $(patsubst $(TOK_DIR)/%.c,$(BUILD)/tok_pic/%.o,$(TOK_SRCS))
 TOK_CFLAGS   = $(CFLAGS) $(CSTD) $(WARN) -I$(TOK_DIR)

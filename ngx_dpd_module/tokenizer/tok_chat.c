@@ -38,18 +38,14 @@
 
 #include "tok_internal.h"
 #include "tok_jinja.h"
+#include "tok_cjson.h"
 
 
 #define TOK_CHAT_MAX_FILES  16
 
 
-/*
- * cJSON's type tests and cJSON_GetObjectItemCaseSensitive() without the
- * library calls, for the request's walk (a dozen lookups and some forty
- * tests a request): the same answers, the first byte telling most keys
- * apart before strcmp()
- */
-#define tok_is(j, t)  ((j) != NULL && ((j)->type & 0xff) == (t))
+/* cJSON's tests and lookups inline (tok_cjson.h) */
+#define tok_is(j, t)     tok_json_is(j, t)
 #define tok_is_null(j)   tok_is(j, cJSON_NULL)
 #define tok_is_string(j) tok_is(j, cJSON_String)
 #define tok_is_array(j)  tok_is(j, cJSON_Array)
@@ -57,24 +53,7 @@
 #define tok_is_bool(j)                                                        \
     ((j) != NULL && ((j)->type & (cJSON_True | cJSON_False)) != 0)
 #define tok_is_true(j)   tok_is(j, cJSON_True)
-
-
-static inline const cJSON *
-tok_get(const cJSON *obj, const char *name)
-{
-    const cJSON  *e;
-
-    if (obj == NULL) {
-        return NULL;
-    }
-    /* as cJSON: the first match; a member without a name ends the search */
-    for (e = obj->child; e && e->string; e = e->next) {
-        if (e->string[0] == name[0] && strcmp(e->string, name) == 0) {
-            return e;
-        }
-    }
-    return NULL;
-}
+#define tok_get(obj, name)  tok_json_get(obj, name)
 
 struct tok_chat_s {
     tj_template_t      *model;          /* chat_template / "default" */
