@@ -91,6 +91,8 @@ static void *ngx_http_dpd_tree_alloc(size_t size);
 static void ngx_http_dpd_tree_free(void *p);
 static void ngx_http_dpd_tree_release(void *data);
 static void ngx_http_dpd_tree_reset(void *data);
+static ngx_pool_t *ngx_http_dpd_tree_keep(void);
+static void ngx_http_dpd_tree_unkeep(void *data);
 #if defined(__GLIBC__)
 static void ngx_http_dpd_trim_handler(ngx_event_t *ev);
 #endif
@@ -277,9 +279,7 @@ ngx_http_dpd_job_init(ngx_http_dpd_job_t *job, ngx_http_request_t *r,
         /* one block holds such a tree; the pool is reset once counted */
 
         if (ngx_http_dpd_tree_kept == NULL) {
-            ngx_http_dpd_tree_kept = ngx_create_pool(
-                                         NGX_HTTP_DPD_TREE_KEPT_BODY * 32,
-                                         ngx_cycle->log);
+            ngx_http_dpd_tree_kept = ngx_http_dpd_tree_keep();
         }
 
         job->tree = ngx_http_dpd_tree_kept;
@@ -796,6 +796,47 @@ ngx_http_dpd_tree_scope(ngx_pool_t *pool)
 static void
 ngx_http_dpd_tree_release(void *data)
 {
+    ngx_destroy_pool(data);
+}
+
+
+/*
+ * The kept pool, made on first use and destroyed with the cycle that was
+ * current then (a reload in single-process mode, the worker's exit): the
+ * module that holds the pointer is unloaded with that cycle.
+ */
+
+static ngx_pool_t *
+ngx_http_dpd_tree_keep(void)
+{
+    ngx_pool_t          *pool;
+    ngx_pool_cleanup_t  *cln;
+
+    pool = ngx_create_pool(NGX_HTTP_DPD_TREE_KEPT_BODY * 32, ngx_cycle->log);
+    if (pool == NULL) {
+        return NULL;
+    }
+
+    cln = ngx_pool_cleanup_add(ngx_cycle->pool, 0);
+    if (cln == NULL) {
+        ngx_destroy_pool(pool);
+        return NULL;
+    }
+
+    cln->handler = ngx_http_dpd_tree_unkeep;
+    cln->data = pool;
+
+    return pool;
+}
+
+
+static void
+ngx_http_dpd_tree_unkeep(void *data)
+{
+    if (ngx_http_dpd_tree_kept == data) {
+        ngx_http_dpd_tree_kept = NULL;
+    }
+
     ngx_destroy_pool(data);
 }
 
