@@ -38,6 +38,32 @@ if ((${#missing[@]})); then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# The peers' own Python libraries (tools/python/requirements.txt, pinned)
+# in a virtualenv of the project's, .venv/ (not committed): the oracle
+# tests use them and skip, saying why, where .venv/ lacks them.  A PyPI
+# failure is reported, not fatal: everything else still builds and runs.
+venv=.venv
+vstamp=$venv/.dpd-installed
+if [ ! -f "$vstamp" ] || [ tools/python/requirements.txt -nt "$vstamp" ]; then
+  echo "deps: installing the Python oracles into $venv"
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv" 2>/dev/null || {
+      rm -rf "$venv"
+      if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+        --no-install-recommends python3-venv >/dev/null
+      python3 -m venv "$venv"
+    }
+  fi
+  if "$venv/bin/pip" install -q --disable-pip-version-check \
+       -r tools/python/requirements.txt; then
+    touch "$vstamp"
+  else
+    echo "deps: WARNING: pip could not install tools/python/requirements.txt;" \
+         "the tests that need those libraries will be skipped" >&2
+  fi
+fi
+
 # npm fixtures: installed once into tools/npm/node_modules (not committed).
 stamp=tools/npm/node_modules/.dpd-installed
 if [ ! -f "$stamp" ] || [ tools/npm/package.json -nt "$stamp" ]; then
