@@ -354,6 +354,45 @@ fabric_wait(kv_ctx_t *ctx, kv_poll_state_t *ps_in, struct pollfd *pfd,
 }
 
 
+/* The sink the subscriber delivers to.  Until the prefix index's writer
+ * provides its own (kv_events_sink() is where it plugs in), the events
+ * are only counted by the subscriber and logged at debug level. */
+static void
+evs_log_stored(void *data, const kv_ev_origin_t *o, const kv_ev_stored_t *ev)
+{
+    kv_debug("kv_events: %s seq %llu: %u block(s) stored (%s)", o->node,
+             (unsigned long long) o->seq, ev->nblocks,
+             ev->medium ? ev->medium : "GPU");
+}
+
+
+static void
+evs_log_removed(void *data, const kv_ev_origin_t *o,
+    const kv_ev_removed_t *ev)
+{
+    kv_debug("kv_events: %s seq %llu: %u block(s) removed", o->node,
+             (unsigned long long) o->seq, ev->nblocks);
+}
+
+
+static void
+evs_log_cleared(void *data, const kv_ev_origin_t *o, kv_ev_clear_t why)
+{
+    kv_debug("kv_events: %s seq %llu: all blocks cleared (%s)", o->node,
+             (unsigned long long) o->seq, kv_ev_clear_name(why));
+}
+
+
+void
+kv_events_sink(kv_ctx_t *ctx, kv_ev_sink_t *sink)
+{
+    sink->data = ctx;
+    sink->stored = evs_log_stored;
+    sink->removed = evs_log_removed;
+    sink->cleared = evs_log_cleared;
+}
+
+
 static void
 run_loop(kv_ctx_t *ctx)
 {
@@ -362,7 +401,7 @@ run_loop(kv_ctx_t *ctx)
     int64_t timeout;
     struct timespec ts;
     size_t cap = 4 + KV_MAX_RAILS + 2 * KV_MAX_RANKS + KV_MAX_PEERS
-                 + ctx->nclients;
+                 + KV_EVS_MAX_SOURCES + ctx->nclients;
 
     pfd = calloc(cap, sizeof(*pfd));
     who = calloc(cap, sizeof(*who));
@@ -411,6 +450,11 @@ run_loop(kv_ctx_t *ctx)
         for (i = kv_lmc_pollfds(ctx, pfd + n); i > 0; i--) {
             who[n++] = -5;                /* lmcache: drained below */
         }
+        for (i = kv_evs_pollfds(ctx->evs, pfd + n, KV_EVS_MAX_SOURCES);
+             i > 0; i--)
+        {
+            who[n++] = -5;                /* kv_events: drained below */
+        }
         timeout = fabric_wait_setup(ctx, pfd, who, &n);
         ts.tv_sec = (time_t) (timeout / 1000000);
         ts.tv_nsec = (long) (timeout % 1000000) * 1000;
@@ -449,6 +493,7 @@ run_loop(kv_ctx_t *ctx)
             }
         }
         kv_lmc_process(ctx);
+        kv_evs_process(ctx->evs);
         kv_xfer_progress(ctx);
         housekeeping(ctx, kv_now_ms());
     }
@@ -480,6 +525,8 @@ shutdown_ctx(kv_ctx_t *ctx)
         }
     }
     kv_lmc_close(ctx);
+    kv_evs_close(ctx->evs);
+    ctx->evs = NULL;
     if (ctx->st.map) {
         kv_ctrl_update_self(ctx);
         kv_state_close(&ctx->st, 1);
@@ -620,6 +667,14 @@ kv_run_main(int argc, char **argv)
         || kv_lmc_open(ctx) != 0)
     {
         goto out;
+    }
+    if (ctx->cfg.evs.nsrc > 0) {
+        kv_ev_sink_t sink;
+        kv_events_sink(ctx, &sink);
+        ctx->evs = kv_evs_open(&ctx->cfg.evs, &sink, NULL);
+        if (ctx->evs == NULL) {
+            goto out;
+        }
     }
     kv_ctrl_update_self(ctx);
     for (i = 0; i < ctx->npeers; i++) {

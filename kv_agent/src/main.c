@@ -75,6 +75,8 @@ usage(void)
         "       kv_agent check --config FILE\n"
         "       kv_agent topo [--sysfs ROOT] [--domains a,b] [--rails a,b]"
         " [--ranks N] [--json]\n"
+        "       kv_agent events (--decode FILE... | --config FILE | "
+        "--endpoint EP ...)\n"
         "       kv_agent version\n");
 }
 
@@ -100,6 +102,9 @@ main(int argc, char **argv)
     }
     if (strcmp(argv[1], "status") == 0) {
         return kv_status_main(argc - 2, argv + 2);
+    }
+    if (strcmp(argv[1], "events") == 0) {
+        return kv_events_main(argc - 2, argv + 2);
     }
     if (strcmp(argv[1], "version") == 0) {
         printf("kv_agent state-table v%u, libfabric %d.%d (headers %d.%d)"
