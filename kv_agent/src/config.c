@@ -488,7 +488,9 @@ parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
                        600000, err, elen))
         {
             size_t l = strlen(err);
-            snprintf(err + l, elen - l, " (%s)", where);
+            if (strstr(err, where) == NULL && l + 1 < elen) {
+                snprintf(err + l, elen - l, " (%s)", where);
+            }
             return -1;
         }
         if (s->node[0] == '\0') {

@@ -1,0 +1,304 @@
+#!/usr/bin/perl
+# vLLM KV events: the decoder on payloads msgspec encodes with Structs
+# declared as in vllm/distributed/kv_events.py (t/kv_agent/kvevents.py,
+# both event forms, both hash forms, 2- and 3-element batches, a map
+# batch), refusals (malformed, too deep, lying sizes, over the bounds),
+# and the subscriber against a publisher speaking ZmqEventPublisher's
+# protocol: in order, gaps with and without replay, a replay that never
+# answers, a replay whose buffer rolled over, a late subscriber catching
+# up, a restart, garbage frames and a neighbour's topic.  Then the
+# "kv_events" config: accepted, refused with a clear reason, and a
+# running router agent subscribed.
+
+use strict;
+use warnings;
+use FindBin;
+use lib $FindBin::Bin;
+use Test::More;
+use KvAgentTest;
+use Time::HiRes qw(sleep);
+
+my $py = ($ENV{DPD_VENV} // kv_root() . "/.venv") . "/bin/python";
+plan skip_all => "no Python venv with msgspec and pyzmq ($py)"
+    unless -x $py
+        && system("$py -c 'import msgspec, zmq' 2>/dev/null") == 0;
+
+my $bin = kv_bin();
+my $dir = kv_tmpdir();
+my $helper = "$FindBin::Bin/kvevents.py";
+
+# ---- the decoder ----------------------------------------------------------
+
+system($py, $helper, "cases", $dir) == 0 or BAIL_OUT("kvevents.py cases");
+my $exp = json_dec(do { local $/; open my $f, '<', "$dir/expected.json"
+                                      or die; <$f> });
+
+sub decode {
+    my (@files) = @_;
+    my @out = `$bin events --decode @files 2>&1`;
+    my @ev = map { json_dec($_) } grep { /^\{/ } @out;
+    return @ev;
+}
+
+for my $c (@{ $exp->{cases} }) {
+    my @got = decode("$dir/$c->{name}.mp");
+    my $stats = pop @got;
+    my @ev = grep { $_->{event} =~ /^(stored|removed|cleared)$/ } @got;
+    for my $e (@ev) {
+        delete @$e{qw(node seq ts)};
+    }
+    is_deeply(\@ev, $c->{events}, "decoded exactly: $c->{name}")
+        or diag explain \@got;
+    is($stats->{msgs_refused}, 0, "$c->{name}: the batch is accepted");
+}
+
+{
+    my ($s) = grep { $_->{event} eq 'stats' } decode("$dir/unknown.mp");
+    is($s->{ignored}, 3, "unknown types and a REMOTE locality: ignored, "
+       . "counted");
+    ($s) = grep { $_->{event} eq 'stats' } decode("$dir/wrong.mp");
+    is($s->{refused}, 14, "each malformed event refused and counted; the "
+       . "good ones around them delivered (above)");
+    ($s) = grep { $_->{event} eq 'stats' } decode("$dir/repeated_key.mp");
+    is($s->{refused}, 1, "a repeated key refuses its event");
+    ($s) = grep { $_->{event} eq 'stats' } decode("$dir/map_int.mp");
+    is($s->{stored_lower}, 1, "medium CPU: a lower tier, counted apart");
+}
+
+for my $name (@{ $exp->{refused} }) {
+    my @got = decode("$dir/$name.mp");
+    my ($r) = grep { $_->{event} eq 'refused_msg' } @got;
+    ok($r && $r->{why}, "refused whole: $name" . ($r ? " ($r->{why})" : ""));
+    ok(!grep({ $_->{event} =~ /^(stored|removed|cleared)$/ } @got),
+       "$name: nothing delivered");
+}
+
+{
+    my @got = decode("$dir/too_many_events.mp");
+    my ($r) = grep { $_->{event} eq 'refused_msg' } @got;
+    like($r->{why} // '', qr/more events/, "65537 events: refused whole");
+    @got = decode("$dir/too_many_blocks.mp");
+    my ($s) = grep { $_->{event} eq 'stats' } @got;
+    is($s->{refused}, 1, "65537 hashes in one event: that event refused");
+}
+
+{
+    # a 16 MiB + 1 payload: refused before it is read
+    my $f = "$dir/huge.mp";
+    open my $fh, '>', $f or die;
+    print $fh "\x92\xcb" . ("\0" x 8) . "\xdb" . pack("N", 16 << 20)
+              . ("a" x (16 << 20));
+    close $fh;
+    my @got = decode($f);
+    my ($r) = grep { $_->{event} eq 'refused_msg' } @got;
+    like($r->{why} // '', qr/larger than allowed/,
+         "a payload over 16 MiB: refused");
+}
+
+# ---- the subscriber --------------------------------------------------------
+
+my $port = kv_port(800);
+
+# run a publisher script and the subscriber; the events and stats lines
+sub scenario {
+    my (%o) = @_;
+    my $pubp = $port++;
+    my $repp = $port++;
+    my $script = "$dir/script-$pubp.json";
+    open my $fh, '>', $script or die;
+    print $fh json_enc([["sleep", 800], @{ $o{script} }]);
+    close $fh;
+    my @sub = ($bin, "events", "--endpoint", "tcp://127.0.0.1:$pubp",
+               "--node", "pod-a", "--seconds", $o{seconds} // 6,
+               "--replay-timeout-ms", $o{timeout} // 1000);
+    push @sub, "--replay", "tcp://127.0.0.1:$repp" if $o{replay};
+    push @sub, "--topic", $o{topic} if defined $o{topic};
+    push @sub, "--count", $o{count} if $o{count};
+    my @pub = ($py, $helper, "pub", "--pub", "tcp://127.0.0.1:$pubp",
+               "--script", $script);
+    push @pub, "--replay", "tcp://127.0.0.1:$repp" if $o{replay};
+    push @pub, "--topic", $o{topic} if defined $o{topic};
+    push @pub, "--replay-topic" if $o{replay_topic};
+    my $out = "$dir/sub-$pubp.out";
+    my $spid = fork // die;
+    if ($spid == 0) {
+        open STDOUT, '>', $out or die;
+        open STDERR, '>', "$out.err" or die;
+        exec @sub or exit 127;
+    }
+    sleep 0.2;
+    my $ppid = fork // die;
+    if ($ppid == 0) {
+        open STDOUT, '>', "$out.pub" or die;
+        open STDERR, '>&', \*STDOUT;
+        exec @pub or exit 127;
+    }
+    waitpid $ppid, 0;
+    waitpid $spid, 0;
+    my @lines = map { json_dec($_) } grep { /^\{/ }
+                do { open my $f, '<', $out or die; <$f> };
+    my ($st) = grep { $_->{event} eq 'stats' } @lines;
+    my @ev = grep { $_->{event} ne 'stats' } @lines;
+    return (\@ev, $st // {});
+}
+
+sub summary {
+    my ($ev) = @_;
+    return join ' ', map {
+        $_->{event} eq 'stored' ? "s$_->{seq}:$_->{hashes}[0]"
+                                : "c$_->{seq}:$_->{why}"
+    } @$ev;
+}
+
+{
+    my ($ev, $st) = scenario(script => [map { ["send", $_] } 0 .. 4],
+                             count => 5);
+    is(summary($ev), "s0:1000 s1:1001 s2:1002 s3:1003 s4:1004",
+       "in order: every batch delivered once");
+    is($st->{gaps}, 0, "no gap");
+}
+
+for my $rt (0, 1) {
+    my ($ev, $st) = scenario(replay => 1, replay_topic => $rt, count => 5,
+        script => [["send", 0], ["send", 1], ["send", 2, 0],
+                   ["send", 3, 0], ["send", 4], ["sleep", 500]]);
+    is(summary($ev), "s0:1000 s1:1001 s2:1002 s3:1003 s4:1004",
+       "a gap replayed (replies " . ($rt ? "with" : "without")
+       . " the topic frame): nothing lost, nothing twice");
+    is_deeply([@$st{qw(gaps replays replays_ok clears)}], [1, 1, 1, 0],
+              "one gap, one replay, no clear");
+}
+
+{
+    my ($ev, $st) = scenario(count => 3,
+        script => [["send", 0], ["send", 1], ["send", 2, 0], ["send", 3]]);
+    is(summary($ev), "s0:1000 s1:1001 c3:gap s3:1003",
+       "a gap without replay: the node cleared, the stream taken up");
+}
+
+{
+    my ($ev, $st) = scenario(replay => 1, timeout => 300, count => 4,
+        script => [["send", 0], ["mute"], ["send", 1, 0], ["send", 2],
+                   ["sleep", 600], ["send", 3]]);
+    is(summary($ev), "s0:1000 c2:gap s2:1002 s3:1003",
+       "a replay that never answers: abandoned, cleared, taken up live");
+    is($st->{replays_failed}, 1, "counted as abandoned");
+}
+
+{
+    my ($ev, $st) = scenario(replay => 1, count => 5,
+        script => [["send", 0], ["send", 1, 0], ["send", 2, 0],
+                   ["send", 3, 0], ["forget", 3], ["send", 4],
+                   ["sleep", 300]]);
+    is(summary($ev), "s0:1000 c3:gap s3:1003 s4:1004",
+       "the replay buffer rolled over: cleared at its first seq");
+}
+
+{
+    my ($ev, $st) = scenario(replay => 1, count => 4,
+        script => [["send", 0, 0], ["send", 1, 0], ["send", 2, 0],
+                   ["send", 3], ["sleep", 300]]);
+    is(summary($ev), "s0:1000 s1:1001 s2:1002 s3:1003",
+       "a late subscriber: the publisher's buffer replayed from 0");
+}
+
+{
+    my ($ev, $st) = scenario(replay => 1, count => 5,
+        script => [["send", 0], ["send", 1], ["send", 2], ["restart"],
+                   ["send", 0], ["send", 1]]);
+    is(summary($ev), "s0:1000 s1:1001 s2:1002 c0:restart s0:1000 s1:1001",
+       "a restart (seq back to 0): cleared, rebuilt");
+    is($st->{restarts}, 1, "counted");
+}
+
+{
+    my $t = "kv\@pod1\@m";
+    my $seq = sub { unpack("H*", pack("Q>", $_[0])) };
+    my ($ev, $st) = scenario(topic => $t, count => 3, script => [
+        ["send", 0],
+        ["raw", [unpack("H*", $t), $seq->(1)]],                # 2 frames
+        ["raw", [unpack("H*", $t), "00000001", "c0"]],          # short seq
+        ["raw", [unpack("H*", "${t}x"), $seq->(1), "c0"]],      # neighbour
+        ["raw", [unpack("H*", $t), $seq->(1), "c1c1c1"]],       # garbage
+        ["send", 2]]);
+    is(summary($ev), "s0:1000 s2:1002",
+       "garbage frames, a neighbour's topic, a garbage payload: dropped");
+    is_deeply([@$st{qw(bad_frames other_topic refused_msgs gaps)}],
+              [2, 1, 1, 0], "each counted; the garbage payload still "
+              . "counts in the sequence");
+}
+
+# ---- configuration --------------------------------------------------------
+
+sub check_cfg {
+    my ($kv, %o) = @_;
+    my $c = agent_config(id => "router-0", role => $o{role} // "router",
+                         port => kv_port(890));
+    $c->{kv_events} = $kv;
+    my $f = "$dir/cfg-" . int(rand(1e9)) . ".json";
+    open my $fh, '>', $f or die;
+    print $fh json_enc($c);
+    close $fh;
+    my $out = `$bin check --config $f 2>&1`;
+    return ($? >> 8, $out, $f);
+}
+
+{
+    my $src = { node => "decode-0", http => "127.0.0.1:8100",
+                endpoint => "tcp://127.0.0.1:5557",
+                replay => "tcp://127.0.0.1:5558", topic => "kv\@d0\@m" };
+    my ($rc, $out) = check_cfg([$src]);
+    is($rc, 0, "a kv_events source is accepted") or diag $out;
+    for my $bad (
+        [{ %$src, endpoint => "tcp://*:5557" }, qr/connects/],
+        [{ %$src, endpoint => "127.0.0.1:5557" }, qr/tcp:\/\/host:port/],
+        [{ %$src, replay => "tcp://h:99999" }, qr/"replay"/],
+        [{ %$src, http => "http://x:1" }, qr/"http"/],
+        [{ %$src, node => "" }, qr/"node" must not be empty/],
+        [{ %$src, colour => 1 }, qr/unknown key "colour"/],
+        [{ %$src, replay_timeout_ms => 1 }, qr/replay_timeout_ms/])
+    {
+        my ($rc2, $o2) = check_cfg([$bad->[0]]);
+        ok($rc2 != 0 && $o2 =~ $bad->[1], "refused: $o2" =~ s/\n//r);
+    }
+    my ($rc3, $o3) = check_cfg([$src, { %$src, endpoint => "tcp://h:1" }]);
+    like($o3, qr/node "decode-0" given twice/, "a node twice: refused");
+    ($rc3, $o3) = check_cfg([$src], role => "decode");
+    like($o3, qr/for the router's agent/, "kv_events on a decode node: "
+         . "refused");
+    ($rc3, $o3) = check_cfg({});
+    like($o3, qr/must be a list/, "kv_events not a list: refused");
+}
+
+{
+    # a router agent subscribed to a live publisher: in its log, and never
+    # blocked by it (its API answers while the publisher is gone)
+    my $pubp = $port++;
+    my $c = agent_config(id => "router-0", role => "router",
+                         port => kv_port(891));
+    $c->{kv_events} = [{ node => "decode-0", http => "127.0.0.1:8100",
+                         endpoint => "tcp://127.0.0.1:$pubp",
+                         replay => "tcp://127.0.0.1:" . ($pubp + 1) }];
+    $c->{log_level} = "debug";
+    my $a = start_agent($c);
+    ok(log_wait($a, qr/kv_events: decode-0 .*subscribed to tcp/, 5),
+       "the router agent subscribes");
+    my $script = "$dir/agent-script.json";
+    open my $fh, '>', $script or die;
+    print $fh json_enc([["sleep", 800], ["send", 0], ["send", 1, 0],
+                        ["send", 2], ["sleep", 500]]);
+    close $fh;
+    system($py, $helper, "pub", "--pub", "tcp://127.0.0.1:$pubp",
+           "--replay", "tcp://127.0.0.1:" . ($pubp + 1), "--script",
+           $script);
+    ok(log_wait($a, qr/decode-0 seq 2: 1 block\(s\) stored/, 5),
+       "events reach the agent's sink, the gap replayed");
+    like(log_text($a), qr/decode-0 seq 1: 1 block/, "seq 1 from the replay");
+    my $r = api($a, { verb => "info" });
+    ok($r, "the agent answers with its publisher gone");
+    stop_agent($a);
+    like(log_text($a), qr/kv_events: decode-0: 3 messages .*1 gaps/,
+         "its counters at exit");
+}
+
+done_testing();
