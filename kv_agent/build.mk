@@ -56,3 +56,16 @@ $(BUILD)/kv_cuda_ipc_helper: $(KVA_OBJDIR)/cuda_ipc_helper.o \
 		$(BUILD)/libkvagent_client.a
 	$(CC) $(CFLAGS) -o $@ $< $(BUILD)/libkvagent_client.a -lcjson \
 		$(KVA_CUDA_LIBS)
+
+# ---- libFuzzer (clang; FUZZ_CC and FUZZ_FLAGS from tokenizer/build.mk):
+# the KV-event decoder, which reads what any engine on the network sends
+KVA_FUZZ := $(BUILD)/fuzz/kv_fuzz_events
+
+$(KVA_FUZZ): $(KVA_DIR)/fuzz/kv_fuzz_events.c $(KVA_DIR)/src/kv_events.c \
+		$(KVA_DIR)/src/kv_events.h
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -I$(KVA_DIR)/src $< $(KVA_DIR)/src/kv_events.c \
+	    -o $@
+
+# (run by the fuzz recipe in tokenizer/build.mk)
+fuzz: $(KVA_FUZZ)

@@ -26,6 +26,8 @@ plan skip_all => "no Python venv with msgspec and pyzmq ($py)"
 my $bin = kv_bin();
 my $dir = kv_tmpdir();
 my $helper = "$FindBin::Bin/kvevents.py";
+my @WRAP;              # valgrind, for the last part
+my $sub_rc;            # the subscriber's exit status in scenario()
 
 # ---- the decoder ----------------------------------------------------------
 
@@ -35,7 +37,8 @@ my $exp = json_dec(do { local $/; open my $f, '<', "$dir/expected.json"
 
 sub decode {
     my (@files) = @_;
-    my @out = `$bin events --decode @files 2>&1`;
+    my @out = `@WRAP $bin events --decode @files 2>&1`;
+    $sub_rc = $? >> 8;
     my @ev = map { json_dec($_) } grep { /^\{/ } @out;
     return @ev;
 }
@@ -106,9 +109,9 @@ sub scenario {
     my $repp = $port++;
     my $script = "$dir/script-$pubp.json";
     open my $fh, '>', $script or die;
-    print $fh json_enc([["sleep", 800], @{ $o{script} }]);
+    print $fh json_enc([["sleep", $o{lead} // 100], @{ $o{script} }]);
     close $fh;
-    my @sub = ($bin, "events", "--endpoint", "tcp://127.0.0.1:$pubp",
+    my @sub = (@WRAP, $bin, "events", "--endpoint", "tcp://127.0.0.1:$pubp",
                "--node", "pod-a", "--seconds", $o{seconds} // 6,
                "--replay-timeout-ms", $o{timeout} // 1000);
     push @sub, "--replay", "tcp://127.0.0.1:$repp" if $o{replay};
@@ -135,6 +138,7 @@ sub scenario {
     }
     waitpid $ppid, 0;
     waitpid $spid, 0;
+    $sub_rc = $? >> 8;
     my @lines = map { json_dec($_) } grep { /^\{/ }
                 do { open my $f, '<', $out or die; <$f> };
     my ($st) = grep { $_->{event} eq 'stats' } @lines;
@@ -285,7 +289,7 @@ sub check_cfg {
        "the router agent subscribes");
     my $script = "$dir/agent-script.json";
     open my $fh, '>', $script or die;
-    print $fh json_enc([["sleep", 800], ["send", 0], ["send", 1, 0],
+    print $fh json_enc([["sleep", 100], ["send", 0], ["send", 1, 0],
                         ["send", 2], ["sleep", 500]]);
     close $fh;
     system($py, $helper, "pub", "--pub", "tcp://127.0.0.1:$pubp",
@@ -299,6 +303,29 @@ sub check_cfg {
     stop_agent($a);
     like(log_text($a), qr/kv_events: decode-0: 3 messages .*1 gaps/,
          "its counters at exit");
+}
+
+# ---- once more under valgrind: no invalid access, no definite leak ----------
+
+SKIP: {
+    skip "no valgrind", 4 if system("valgrind --version >/dev/null 2>&1");
+    @WRAP = qw(valgrind -q --error-exitcode=99 --leak-check=full
+               --errors-for-leak-kinds=definite);
+    my @all = map { "$dir/$_.mp" } (map { $_->{name} } @{ $exp->{cases} }),
+              @{ $exp->{refused} }, @{ $exp->{huge} };
+    my @got = decode(@all);
+    is($sub_rc, 0, "valgrind: the decoder over every case is clean");
+    my ($ev) = scenario(replay => 1, count => 4, seconds => 20,
+        script => [["send", 0], ["send", 1, 0], ["send", 2], ["sleep", 1500],
+                   ["restart"], ["send", 0], ["sleep", 300]]);
+    is($sub_rc, 0, "valgrind: the subscriber through a replay and a "
+       . "restart is clean");
+    is(summary($ev), "s0:1000 s1:1001 s2:1002 c0:restart s0:1000",
+       "... and decodes the same");
+    ($ev) = scenario(replay => 1, timeout => 300, count => 3, seconds => 20,
+        script => [["send", 0], ["mute"], ["send", 1, 0], ["send", 2],
+                   ["sleep", 800], ["send", 3]]);
+    is($sub_rc, 0, "valgrind: an abandoned replay is clean");
 }
 
 done_testing();

@@ -378,9 +378,14 @@ def publish(args):
     replay_topic = "--replay-topic" in args
     script = json.load(open(args[args.index("--script") + 1]))
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
+    # XPUB: PUB on the wire (the same frames reach the subscriber), and it
+    # sees the subscription arrive, so nothing is sent before anyone
+    # listens (ZeroMQ's slow joiner) however slow the subscriber starts
+    pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 1000)
     pub.bind(pub_ep)
+    if pub.poll(20000):
+        pub.recv()
     router = None
     if replay_ep:
         router = ctx.socket(zmq.ROUTER)
