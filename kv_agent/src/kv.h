@@ -747,7 +747,7 @@ void kv_lmc_close(kv_ctx_t *ctx);
 
 typedef struct {
     uint64_t msgs, refused_msgs;       /* payloads decoded / refused */
-    uint64_t gaps, restarts, clears;
+    uint64_t gaps, restarts, reconnects, clears;
     uint64_t replays, replays_ok, replays_failed, replayed, dups;
     uint64_t bad_frames, other_topic;
 } kv_evs_src_stats_t;

@@ -936,6 +936,7 @@ kv_ev_clear_name(kv_ev_clear_t why)
     case KV_EV_CLEAR_ENGINE:  return "engine";
     case KV_EV_CLEAR_RESTART: return "restart";
     case KV_EV_CLEAR_GAP:     return "gap";
+    case KV_EV_CLEAR_RECONNECT: return "reconnect";
     }
     return "?";
 }

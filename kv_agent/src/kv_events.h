@@ -91,7 +91,10 @@ typedef struct {
 typedef enum {
     KV_EV_CLEAR_ENGINE = 1,    /* AllBlocksCleared from the engine */
     KV_EV_CLEAR_RESTART,       /* seq went back: the publisher restarted */
-    KV_EV_CLEAR_GAP            /* messages lost and not replayed */
+    KV_EV_CLEAR_GAP,           /* messages lost and not replayed */
+    KV_EV_CLEAR_RECONNECT      /* the connection dropped and the stream
+                                * came back elsewhere than last + 1: a
+                                * restart or a loss, unknowable which */
 } kv_ev_clear_t;
 
 typedef struct {

@@ -341,7 +341,8 @@ kv_events_main(int argc, char **argv)
         printf("{\"event\":\"stats\",\"node\":");
         json_str(conf->src[i].node);
         printf(",\"src_msgs\":%llu,\"refused_msgs\":%llu,\"gaps\":%llu,"
-               "\"restarts\":%llu,\"clears\":%llu,\"replays\":%llu,"
+               "\"restarts\":%llu,\"reconnects\":%llu,\"clears\":%llu,"
+               "\"replays\":%llu,"
                "\"replays_ok\":%llu,\"replays_failed\":%llu,"
                "\"replayed\":%llu,\"dups\":%llu,\"bad_frames\":%llu,"
                "\"other_topic\":%llu,",
@@ -349,6 +350,7 @@ kv_events_main(int argc, char **argv)
                (unsigned long long) ss.refused_msgs,
                (unsigned long long) ss.gaps,
                (unsigned long long) ss.restarts,
+               (unsigned long long) ss.reconnects,
                (unsigned long long) ss.clears,
                (unsigned long long) ss.replays,
                (unsigned long long) ss.replays_ok,

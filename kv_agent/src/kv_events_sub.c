@@ -18,6 +18,11 @@
  *   seq <= last          the publisher restarted (vLLM restarts at 0):
  *                        cleared (KV_EV_CLEAR_RESTART), then as a first
  *                        message;
+ *   after the connection dropped (a socket monitor tells), a seq other
+ *                        than last + 1 is cleared (KV_EV_CLEAR_RECONNECT)
+ *                        and taken as a first message: an engine that
+ *                        restarted and published past our last seq
+ *                        looks exactly like a loss;
  *   first message        taken as is when seq is 0 or there is no replay;
  *                        else the publisher's buffer is replayed from 0
  *                        first, so a late subscriber learns what the
@@ -60,6 +65,8 @@ typedef struct {
     const kv_evs_src_conf_t *c;
     uint32_t        idx;
     void           *sub, *dealer;
+    void           *mon;               /* the SUB's connection events */
+    int             lost;              /* disconnected since last message */
     int             have_seq;
     uint64_t        last;
     int             replaying;
@@ -101,9 +108,10 @@ evs_clear(struct kv_evs *e, evs_src_t *s, uint64_t seq, kv_ev_clear_t why)
     evs_origin(s, seq, &o);
     s->st.clears++;
     kv_info("kv_events: %s: %s at seq %llu: its entries are dropped",
-            s->c->node, why == KV_EV_CLEAR_RESTART
-                        ? "publisher restarted" : "messages lost",
-            (unsigned long long) seq);
+            s->c->node, why == KV_EV_CLEAR_RESTART ? "publisher restarted"
+                        : why == KV_EV_CLEAR_RECONNECT
+                        ? "reconnected elsewhere in the stream"
+                        : "messages lost", (unsigned long long) seq);
     if (e->sink.cleared) {
         e->sink.cleared(e->sink.data, &o, why);
     }
@@ -250,6 +258,14 @@ static void
 evs_live(struct kv_evs *e, evs_src_t *s, uint64_t seq, const uint8_t *p,
     size_t n)
 {
+    if (s->lost) {
+        s->lost = 0;
+        if (s->have_seq && seq > s->last + 1) {
+            s->st.reconnects++;
+            evs_clear(e, s, seq, KV_EV_CLEAR_RECONNECT);
+            s->have_seq = 0;
+        }
+    }
     if (s->have_seq && seq <= s->last) {
         s->st.restarts++;
         evs_clear(e, s, seq, KV_EV_CLEAR_RESTART);
@@ -418,6 +434,28 @@ evs_replay_poll(struct kv_evs *e, evs_src_t *s)
 }
 
 
+/* the SUB's monitor: a dropped connection marks the stream as lost */
+static void
+evs_monitor(evs_src_t *s)
+{
+    zmq_msg_t f[KV_EVS_FRAMES];
+    uint16_t ev;
+    int nf;
+
+    while (s->mon && evs_recv(s->mon, f, &nf) == 0) {
+        if (nf >= 1 && zmq_msg_size(&f[0]) >= 2) {
+            memcpy(&ev, zmq_msg_data(&f[0]), 2);
+            if (ev == ZMQ_EVENT_DISCONNECTED && !s->lost) {
+                s->lost = 1;
+                kv_info("kv_events: %s: connection to %s lost", s->c->node,
+                        s->c->endpoint);
+            }
+        }
+        evs_frames_close(f, nf);
+    }
+}
+
+
 static void
 evs_sub_poll(struct kv_evs *e, evs_src_t *s)
 {
@@ -491,6 +529,23 @@ kv_evs_open(const kv_evs_conf_t *c, const kv_ev_sink_t *sink,
         /* ZMQ filters by prefix; evs_topic_ok() then wants it exact */
         zmq_setsockopt(s->sub, ZMQ_SUBSCRIBE, s->c->topic,
                        strlen(s->c->topic));
+        {
+            char mep[64];
+            snprintf(mep, sizeof(mep), "inproc://kv-events-mon-%d", i);
+            if (zmq_socket_monitor(s->sub, mep, ZMQ_EVENT_DISCONNECTED)
+                == 0)
+            {
+                s->mon = zmq_socket(e->zctx, ZMQ_PAIR);
+                if (s->mon && zmq_connect(s->mon, mep) != 0) {
+                    zmq_close(s->mon);
+                    s->mon = NULL;
+                }
+                v = 0;
+                if (s->mon) {
+                    zmq_setsockopt(s->mon, ZMQ_LINGER, &v, sizeof(v));
+                }
+            }
+        }
         if (zmq_connect(s->sub, s->c->endpoint) != 0) {
             kv_err("kv_events: %s: cannot connect to %s: %s", s->c->node,
                    s->c->endpoint, zmq_strerror(errno));
@@ -542,6 +597,7 @@ kv_evs_process(struct kv_evs *e)
     }
     for (i = 0; i < e->nsrc; i++) {
         evs_src_t *s = &e->src[i];
+        evs_monitor(s);
         if (s->replaying) {
             evs_replay_poll(e, s);
         }
@@ -600,6 +656,9 @@ kv_evs_close(struct kv_evs *e)
         }
         if (s->dealer) {
             zmq_close(s->dealer);
+        }
+        if (s->mon) {
+            zmq_close(s->mon);
         }
         evs_hold_free(s);
     }

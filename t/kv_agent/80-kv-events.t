@@ -107,18 +107,22 @@ sub scenario {
     my (%o) = @_;
     my $pubp = $port++;
     my $repp = $port++;
-    my $script = "$dir/script-$pubp.json";
-    open my $fh, '>', $script or die;
-    print $fh json_enc([["sleep", $o{lead} // 100], @{ $o{script} }]);
-    close $fh;
+    my @scripts;
+    for my $k (0 .. $#{ $o{scripts} // [$o{script}] }) {
+        my $sc = ($o{scripts} // [$o{script}])->[$k];
+        my $script = "$dir/script-$pubp-$k.json";
+        open my $fh, '>', $script or die;
+        print $fh json_enc([["sleep", $o{lead} // 100], @$sc]);
+        close $fh;
+        push @scripts, $script;
+    }
     my @sub = (@WRAP, $bin, "events", "--endpoint", "tcp://127.0.0.1:$pubp",
                "--node", "pod-a", "--seconds", $o{seconds} // 6,
                "--replay-timeout-ms", $o{timeout} // 1000);
     push @sub, "--replay", "tcp://127.0.0.1:$repp" if $o{replay};
     push @sub, "--topic", $o{topic} if defined $o{topic};
     push @sub, "--count", $o{count} if $o{count};
-    my @pub = ($py, $helper, "pub", "--pub", "tcp://127.0.0.1:$pubp",
-               "--script", $script);
+    my @pub = ($py, $helper, "pub", "--pub", "tcp://127.0.0.1:$pubp");
     push @pub, "--replay", "tcp://127.0.0.1:$repp" if $o{replay};
     push @pub, "--topic", $o{topic} if defined $o{topic};
     push @pub, "--replay-topic" if $o{replay_topic};
@@ -130,13 +134,15 @@ sub scenario {
         exec @sub or exit 127;
     }
     sleep 0.2;
-    my $ppid = fork // die;
-    if ($ppid == 0) {
-        open STDOUT, '>', "$out.pub" or die;
-        open STDERR, '>&', \*STDOUT;
-        exec @pub or exit 127;
+    for my $script (@scripts) {        # one publisher process each
+        my $ppid = fork // die;
+        if ($ppid == 0) {
+            open STDOUT, '>>', "$out.pub" or die;
+            open STDERR, '>&', \*STDOUT;
+            exec @pub, "--script", $script or exit 127;
+        }
+        waitpid $ppid, 0;
     }
-    waitpid $ppid, 0;
     waitpid $spid, 0;
     $sub_rc = $? >> 8;
     my @lines = map { json_dec($_) } grep { /^\{/ }
@@ -213,6 +219,27 @@ for my $rt (0, 1) {
     is(summary($ev), "s0:1000 s1:1001 s2:1002 c0:restart s0:1000 s1:1001",
        "a restart (seq back to 0): cleared, rebuilt");
     is($st->{restarts}, 1, "counted");
+}
+
+{
+    # a new publisher process that published past our last seq before we
+    # reconnected: seen through the dropped connection, rebuilt from 0
+    my ($ev, $st) = scenario(replay => 1, count => 10, seconds => 10,
+        scripts => [[["send", 0], ["send", 1], ["send", 2], ["sleep", 300]],
+                    [(map { ["send", $_, 0] } 0 .. 5), ["send", 6],
+                     ["sleep", 500]]]);
+    is(summary($ev), "s0:1000 s1:1001 s2:1002 c6:reconnect s0:1000 "
+       . "s1:1001 s2:1002 s3:1003 s4:1004 s5:1005 s6:1006",
+       "a restart that overtook our seq: cleared on reconnect, replayed "
+       . "from 0");
+    is($st->{reconnects}, 1, "counted");
+    # and without replay: cleared, taken up where it is
+    ($ev, $st) = scenario(count => 4, seconds => 10,
+        scripts => [[["send", 0], ["send", 1], ["send", 2], ["sleep", 300]],
+                    [(map { ["send", $_, 0] } 0 .. 5), ["send", 6],
+                     ["sleep", 300]]]);
+    is(summary($ev), "s0:1000 s1:1001 s2:1002 c6:reconnect s6:1006",
+       "... without replay: cleared, taken up at its seq");
 }
 
 {
