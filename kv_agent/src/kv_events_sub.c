@@ -163,9 +163,20 @@ evs_replay_start(struct kv_evs *e, evs_src_t *s, uint64_t from,
     uint8_t be[8];
     int v, k;
 
+    /* the message that showed the gap, taken up after the replay; kept
+     * before anything is asked, so a request is never left unread */
+    s->held = malloc(n ? n : 1);
+    if (s->held == NULL) {
+        return -1;
+    }
+    memcpy(s->held, p, n);
+    s->held_len = n;
+    s->held_seq = seq;
+    s->have_held = 1;
     if (s->dealer == NULL) {
         s->dealer = zmq_socket(e->zctx, ZMQ_DEALER);
         if (s->dealer == NULL) {
+            evs_hold_free(s);
             return -1;
         }
         v = 0;
@@ -183,6 +194,7 @@ evs_replay_start(struct kv_evs *e, evs_src_t *s, uint64_t from,
                     s->c->replay, zmq_strerror(errno));
             zmq_close(s->dealer);
             s->dealer = NULL;
+            evs_hold_free(s);
             return -1;
         }
     }
@@ -196,16 +208,9 @@ evs_replay_start(struct kv_evs *e, evs_src_t *s, uint64_t from,
                 zmq_strerror(errno));
         zmq_close(s->dealer);
         s->dealer = NULL;
+        evs_hold_free(s);
         return -1;
     }
-    s->held = malloc(n ? n : 1);
-    if (s->held == NULL) {
-        return -1;
-    }
-    memcpy(s->held, p, n);
-    s->held_len = n;
-    s->held_seq = seq;
-    s->have_held = 1;
     s->replaying = 1;
     s->t_start = s->t_last = kv_now_ms();
     s->st.replays++;

@@ -57,6 +57,12 @@ check_main(int argc, char **argv)
                                                                     : "host",
                c->ranks);
     }
+    for (i = 0; i < c->evs.nsrc; i++) {
+        printf("kv_events: %s (%s) from %s topic \"%s\"%s%s\n",
+               c->evs.src[i].node, c->evs.src[i].http, c->evs.src[i].endpoint,
+               c->evs.src[i].topic, c->evs.src[i].replay[0] ? ", replay " : "",
+               c->evs.src[i].replay);
+    }
     printf("state table: %s\n", c->state_path);
     kv_auth_forget(c);
     free(c);

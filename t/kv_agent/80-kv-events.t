@@ -280,6 +280,10 @@ sub check_cfg {
                 replay => "tcp://127.0.0.1:5558", topic => "kv\@d0\@m" };
     my ($rc, $out) = check_cfg([$src]);
     is($rc, 0, "a kv_events source is accepted") or diag $out;
+    my $line = 'kv_events: decode-0 (127.0.0.1:8100) from '
+               . 'tcp://127.0.0.1:5557 topic "kv@d0@m", replay '
+               . 'tcp://127.0.0.1:5558';
+    ok(index($out, $line) >= 0, "... and shown by check") or diag $out;
     for my $bad (
         [{ %$src, endpoint => "tcp://*:5557" }, qr/connects/],
         [{ %$src, endpoint => "127.0.0.1:5557" }, qr/tcp:\/\/host:port/],
@@ -336,6 +340,8 @@ sub check_cfg {
 
 SKIP: {
     skip "no valgrind", 4 if system("valgrind --version >/dev/null 2>&1");
+    skip "$bin is built with a sanitizer", 4
+        if system("nm $bin 2>/dev/null | grep -q __asan_init") == 0;
     @WRAP = qw(valgrind -q --error-exitcode=99 --leak-check=full
                --errors-for-leak-kinds=definite);
     my @all = map { "$dir/$_.mp" } (map { $_->{name} } @{ $exp->{cases} }),
