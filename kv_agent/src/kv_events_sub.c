@@ -40,7 +40,8 @@
  * most KV_EVS_BATCH messages per source (the loop calls again within its
  * 20 ms timer, so the ZMQ fd's edge semantics cannot strand messages).
  * Frames are bounded (ZMQ_MAXMSGSIZE): a larger message closes that
- * connection, and the reconnect shows up as a gap.
+ * connection; we connect again (libzmq would not, after that protocol
+ * error) and the loss is handled as after any dropped connection.
  */
 
 #include <errno.h>
@@ -450,10 +451,22 @@ evs_monitor(evs_src_t *s)
     while (s->mon && evs_recv(s->mon, f, &nf) == 0) {
         if (nf >= 1 && zmq_msg_size(&f[0]) >= 2) {
             memcpy(&ev, zmq_msg_data(&f[0]), 2);
-            if (ev == ZMQ_EVENT_DISCONNECTED && !s->lost) {
+            if (ev == ZMQ_EVENT_DISCONNECTED) {
+                if (!s->lost) {
+                    kv_info("kv_events: %s: connection to %s lost",
+                            s->c->node, s->c->endpoint);
+                }
                 s->lost = 1;
-                kv_info("kv_events: %s: connection to %s lost", s->c->node,
-                        s->c->endpoint);
+                /* libzmq (4.3) reconnects after a network error but not
+                 * after a protocol error, and a message over
+                 * ZMQ_MAXMSGSIZE is one: the source would be deaf for
+                 * good.  A new connection, whatever the cause. */
+                zmq_disconnect(s->sub, s->c->endpoint);
+                if (zmq_connect(s->sub, s->c->endpoint) != 0) {
+                    kv_warn("kv_events: %s: cannot reconnect to %s: %s",
+                            s->c->node, s->c->endpoint,
+                            zmq_strerror(errno));
+                }
             }
         }
         evs_frames_close(f, nf);

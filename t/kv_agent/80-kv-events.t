@@ -243,6 +243,17 @@ for my $rt (0, 1) {
 }
 
 {
+    # a 17 MiB message: the connection is dropped (ZMQ_MAXMSGSIZE), the
+    # reconnect seen, the stream taken up; nothing stalls
+    my ($ev, $st) = scenario(count => 2, seconds => 10,
+        script => [["send", 0], ["big", 1, 17 << 20], ["sleep", 1500],
+                   ["send", 2], ["sleep", 300]]);
+    is(summary($ev), "s0:1000 c2:reconnect s2:1002",
+       "a message over the bound: its connection dropped, the stream "
+       . "taken up after a clear");
+}
+
+{
     my $t = "kv\@pod1\@m";
     my $seq = sub { unpack("H*", pack("Q>", $_[0])) };
     my ($ev, $st) = scenario(topic => $t, count => 3, script => [

@@ -435,6 +435,10 @@ def publish(args):
                 pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
         elif op == "raw":              # ["raw", [hex frames]]
             pub.send_multipart([bytes.fromhex(x) for x in step[1]])
+        elif op == "big":              # ["big", seq, bytes]: a huge frame
+            seq = step[1]
+            payload = b"\xdb" + step[2].to_bytes(4, "big") + b"a" * step[2]
+            pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
         elif op == "forget":           # the buffer rolled over
             buf[:] = [x for x in buf if x[0] >= step[1]]
         elif op == "mute":             # replay never answers
