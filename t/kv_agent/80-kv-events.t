@@ -350,8 +350,8 @@ sub check_cfg {
 # ---- once more under valgrind: no invalid access, no definite leak ----------
 
 SKIP: {
-    skip "no valgrind", 4 if system("valgrind --version >/dev/null 2>&1");
-    skip "$bin is built with a sanitizer", 4
+    skip "no valgrind", 6 if system("valgrind --version >/dev/null 2>&1");
+    skip "$bin is built with a sanitizer", 6
         if system("nm $bin 2>/dev/null | grep -q __asan_init") == 0;
     @WRAP = qw(valgrind -q --error-exitcode=99 --leak-check=full
                --errors-for-leak-kinds=definite);
@@ -370,6 +370,33 @@ SKIP: {
         script => [["send", 0], ["mute"], ["send", 1, 0], ["send", 2],
                    ["sleep", 800], ["send", 3]]);
     is($sub_rc, 0, "valgrind: an abandoned replay is clean");
+
+    # the router agent itself: subscribed, a replay, a message over the
+    # bound, SIGTERM
+    my $vlog = "$dir/valgrind-router.log";
+    my $pubp = $port++;
+    my $c = agent_config(id => "router-1", role => "router",
+                         port => kv_port(892));
+    $c->{kv_events} = [{ node => "decode-0", http => "127.0.0.1:8100",
+                         endpoint => "tcp://127.0.0.1:$pubp",
+                         replay => "tcp://127.0.0.1:" . ($pubp + 1) }];
+    $c->{log_level} = "debug";
+    my $a = start_agent($c, timeout => 60, wrap => [@WRAP[0 .. 4],
+                                                    "--log-file=$vlog"]);
+    my $script = "$dir/agent-vg-script.json";
+    open my $fh, '>', $script or die;
+    print $fh json_enc([["send", 0], ["send", 1, 0], ["send", 2],
+                        ["sleep", 1500], ["big", 3, 17 << 20],
+                        ["sleep", 2000], ["send", 4], ["sleep", 1500]]);
+    close $fh;
+    system($py, $helper, "pub", "--pub", "tcp://127.0.0.1:$pubp",
+           "--replay", "tcp://127.0.0.1:" . ($pubp + 1), "--script",
+           $script);
+    ok(log_wait($a, qr/decode-0 seq 4: 1 block\(s\) stored/, 10),
+       "valgrind: the router agent took up the stream after it all");
+    is(stop_agent($a, 'TERM', 60), 0, "valgrind: the router agent exits "
+       . "clean (no errors, no definite leaks)")
+        or diag(do { local $/; open my $v, '<', $vlog; <$v> });
 }
 
 done_testing();
