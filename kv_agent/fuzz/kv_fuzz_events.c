@@ -92,6 +92,17 @@ f_stored(void *data, const kv_ev_origin_t *o, const kv_ev_stored_t *ev)
     for (i = 0; i < ev->ntokens; i++) {
         sum += ev->tokens[i];
     }
+    if (ev->extra_keys) {
+        for (i = 0; i < ev->extra_keys_len; i++) {
+            sum += ev->extra_keys[i];
+        }
+        if (ev->extra_keys_len == 0
+            || ((ev->extra_keys[0] & 0xf0) != 0x90
+                && ev->extra_keys[0] != 0xdc && ev->extra_keys[0] != 0xdd))
+        {
+            abort();                   /* not an array's bytes */
+        }
+    }
     touch_str(ev->medium);
     touch_str(ev->lora_name);
     touch_str(ev->spec_kind);

@@ -285,13 +285,13 @@ enum {
 
 enum {
     F_SKIP = 0, F_HASHES, F_PARENT, F_TOKENS, F_BSIZE, F_LORA_ID, F_MEDIUM,
-    F_LORA_NAME, F_GROUP, F_KIND, F_LOCALITY, F_NFIELDS
+    F_LORA_NAME, F_GROUP, F_KIND, F_LOCALITY, F_EXTRA, F_NFIELDS
 };
 
 /* positions in the array form (vLLM's declaration order) */
 static const int stored_pos[] = {
     F_SKIP /* tag */, F_HASHES, F_PARENT, F_TOKENS, F_BSIZE, F_LORA_ID,
-    F_MEDIUM, F_LORA_NAME, F_SKIP /* extra_keys */, F_GROUP, F_KIND,
+    F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP, F_KIND,
     F_SKIP /* kv_cache_spec_sliding_window */
 };
 static const int removed_pos[] = {
@@ -313,6 +313,7 @@ static const struct {
     { "group_idx", F_GROUP },
     { "kv_cache_spec_kind", F_KIND },
     { "locality", F_LOCALITY },
+    { "extra_keys", F_EXTRA },
     { NULL, F_SKIP }
 };
 
@@ -326,6 +327,8 @@ typedef struct {
     char          medium[KV_EV_STR_MAX], lora_name[KV_EV_STR_MAX];
     char          kind[KV_EV_STR_MAX], locality[KV_EV_STR_MAX];
     int           has_medium, has_lora_name, has_kind, has_locality;
+    const uint8_t *extra;
+    uint32_t      extra_len;
 } ev_fields_t;
 
 
@@ -417,6 +420,22 @@ ev_field(kv_ev_decoder_t *d, mp_t *m, int f, ev_fields_t *e)
         return -1;
     }
     e->seen |= 1u << f;
+    if (f == F_EXTRA) {
+        const uint8_t *start = m->p;
+        mp_t peek = *m;
+        if (mp_next(&peek, &o) != 0 || mp_skip(m, KV_EV_MAX_DEPTH) != 0) {
+            d->why = "truncated";
+            return -1;
+        }
+        if (o.type == MP_ARRAY) {
+            e->extra = start;
+            e->extra_len = (uint32_t) (m->p - start);
+        } else if (o.type != MP_NIL) {
+            d->why = "extra_keys is not an array";
+            return -1;
+        }
+        return 0;
+    }
     if (mp_next(m, &o) != 0) {
         d->why = "truncated";
         return -1;
@@ -569,6 +588,8 @@ ev_deliver(kv_ev_decoder_t *d, int type, ev_fields_t *e, kv_ev_origin_t *o,
         s.lora_id = e->lora_id;
         s.group_idx = e->group_idx;
         s.spec_kind = e->has_kind ? e->kind : NULL;
+        s.extra_keys = e->extra;
+        s.extra_keys_len = e->extra_len;
         d->st.stored++;
         if (tier != KV_EV_TIER_GPU) {
             d->st.stored_lower++;
@@ -709,7 +730,8 @@ ev_decode(kv_ev_decoder_t *d, mp_t *m, kv_ev_origin_t *o,
             }
             if (type == EV_REMOVED && (f == F_PARENT || f == F_TOKENS
                                        || f == F_BSIZE || f == F_LORA_ID
-                                       || f == F_LORA_NAME || f == F_KIND))
+                                       || f == F_LORA_NAME || f == F_KIND
+                                       || f == F_EXTRA))
             {
                 f = F_SKIP;            /* not BlockRemoved's */
             }

@@ -77,6 +77,12 @@ typedef struct {
     int64_t             lora_id;       /* -1 when none */
     int32_t             group_idx;     /* -1 when absent */
     const char         *spec_kind;     /* kv_cache_spec_kind; NULL absent */
+    /* extra_keys as sent: the msgpack bytes of its array (one entry per
+     * block, each null or a tuple of LoRA name, cache_salt on block 0,
+     * multimodal hashes ...), NULL when absent or null; left to the
+     * index writer to read (cache_salt changes block 0's key). */
+    const uint8_t      *extra_keys;
+    uint32_t            extra_keys_len;
 } kv_ev_stored_t;
 
 typedef struct {

@@ -10,7 +10,8 @@
  *
  * Lines: {"event":"stored"|"removed"|"cleared", "node", "seq", ...};
  * hashes as strings (decimal for integers, "hex:.." for bytes; "ids":
- * the 64-bit id of each, decimal); at the end {"event":"stats", ...}.
+ * the 64-bit id of each, decimal; "extra_keys": "hex:" of its msgpack
+ * bytes); at the end {"event":"stats", ...}.
  */
 
 #include <errno.h>
@@ -123,6 +124,16 @@ dump_stored(void *data, const kv_ev_origin_t *o, const kv_ev_stored_t *ev)
     printf(",\"lora_id\":%lld,\"group_idx\":%d,\"spec_kind\":",
            (long long) ev->lora_id, (int) ev->group_idx);
     json_str(ev->spec_kind);
+    fputs(",\"extra_keys\":", stdout);
+    if (ev->extra_keys) {
+        fputs("\"hex:", stdout);
+        for (i = 0; i < ev->extra_keys_len; i++) {
+            printf("%02x", ev->extra_keys[i]);
+        }
+        putchar('"');
+    } else {
+        fputs("null", stdout);
+    }
     fputs("}\n", stdout);
 }
 

@@ -60,7 +60,7 @@ for my $c (@{ $exp->{cases} }) {
     is($s->{ignored}, 3, "unknown types and a REMOTE locality: ignored, "
        . "counted");
     ($s) = grep { $_->{event} eq 'stats' } decode("$dir/wrong.mp");
-    is($s->{refused}, 14, "each malformed event refused and counted; the "
+    is($s->{refused}, 15, "each malformed event refused and counted; the "
        . "good ones around them delivered (above)");
     ($s) = grep { $_->{event} eq 'stats' } decode("$dir/repeated_key.mp");
     is($s->{refused}, 1, "a repeated key refuses its event");

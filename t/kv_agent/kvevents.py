@@ -166,12 +166,15 @@ def id_bytes(b):
 
 
 def exp_stored(hashes, ids, parent, tokens, bs, medium=None, tier="gpu",
-               lora_name=None, lora_id=-1, group=-1, kind=None, dp=-1):
+               lora_name=None, lora_id=-1, group=-1, kind=None, dp=-1,
+               extra=None):
+    # extra_keys: the bytes msgspec encodes for that list, as hex
     return {"event": "stored", "hashes": hashes, "ids": ids,
             "parent": parent, "tokens": tokens, "block_size": bs,
             "tier": tier, "medium": medium, "lora_name": lora_name,
             "lora_id": lora_id, "group_idx": group, "spec_kind": kind,
-            "dp_rank": dp}
+            "dp_rank": dp, "extra_keys": None if extra is None
+            else "hex:" + ENC.encode(extra).hex()}
 
 
 def exp_removed(hashes, ids, medium=None, tier="gpu", group=-1, dp=-1):
@@ -201,9 +204,10 @@ def cases():
     out.append(("map_int", ENC.encode(EventBatch(ts=1.5, events=ev,
                                                  data_parallel_rank=2)), [
         exp_stored([h_int(big), "7"], [h_int(big), "7"], None, toks(32),
-                   16, "GPU", group=0, kind="full_attention", dp=2),
+                   16, "GPU", group=0, kind="full_attention", dp=2,
+                   extra=[None, None]),
         exp_stored(["9"], ["9"], "7", toks(16, 5000), 16, "CPU", "lower",
-                   "adapter-a", 3, dp=2),
+                   "adapter-a", 3, dp=2, extra=[("adapter-a", "salt")]),
         exp_removed([h_int(big)], [h_int(big)], "GPU", group=0, dp=2),
         {"event": "cleared", "why": "engine", "dp_rank": 2}]))
 
@@ -240,7 +244,7 @@ def cases():
                                                    data_parallel_rank=1)), [
         exp_stored([h_bytes(d32)], [id_bytes(d32)], h_int(big), toks(16),
                    16, "GPU", lora_name="lora-x", group=1,
-                   kind="sliding_window", dp=1),
+                   kind="sliding_window", dp=1, extra=[("lora-x",)]),
         exp_removed([h_bytes(d32)], [id_bytes(d32)], "CPU", "lower",
                     group=1, dp=1)]))
 
@@ -290,6 +294,8 @@ def cases():
            "medium": "G\x00PU"},                     # NUL in a string
           {"type": "BlockStored", "block_hashes": [1], "token_ids": [1],
            "block_size": 1, "lora_name": 7},         # name not a string
+          {"type": "BlockStored", "block_hashes": [1], "token_ids": [1],
+           "block_size": 1, "extra_keys": "x"},      # not a list
           {"block_hashes": [1]},                     # no type
           {"type": 5},                               # type not a string
           42,                                        # not an event
