@@ -517,9 +517,14 @@ parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
             return -1;
         }
         for (i = 0; i < n; i++) {
-            if (strcmp(c->evs.src[i].node, s->node) == 0) {
-                snprintf(err, elen, "kv_events: node \"%s\" given twice",
-                         s->node);
+            /* a node twice is a data-parallel engine: one publisher per
+             * rank (vLLM shifts the port by the rank), one http */
+            if (strcmp(c->evs.src[i].node, s->node) == 0
+                && strcmp(c->evs.src[i].http, s->http) != 0)
+            {
+                snprintf(err, elen, "kv_events: node \"%s\" given twice "
+                         "with different \"http\" (%s, %s)", s->node,
+                         c->evs.src[i].http, s->http);
                 return -1;
             }
             if (strcmp(c->evs.src[i].endpoint, s->endpoint) == 0) {

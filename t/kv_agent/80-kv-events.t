@@ -307,8 +307,17 @@ sub check_cfg {
         my ($rc2, $o2) = check_cfg([$bad->[0]]);
         ok($rc2 != 0 && $o2 =~ $bad->[1], "refused: $o2" =~ s/\n//r);
     }
-    my ($rc3, $o3) = check_cfg([$src, { %$src, endpoint => "tcp://h:1" }]);
-    like($o3, qr/node "decode-0" given twice/, "a node twice: refused");
+    my ($rc3, $o3) = check_cfg([$src, { %$src, endpoint => "tcp://h:1",
+                                        http => "h:2" }]);
+    like($o3, qr/node "decode-0" given twice with different "http"/,
+         "a node twice with two addresses: refused");
+    ($rc3, $o3) = check_cfg([$src, { %$src, endpoint =>
+                                     "tcp://127.0.0.1:5558" }]);
+    is($rc3, 0, "a node twice with one address (data-parallel ranks): "
+       . "accepted") or diag $o3;
+    ($rc3, $o3) = check_cfg([$src, { %$src }]);
+    like($o3, qr/endpoint tcp:\/\/127.0.0.1:5557 given twice/,
+         "an endpoint twice: refused");
     ($rc3, $o3) = check_cfg([$src], role => "decode");
     like($o3, qr/for the router's agent/, "kv_events on a decode node: "
          . "refused");
