@@ -93,7 +93,8 @@ typedef struct {
     int32_t             group_idx;
 } kv_ev_removed_t;
 
-/* why a node's entries are to be dropped */
+/* why everything learned from a source (origin->idx; the node, unless
+ * it has one source per data-parallel rank) is to be dropped */
 typedef enum {
     KV_EV_CLEAR_ENGINE = 1,    /* AllBlocksCleared from the engine */
     KV_EV_CLEAR_RESTART,       /* seq went back: the publisher restarted */
