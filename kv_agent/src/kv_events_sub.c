@@ -60,6 +60,8 @@
 #define KV_EVS_RCVHWM       10000
 #define KV_EVS_FRAMES       8          /* frames read of one message */
 #define KV_EVS_END_SEQ      UINT64_MAX /* eight 0xFF bytes */
+#define KV_EVS_HB_IVL       2000       /* ms between ZMTP pings */
+#define KV_EVS_HB_TIMEOUT   6000       /* ms without traffic: dropped */
 
 
 typedef struct {
@@ -536,6 +538,22 @@ kv_evs_open(const kv_evs_conf_t *c, const kv_ev_sink_t *sink,
             int64_t max = (int64_t) e->dec.lim.max_payload + 4096;
             zmq_setsockopt(s->sub, ZMQ_MAXMSGSIZE, &max, sizeof(max));
         }
+        /* a publisher that froze or vanished without a FIN (a pod gone
+         * with its address) shows up as a dropped connection within
+         * KV_EVS_HB_TIMEOUT: ZMTP heartbeats, which vLLM's libzmq
+         * answers by itself; TCP keepalive for peers without them */
+        v = KV_EVS_HB_IVL;
+        zmq_setsockopt(s->sub, ZMQ_HEARTBEAT_IVL, &v, sizeof(v));
+        v = KV_EVS_HB_TIMEOUT;
+        zmq_setsockopt(s->sub, ZMQ_HEARTBEAT_TIMEOUT, &v, sizeof(v));
+        v = 1;
+        zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE, &v, sizeof(v));
+        v = 30;
+        zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE_IDLE, &v, sizeof(v));
+        v = 5;
+        zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE_INTVL, &v, sizeof(v));
+        v = 3;
+        zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE_CNT, &v, sizeof(v));
         v = 100;
         zmq_setsockopt(s->sub, ZMQ_RECONNECT_IVL, &v, sizeof(v));
         v = 5000;

@@ -141,6 +141,12 @@ sub scenario {
             open STDERR, '>&', \*STDOUT;
             exec @pub, "--script", $script or exit 127;
         }
+        if ($o{freeze}) {              # [after s, for s]: SIGSTOP it
+            sleep $o{freeze}[0];
+            kill 'STOP', $ppid;
+            sleep $o{freeze}[1];
+            kill 'CONT', $ppid;
+        }
         waitpid $ppid, 0;
     }
     waitpid $spid, 0;
@@ -149,7 +155,7 @@ sub scenario {
                 do { open my $f, '<', $out or die; <$f> };
     my ($st) = grep { $_->{event} eq 'stats' } @lines;
     my @ev = grep { $_->{event} ne 'stats' } @lines;
-    return (\@ev, $st // {});
+    return (\@ev, $st // {}, "$out.err");
 }
 
 sub summary {
@@ -251,6 +257,20 @@ for my $rt (0, 1) {
     is(summary($ev), "s0:1000 c2:reconnect s2:1002",
        "a message over the bound: its connection dropped, the stream "
        . "taken up after a clear");
+}
+
+{
+    # a frozen publisher (SIGSTOP: TCP still up, nothing answers): the
+    # heartbeats drop the connection, the stream resumes where it was
+    my ($ev, $st, $errf) = scenario(count => 3, seconds => 20,
+        freeze => [1.5, 9],
+        script => [["send", 0], ["send", 1], ["sleep", 12500],
+                   ["send", 2], ["sleep", 300]]);
+    is(summary($ev), "s0:1000 s1:1001 s2:1002",
+       "a publisher frozen for 9 s: nothing lost, nothing cleared");
+    my $err = do { local $/; open my $f, '<', $errf or die; <$f> };
+    like($err, qr/connection to \S+ lost/,
+         "... its silence seen as a dropped connection (heartbeats)");
 }
 
 {
