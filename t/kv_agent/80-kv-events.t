@@ -262,12 +262,12 @@ for my $rt (0, 1) {
 {
     # a frozen publisher (SIGSTOP: TCP still up, nothing answers): the
     # heartbeats drop the connection, the stream resumes where it was
-    my ($ev, $st, $errf) = scenario(count => 3, seconds => 20,
-        freeze => [1.5, 9],
-        script => [["send", 0], ["send", 1], ["sleep", 12500],
+    my ($ev, $st, $errf) = scenario(count => 3, seconds => 25,
+        freeze => [1.5, 11],
+        script => [["send", 0], ["send", 1], ["sleep", 14500],
                    ["send", 2], ["sleep", 300]]);
     is(summary($ev), "s0:1000 s1:1001 s2:1002",
-       "a publisher frozen for 9 s: nothing lost, nothing cleared");
+       "a publisher frozen for 11 s: nothing lost, nothing cleared");
     my $err = do { local $/; open my $f, '<', $errf or die; <$f> };
     like($err, qr/connection to \S+ lost/,
          "... its silence seen as a dropped connection (heartbeats)");
@@ -421,7 +421,7 @@ SKIP: {
     system($py, $helper, "pub", "--pub", "tcp://127.0.0.1:$pubp",
            "--replay", "tcp://127.0.0.1:" . ($pubp + 1), "--script",
            $script);
-    ok(log_wait($a, qr/decode-0 seq 4: 1 block\(s\) stored/, 10),
+    ok(log_wait($a, qr/decode-0 seq 4: 1 block\(s\) stored/, 20),
        "valgrind: the router agent took up the stream after it all");
     is(stop_agent($a, 'TERM', 60), 0, "valgrind: the router agent exits "
        . "clean (no errors, no definite leaks)")
