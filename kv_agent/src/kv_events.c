@@ -121,7 +121,8 @@ mp_next(mp_t *m, mp_obj_t *o)
         return -1;
     }
     b = *m->p++;
-    memset(o, 0, sizeof(*o));
+    o->len = 0;                        /* the hot path: no memset */
+    o->ptr = NULL;
     if (b <= 0x7f) {
         o->type = MP_UINT;
         o->u = b;
