@@ -443,8 +443,8 @@ static int
 parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
 {
     static const char *const keys[] = {
-        "node", "http", "endpoint", "replay", "topic", "replay_timeout_ms",
-        NULL
+        "node", "http", "endpoint", "replay", "topic", "model",
+        "replay_timeout_ms", NULL
     };
     kv_evs_src_conf_t *s;
     cJSON *e;
@@ -484,6 +484,7 @@ parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
             || get_str(e, "replay", s->replay, sizeof(s->replay), 0, err,
                        elen)
             || get_str(e, "topic", s->topic, sizeof(s->topic), 0, err, elen)
+            || get_str(e, "model", s->model, sizeof(s->model), 0, err, elen)
             || get_int(e, "replay_timeout_ms", &s->replay_timeout_ms, 10,
                        600000, err, elen))
         {
@@ -520,11 +521,12 @@ parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
             /* a node twice is a data-parallel engine: one publisher per
              * rank (vLLM shifts the port by the rank), one http */
             if (strcmp(c->evs.src[i].node, s->node) == 0
-                && strcmp(c->evs.src[i].http, s->http) != 0)
+                && (strcmp(c->evs.src[i].http, s->http) != 0
+                    || strcmp(c->evs.src[i].model, s->model) != 0))
             {
                 snprintf(err, elen, "kv_events: node \"%s\" given twice "
-                         "with different \"http\" (%s, %s)", s->node,
-                         c->evs.src[i].http, s->http);
+                         "with different \"http\" or \"model\"",
+                         s->node);
                 return -1;
             }
             if (strcmp(c->evs.src[i].endpoint, s->endpoint) == 0) {

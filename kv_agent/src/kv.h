@@ -140,6 +140,8 @@ typedef struct {
     char     endpoint[KV_EVS_EP_LEN];  /* the PUB: tcp://host:port */
     char     replay[KV_EVS_EP_LEN];    /* the ROUTER; "" = none */
     char     topic[KV_EVS_TOPIC_LEN];  /* exact; "" = vLLM's default */
+    char     model[KV_EVS_TOPIC_LEN];  /* the name requests use for its
+                                        * model: the prefix index's seed */
     int      replay_timeout_ms;        /* no reply this long: given up */
 } kv_evs_src_conf_t;
 typedef struct {
