@@ -11,7 +11,7 @@ PKGS=(
   libfabric-dev libfabric-bin
   perl libtest-base-perl libtext-diff-perl libwww-perl liblist-moreutils-perl
   libtest-longstring-perl libipc-run-perl liburi-perl
-  python3 python3-jinja2 curl wrk iperf3 valgrind iproute2 procps psmisc
+  python3 python3-venv python3-jinja2 curl wrk iperf3 valgrind iproute2 procps psmisc
   clang libclang-rt-14-dev
   libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack
   dnsmasq-base
@@ -39,23 +39,25 @@ if ((${#missing[@]})); then
 fi
 
 # The peers' own Python libraries (tools/python/requirements.txt, pinned)
-# in a virtualenv of the project's, .venv/ (not committed): the oracle
-# tests use them and skip, saying why, where .venv/ lacks them.  A PyPI
+# in a virtualenv of the project's, .venv/ (not committed), made from
+# Debian's /usr/bin/python3 with its site packages visible (python3-zmq,
+# python3-msgpack, python3-jinja2 stay the fallback): tools/run-tests.sh
+# and the demo put .venv/bin first in PATH, so `python3` is the same
+# interpreter on every machine, whatever python3 a toolchain manager put
+# first (the polyglot machines have pyenv's, without those packages).  The
+# oracle tests skip, saying why, where .venv/ lacks a library.  A PyPI
 # failure is reported, not fatal: everything else still builds and runs.
 venv=.venv
 vstamp=$venv/.dpd-installed
+vpy=/usr/bin/python3
+if [ -x "$venv/bin/python3" ] &&
+   [ "$(readlink -f "$venv/bin/python3")" != "$(readlink -f "$vpy")" ]; then
+  rm -rf "$venv"          # made by another interpreter: make it anew
+fi
 if [ ! -f "$vstamp" ] || [ tools/python/requirements.txt -nt "$vstamp" ]; then
   echo "deps: installing the Python oracles into $venv"
-  if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv" 2>/dev/null || {
-      rm -rf "$venv"
-      if [ "$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi
-      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
-        --no-install-recommends python3-venv >/dev/null
-      python3 -m venv "$venv"
-    }
-  fi
-  if "$venv/bin/pip" install -q --disable-pip-version-check \
+  [ -x "$venv/bin/python3" ] || "$vpy" -m venv --system-site-packages "$venv"
+  if "$venv/bin/python3" -m pip install -q --disable-pip-version-check \
        -r tools/python/requirements.txt; then
     touch "$vstamp"
   else
