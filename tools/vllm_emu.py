@@ -250,9 +250,11 @@ class ApiError(Exception):
                                    status, "Error")
 
     def body(self):
-        return jdump({"object": "error", "message": self.message,
-                      "type": self.etype, "param": None,
-                      "code": self.status})
+        # vLLM's ErrorResponse (entrypoints/serve/engine/protocol.py, 0.33.0):
+        # the OpenAI shape, {"error": {...}}, code the HTTP status
+        return jdump({"error": {"message": self.message,
+                                "type": self.etype, "param": None,
+                                "code": self.status}})
 
 
 # ---------------------------------------------------------------------------
@@ -2098,8 +2100,11 @@ class Conn(socketserver.BaseRequestHandler):
                 return
             if chat:
                 choices = [{"index": i, "message": {
-                    "role": "assistant", "reasoning_content": None,
-                    "content": texts[i], "tool_calls": []},
+                    # vLLM 0.33.0 ChatMessage: "reasoning" (the old
+                    # "reasoning_content" renamed), an empty tool_calls
+                    # left out by its serializer
+                    "role": "assistant", "content": texts[i],
+                    "reasoning": None},
                     "logprobs": None, "finish_reason": reasons[i],
                     "stop_reason": stops[i]} for i in range(len(seqs))]
                 resp = {"id": rid, "object": "chat.completion",
@@ -2389,6 +2394,8 @@ class Conn(socketserver.BaseRequestHandler):
                       # set by vLLM on a decode node only (turn-2 readback);
                       # the prefill side's lease is --kv-lease-duration
                       "remote_blocks_expiry_time": None,
+                      # 0 until the engine re-registers its KV memory
+                      "remote_registration_generation": 0,
                       "transfer_mode": "pull"}
         emu.kv.nixl_hold(eid, blocks, s.prompt_ids, published)
         info = {"protocol": "nixl", "side": "producer", "outcome": "held",
