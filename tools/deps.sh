@@ -84,7 +84,8 @@ cuda_runtime() {  # major
   rm -rf "$dir" "$dir.unavailable"
   log=$(mktemp)
   if ! "${pip[@]}" install -q --disable-pip-version-check --no-deps \
-         --only-binary=:all: --require-hashes --target "$dir/pypi" \
+         --retries 2 --timeout 20 --only-binary=:all: --require-hashes \
+         --target "$dir/pypi" \
          -r "$req" >"$log" 2>&1; then
     { echo "pip install -r $req failed:"; tail -5 "$log"; } \
       >"$dir.unavailable"

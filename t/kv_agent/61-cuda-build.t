@@ -142,4 +142,39 @@ for my $n (12, 13) {
         stop_agent($_) for $p, $d;
     }
 }
+
+# tools/gpu-check.sh without /usr/local/cuda picks the PyPI runtime for
+# the driver's CUDA major (a fake nvidia-smi says which; no provider is
+# run, so only the choice and the build are checked here)
+SKIP: {
+    skip "a GPU is present (60-gpu.t runs tools/gpu-check.sh)", 4 if $gpu;
+    skip "/usr/local/cuda is installed: gpu-check.sh uses it", 4
+        if -f "/usr/local/cuda/include/cuda_runtime.h";
+    skip "no PyPI CUDA 12 and 13 runtimes (make deps)", 4
+        unless -f "$root/.deps/cuda-12/include/cuda_runtime.h"
+            && -f "$root/.deps/cuda-13/include/cuda_runtime.h";
+    my $fake = kv_tmpdir() . "/fakebin";
+    mkdir $fake;
+    for ([13, "13.0", 0], [12, "12.8", 0], [13, "14.1", 0], [0, "11.8", 2]) {
+        my ($want, $drv, $rc) = @$_;
+        open my $fh, '>', "$fake/nvidia-smi" or die;
+        print $fh "#!/bin/sh\n[ \"\$1\" = -L ] && "
+            . "echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)' && exit 0\n"
+            . "echo '| NVIDIA-SMI 580.00  Driver Version: 580.00  "
+            . "CUDA Version: $drv |'\n";
+        close $fh;
+        chmod 0755, "$fake/nvidia-smi";
+        my $out = `env -u CUDA_HOME PATH='$fake':"\$PATH" KV_GPU_PROVIDERS=none KV_GPU_PORT=@{[kv_port(620)]} timeout 120 '$root/tools/gpu-check.sh' 2>&1`;
+        if ($want) {
+            ok($? >> 8 == $rc && $out =~ /CUDA runtime: PyPI's CUDA $want in \.deps\/cuda-$want/
+               && $out =~ /PASS build \(CUDA path compiled\)/,
+               "gpu-check.sh, driver CUDA $drv: builds against PyPI's CUDA $want")
+                or diag($out);
+        } else {
+            ok($? >> 8 == 2 && $out =~ /SKIP: no \/usr\/local\/cuda and no PyPI CUDA runtime/,
+               "gpu-check.sh, driver CUDA $drv: SKIP, exit 2, saying why")
+                or diag($out);
+        }
+    }
+}
 done_testing();
