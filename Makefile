@@ -119,4 +119,5 @@ bench: all
 	@bash bench/run-all.sh
 
 clean:
-	rm -rf $(BUILD) $(SAN_BUILD) $(NGX130_BUILD) t/servroot*
+	rm -rf $(BUILD) $(SAN_BUILD) $(NGX130_BUILD) t/servroot* \
+	    $(addprefix build-cuda,$(CUDA_MAJORS))

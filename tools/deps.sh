@@ -66,6 +66,64 @@ if [ ! -f "$vstamp" ] || [ tools/python/requirements.txt -nt "$vstamp" ]; then
   fi
 fi
 
+# CUDA 12 and 13 runtimes from PyPI (tools/cuda/requirements-cu*.txt,
+# pinned with hashes) under .deps/cuda-N/ (not committed), laid out as a
+# toolkit: include/ and lib64/ beside the wheels in pypi/, so that
+# `make kv-agent-cuda` (CUDA_HOME=.deps/cuda-N) compiles and links the
+# GPU path without a CUDA toolkit, and tools/gpu-check.sh uses them where
+# /usr/local/cuda is absent.  A failure is a warning: it is written to
+# .deps/cuda-N.unavailable and t/kv_agent/61-cuda-build.t skips with it.
+cuda_runtime() {  # major
+  local n=$1 dir=.deps/cuda-$1 req=tools/cuda/requirements-cu$1.txt
+  local pip=(python3 -m pip) log e
+  [ -x "$venv/bin/pip" ] && pip=("$venv/bin/pip")
+  if [ -f "$dir/.dpd-installed" ] && [ ! "$req" -nt "$dir/.dpd-installed" ]
+  then
+    return 0
+  fi
+  echo "deps: installing the CUDA $n runtime (PyPI) into $dir"
+  mkdir -p .deps
+  rm -rf "$dir" "$dir.unavailable"
+  log=$(mktemp)
+  if ! "${pip[@]}" install -q --disable-pip-version-check --no-deps \
+         --retries 2 --timeout 20 --only-binary=:all: --require-hashes \
+         --target "$dir/pypi" \
+         -r "$req" >"$log" 2>&1; then
+    { echo "pip install -r $req failed:"; tail -5 "$log"; } \
+      >"$dir.unavailable"
+    rm -rf "$dir" "$log"
+    echo "deps: WARNING: no CUDA $n runtime from PyPI (see $dir.unavailable);" \
+         "the CUDA $n build test will be skipped" >&2
+    return 0
+  fi
+  rm -f "$log"
+  if [ "$n" = 12 ]; then
+    # nvcc's wheel is here for its crt/ headers only
+    rm -rf "$dir/pypi/nvidia/cuda_nvcc/bin" "$dir/pypi/nvidia/cuda_nvcc/nvvm"
+    mkdir "$dir/include"
+    for e in "$dir"/pypi/nvidia/cuda_runtime/include/* \
+             "$dir"/pypi/nvidia/cuda_nvcc/include/*; do
+      ln -s "../${e#"$dir"/}" "$dir/include/"
+    done
+    ln -s pypi/nvidia/cuda_runtime/lib "$dir/lib64"
+  else
+    ln -s "pypi/nvidia/cu$n/include" "$dir/include"
+    ln -s "pypi/nvidia/cu$n/lib" "$dir/lib64"
+  fi
+  for e in include/cuda_runtime.h include/crt/host_defines.h \
+           "lib64/libcudart.so.$n"; do
+    [ -e "$dir/$e" ] || {
+      echo "the wheels of $req lack $e" >"$dir.unavailable"
+      echo "deps: WARNING: $(cat "$dir.unavailable")" >&2
+      rm -rf "$dir"
+      return 0
+    }
+  done
+  touch "$dir/.dpd-installed"
+}
+cuda_runtime 12
+cuda_runtime 13
+
 # npm fixtures: installed once into tools/npm/node_modules (not committed).
 stamp=tools/npm/node_modules/.dpd-installed
 if [ ! -f "$stamp" ] || [ tools/npm/package.json -nt "$stamp" ]; then
