@@ -296,7 +296,7 @@ for my $i (0 .. $#cases) {
              . "@b[$k .. ($k + 8 > $#b ? $#b : $k + 8)]]";
     }
 }
-note sprintf('compared %d requests (%d fixed: 22-harmony.t's and the former estimates, %d generated): '
+note sprintf('compared %d requests (%d fixed: 22-harmony.t and former estimates, %d generated): '
              . '%d equal, %d differ, %d not rendered exactly by the gateway',
              scalar @cases, $n22, @cases - $n22, $same, $diff, $est);
 diag sprintf('harmony oracle: %d requests compared, %d mismatches',
