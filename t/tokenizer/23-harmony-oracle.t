@@ -129,6 +129,98 @@ add('null description', '{"tools":[{"type":"function","function":{"name":"f",'
 add('empty tools', { tools => [], messages => [{ role => 'user', content => 'x' }] });
 add('empty tools, tool_choice none', { tools => [], tool_choice => 'none',
     messages => [{ role => 'system', content => 'S' }, { role => 'user', content => 'x' }] });
+# schema and message shapes one by one: what json_schema_to_typescript
+# does with each keyword, alone, required or not
+{
+    my $T = JSON::PP::true;
+    my @props = (
+        { type => 'string', title => 'T' },
+        { type => 'string', title => 'T', description => 'D' },
+        { type => 'string', examples => ['a', 1, $T, undef, { k => 'v' }] },
+        { type => 'string', const => 'x' },
+        { type => 'integer', enum => [1, 2, 3] },
+        { enum => ['a', 1, undef] },
+        { type => ['string', 'null'] },
+        { type => ['string', 'null'], default => undef },
+        { type => 'array', items => { type => 'array', items => { type => 'string' } } },
+        { type => 'array', items => { type => 'string', enum => ['a', 'b'] } },
+        { type => 'object' },
+        { type => 'object', additionalProperties => { type => 'string' } },
+        { type => 'object', properties => {} },
+        { anyOf => [{ type => 'string' }, { type => 'number' }] },
+        { type => 'string', format => 'date-time', minLength => 1 },
+        { type => 'number', minimum => 0, maximum => 10 },
+        {},
+        { description => 'only a description' },
+        { '$ref' => '#/definitions/x' },
+        { type => 'string', default => "a\"b\\c\nd" },
+        { type => 'boolean', default => $T, description => "multi\nline" },
+        { type => 'string', nullable => $T, enum => ['a', 'b'] },
+        { type => 'array' },
+        { type => 'array', description => 'arr', items => { type => 'object',
+          properties => { x => { type => 'string', description => 'xd' } },
+          required => ['x'] } },
+        { type => 'null' },
+        { type => 'string', enum => [] },
+        { type => 'string', examples => [] },
+        { type => 'string', description => '' },
+        { type => 'object', properties => { a => { type => 'object', properties => {
+          b => { type => 'object', properties => {
+          c => { type => 'string', description => 'deep' } } } } } } },
+    );
+    my $i = 0;
+    for my $p (@props) {
+        for my $req ([], ['a']) {
+            add("shape: property $i" . (@$req ? ' (required)' : ''),
+                { tools => [{ type => 'function', function => { name => "f$i",
+                    description => 'd', parameters => { type => 'object',
+                    properties => { a => $p }, required => $req } } }],
+                  messages => [{ role => 'user', content => 'x' }] });
+        }
+        $i++;
+    }
+    $i = 0;
+    for my $params ({}, { type => 'object' }, { type => 'string' },
+                    { properties => { a => { type => 'string' } } },
+                    { type => 'object', properties => { a => { type => 'string' } },
+                      required => ['zzz'] },
+                    { type => 'object', properties => { a => { type => 'string' } },
+                      additionalProperties => JSON::PP::false }) {
+        add('shape: parameters ' . $i++, { tools => [{ type => 'function', function => {
+            name => 'g', description => 'd', parameters => $params } }],
+            messages => [{ role => 'user', content => 'x' }] });
+    }
+    my $call = sub { { id => $_[0], type => 'function',
+                       function => { name => $_[1], arguments => '{}' } } };
+    $i = 0;
+    for my $msgs (
+        [{ role => 'user', content => '' }],
+        [{ role => 'user', content => [] }],
+        [{ role => 'user', content => undef }],
+        [{ role => 'assistant', content => 'a' }],
+        [{ role => 'assistant', content => [{ type => 'text', text => '' },
+                                            { type => 'text', text => 'x' }] },
+         { role => 'user', content => 'u' }],
+        [{ role => 'tool', tool_call_id => 'nope', content => 'r' }],
+        [{ role => 'user', content => 'u' },
+         { role => 'assistant', tool_calls => [$call->('a', 'f'), $call->('b', 'g')] },
+         { role => 'tool', tool_call_id => 'b', content => 'rb' },
+         { role => 'tool', tool_call_id => 'a', content => 'ra' }],
+        [{ role => 'user', content => 'u' }, { role => 'assistant', content => 'x', reasoning => '' }],
+        [{ role => 'developer', content => 'd' }, { role => 'system', content => 's' }],
+        [{ role => 'system', content => [{ type => 'text', text => 'a' }, { type => 'text', text => 'b' }] },
+         { role => 'system', content => [] }],
+        [{ role => 'user', content => 'u' }, { role => 'assistant', content => 'f1' },
+         { role => 'assistant', content => '', reasoning => 'r' },
+         { role => 'assistant', content => 'f2' }],
+        [{ role => 'user', content => 'u' }, { role => 'assistant', content => undef, reasoning => 'r1' },
+         { role => 'assistant', content => undef, reasoning => 'r2' }],
+        [{ role => 'user', content => 'u', name => 'bob' }],
+        [{ role => 'user', content => 'u' }, { role => 'assistant', content => 'a', tool_calls => [] }],
+    ) {
+        add('shape: messages ' . $i++, { messages => $msgs });
+    }
+}
 my $n22 = @cases;
 
 # ---- the generated set: a fixed LCG, so every run compares the same chats
@@ -296,7 +388,7 @@ for my $i (0 .. $#cases) {
              . "@b[$k .. ($k + 8 > $#b ? $#b : $k + 8)]]";
     }
 }
-note sprintf('compared %d requests (%d fixed: 22-harmony.t and former estimates, %d generated): '
+note sprintf('compared %d requests (%d fixed: 22-harmony.t, former estimates, shapes; %d generated): '
              . '%d equal, %d differ, %d not rendered exactly by the gateway',
              scalar @cases, $n22, @cases - $n22, $same, $diff, $est);
 diag sprintf('harmony oracle: %d requests compared, %d mismatches',
