@@ -26,7 +26,10 @@ vLLM followed (read, not imported: vLLM needs a GPU stack):
 The vocab: $TIKTOKEN_ENCODINGS_BASE/o200k_base.tiktoken
 (tools/python/make_tiktoken_vocab.py writes it offline).
 
-usage: harmony_oracle.py [--date YYYY-MM-DD] [--jsonl] < input
+A vLLM that drops only the current turn's analysis (the other published
+form of auto_drop_analysis_messages) is --drop-turn.
+
+usage: harmony_oracle.py [--date YYYY-MM-DD] [--jsonl] [--drop-turn] < input
   one request on stdin: prints its ids, space-separated; exit 2 and the
   reason on stderr when vLLM would refuse it (400).
   --jsonl: one request per line; one line out per request: the ids, or
@@ -170,6 +173,28 @@ def auto_drop_analysis(msgs):
             if not (i < last and m.channel == "analysis")]
 
 
+def auto_drop_analysis_turn(msgs):
+    """the other published form of auto_drop_analysis_messages (vLLM
+    commit 0142105b's harmony_utils.py): only the analysis messages of the
+    current turn (after the last user message) before its last final go"""
+    start = 0
+    for i in range(len(msgs) - 1, -1, -1):
+        if msgs[i].author.role == Role.USER:
+            start = i + 1
+            break
+    last = -1
+    for i in range(len(msgs) - 1, start - 1, -1):
+        if msgs[i].author.role == Role.ASSISTANT \
+                and msgs[i].channel == "final":
+            last = i
+            break
+    if last < start:
+        return msgs
+    return [m for i, m in enumerate(msgs)
+            if not (start <= i < last and m.channel == "analysis"
+                    and m.author.role != Role.USER)]
+
+
 def validate(req):
     """What ChatCompletionRequest's pydantic model refuses, for the shapes
     the oracle is given."""
@@ -203,7 +228,7 @@ def validate(req):
     return req
 
 
-def render(enc, req, date):
+def render(enc, req, date, drop):
     req = validate(req)
     chat = list(req["messages"])
     # extract_instructions_from_messages
@@ -225,7 +250,7 @@ def render(enc, req, date):
     parsed = []
     for m in chat:
         parsed.extend(chat_message(m, tool_id_names))
-    msgs.extend(auto_drop_analysis(parsed))
+    msgs.extend(drop(parsed))
     # render_for_completion
     return enc.render_conversation_for_completion(
         Conversation.from_messages(msgs), Role.ASSISTANT)
@@ -234,11 +259,14 @@ def render(enc, req, date):
 def main(argv):
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     jsonl = False
+    drop = auto_drop_analysis
     args = argv[1:]
     while args:
         a = args.pop(0)
         if a == "--date" and args:
             date = args.pop(0)
+        elif a == "--drop-turn":
+            drop = auto_drop_analysis_turn
         elif a == "--jsonl":
             jsonl = True
         else:
@@ -248,7 +276,7 @@ def main(argv):
     data = sys.stdin.buffer.read().decode("utf-8")
     if not jsonl:
         try:
-            ids = render(enc, json.loads(data), date)
+            ids = render(enc, json.loads(data), date, drop)
         except Refused as e:
             sys.stderr.write("refused: %s\n" % e)
             return 2
@@ -260,7 +288,7 @@ def main(argv):
             continue
         try:
             out.append(" ".join(map(str, render(enc, json.loads(line),
-                                                date))))
+                                                date, drop))))
         except Exception as e:  # a refusal, or harmony's own error
             out.append("ERROR %s: %s" % (type(e).__name__,
                                          str(e).replace("\n", " ")))
