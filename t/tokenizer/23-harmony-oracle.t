@@ -221,6 +221,10 @@ add('empty tools, tool_choice none', { tools => [], tool_choice => 'none',
         add('shape: messages ' . $i++, { messages => $msgs });
     }
 }
+# 22-harmony.t's estimate: an earlier turn's reasoning, this turn reasoning
+add('earlier reasoning', '{"messages":[{"role":"user","content":"a"},'
+    . '{"role":"assistant","content":"b","reasoning":"r1"},{"role":"user","content":"c"},'
+    . '{"role":"assistant","content":"","reasoning":"r2"}]}');
 my $n22 = @cases;
 
 # ---- the generated set: a fixed LCG, so every run compares the same chats
@@ -347,10 +351,6 @@ sub chat {
 }
 add("generated $_", chat(0)) for 1 .. 600;
 add("generated, reasoning in any turn $_", chat(1)) for 1 .. 200;
-# 22-harmony.t's estimate: an earlier turn's reasoning, this turn reasoning
-add('earlier reasoning', '{"messages":[{"role":"user","content":"a"},'
-    . '{"role":"assistant","content":"b","reasoning":"r1"},{"role":"user","content":"c"},'
-    . '{"role":"assistant","content":"","reasoning":"r2"}]}');
 
 # ---- both sides, one process each
 sub both {
