@@ -35,7 +35,9 @@ my $dir = corpus_dir();
 use File::Path qw(make_path);
 make_path($dir);
 my $tt = build() . '/tiktoken';
-unless (-s "$tt/o200k_base.tiktoken") {
+# (re)built when missing or older than the tokenizer.json it comes from
+unless (-s "$tt/o200k_base.tiktoken"
+        && (stat _)[9] >= (stat "$m/tokenizer.json")[9]) {
     my ($rc, $err) = run_cmd("'$py' '" . root()
         . "/tools/python/make_tiktoken_vocab.py' '$m/tokenizer.json' '$tt'", 120);
     plan skip_all => "o200k_base.tiktoken cannot be built: $err" if $rc;
