@@ -19,6 +19,10 @@
  * tokens as single ids: the ids are built the same way, piece by piece,
  * and the rendered text is those pieces joined (for --render).
  *
+ * Checked against openai-harmony itself (0.0.8, vLLM's pin) by
+ * t/tokenizer/23-harmony-oracle.t through tools/python/harmony_oracle.py,
+ * which prepares requests as online_renderer.py 01063cd0 does.
+ *
  * Returns 0 (exact), 1 (a feature not reproduced exactly: err says which,
  * the caller estimates) or -1 (refused as vLLM refuses it: 400).
  */
