@@ -38,7 +38,7 @@ sub ids { my ($from, $n) = @_; [map { $from + $_ } 0 .. $n - 1] }
 
 sub full { $BS * int(($_[0] - 1) / $BS) }    # what a whole-prompt hit gives
 
-my ($a, $b) = DPD::Emu->start_many(count => 2, %ports, time_scale => 0.01,
+my ($a, $b) = DPD::Emu->start_many(count => 2, %ports, prefix_caching => 1, time_scale => 0.01,
                                    args => ['--lora-modules', 'ad1=/x']);
 
 # --- a multi-turn chat grows its cached prefix turn by turn -----------------
@@ -139,7 +139,7 @@ my ($a, $b) = DPD::Emu->start_many(count => 2, %ports, time_scale => 0.01,
 
 # --- the timing model: prefill from the uncached tokens only ---------------
 {
-    my $t = DPD::Emu->start(host => '127.0.0.4', %ports, time_scale => 1,
+    my $t = DPD::Emu->start(host => '127.0.0.4', %ports, prefix_caching => 1, time_scale => 1,
                             prefill_tps => 10000, decode_step_ms => 10,
                             max_num_batched_tokens => 8192);
     my $p = ids(7000, 4000);
@@ -160,7 +160,7 @@ my ($a, $b) = DPD::Emu->start_many(count => 2, %ports, time_scale => 0.01,
 # --- eviction: a 20-block pool, LRU, a chain's tail first ------------------
 {
     # decode steps of 20 ms (scaled): a 40-token stream runs ~0.8 s
-    my $s = DPD::Emu->start(host => '127.0.0.5', %ports, time_scale => 0.01,
+    my $s = DPD::Emu->start(host => '127.0.0.5', %ports, prefix_caching => 1, time_scale => 0.01,
                             decode_step_ms => 2000, kv_blocks => 20);
     my ($x, $y, $z) = (ids(1000, 80), ids(2000, 80), ids(3000, 160));
     # x: 6 blocks (5 full ones cached), y: the same, z: 11 blocks: the 8
@@ -215,7 +215,7 @@ my ($a, $b) = DPD::Emu->start_many(count => 2, %ports, time_scale => 0.01,
 # --- disaggregated: the decoder caches what it pulled, the prefiller what
 #     it computed (vLLM caches received blocks like computed ones) -----------
 {
-    my %c = (%ports, time_scale => 0.01);
+    my %c = (%ports, prefix_caching => 1, time_scale => 0.01);
     my $p = DPD::Emu->start(host => '127.0.0.6', role => 'prefill', %c);
     my $d = DPD::Emu->start(host => '127.0.0.7', role => 'decode', %c);
     my $prompt = ids(9000, 200);
@@ -242,7 +242,7 @@ my ($a, $b) = DPD::Emu->start_many(count => 2, %ports, time_scale => 0.01,
 
 # --- --no-enable-prefix-caching --------------------------------------------
 {
-    my $n = DPD::Emu->start(host => '127.0.0.8', %ports, time_scale => 0.01,
+    my $n = DPD::Emu->start(host => '127.0.0.8', %ports, prefix_caching => 1, time_scale => 0.01,
                             args => ['--no-enable-prefix-caching']);
     my $p = ids(100, 64);
     post($n, '/v1/completions', {prompt => $p, max_tokens => 1});

@@ -56,7 +56,7 @@ for my $form (qw(map array)) {
     my $cfg = sprintf('{"enable_kv_cache_events":true,"endpoint":"tcp://*:%d",'
                       . '"replay_endpoint":"tcp://*:%d","topic":"kv@%s@m",'
                       . '"buffer_steps":50}', $pub, $rep, $host);
-    my $e = DPD::Emu->start(host => $host, %ports, python => $PY,
+    my $e = DPD::Emu->start(host => $host, %ports, prefix_caching => 1, python => $PY,
                             time_scale => 0.01, kv_blocks => 24,
                             args => ['--kv-events-config', $cfg,
                                      '--kv-events-form', $form,
