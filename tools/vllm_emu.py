@@ -55,9 +55,9 @@ ENDPOINTS (as vLLM)
   n must be 1.  Unknown fields are ignored.  Any "model" is accepted.
   Deviations: max_tokens defaults to --default-max-tokens for chat as well;
   prompt_tokens_details is filled (as with --enable-prompt-tokens-details);
-  generation never emits EOS: finish_reason is "length" or "stop" (stop=);
-  no automatic prefix caching (vLLM V1 has it on by default), so
-  cached_tokens counts only KV that came from a prefill instance.
+  generation never emits EOS: finish_reason is "length" or "stop" (stop=).
+  POST /reset_prefix_cache    (vLLM's, dev mode there) forget every cached
+  block; refused (logged, 200 all the same) while blocks are in use.
 
 EMULATOR ENDPOINTS (tests)
   GET  /emu/stats[?since=N]  JSON: {"instance":{..},"counters":{..},
@@ -104,7 +104,19 @@ EMULATOR ENDPOINTS (tests)
         "push_state"} or {"protocol":"kv_agent","side":"consumer",
         "outcome":"ready"|"not_ready"|"failed"|"mismatch"|"no_agent",
         "req_id","state" (the agent's),"blocks","cached_tokens","error"}.
+        kv.prefix_cache: {"enabled","queries","hits" (tokens),"requests",
+        "stored_blocks","evicted_blocks","resets","resets_refused",
+        "cached_blocks","free_blocks","cached_free_blocks"}; kv.kv_events:
+        null or the publisher's state (as GET /emu/kv_events).  A record
+        also has "prefix_cache_hit_tokens" (its cached_tokens is what the
+        usage reports: the prefix-cache hit or the transferred KV).
   POST /emu/reset            forget request records and zero counters
+  GET|POST /emu/kv_events    KV event publisher: {"endpoint",
+        "replay_endpoint","topic","form","hash","next_seq","sent",
+        "dropped","restarts","replays","replayed","buffered",..}; POST
+        {"drop":N} publishes the next N batches to the replay buffer only
+        (their seq is used: subscribers see a gap), {"restart":true}
+        reopens the sockets with seq from 0 and an empty replay buffer.
   GET|POST|DELETE /emu/fault fault rules (see FAULTS)
 
 FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
@@ -127,6 +139,35 @@ FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
   bytes of the body (N=0: close without answering).  delay_ms is real time
   (not scaled).  Rules apply to /v1/* generation endpoints unless "path"
   names another one (/health, /v1/models, /metrics).
+
+PREFIX CACHING (vLLM v1; --no-enable-prefix-caching turns it off)
+  The pod's --kv-blocks are one pool.  A request's full blocks are cached
+  under chained hashes (sha256 over the parent hash, the block's token ids
+  and its extra keys: the LoRA name (--lora-modules) on every block, the
+  request's cache_salt on block 0; the seed is PYTHONHASHSEED's or random
+  per process, as vLLM's NONE_HASH) as they are computed, the output's too
+  (a generated word's id is the tokenizer's id for it).  At admission the
+  longest run of cached blocks from block 0, at most (prompt - 1) tokens
+  (vLLM always computes the last token), is reused, not with
+  prompt_logprobs; KV from a transfer (nixl, lmcache, kv_agent) is cached
+  on arrival; cached_tokens = the larger of the two.  Freed blocks keep
+  their hash in the free queue (LRU; a request's blocks are freed tail
+  first) until reused; blocks of running or held requests are never
+  evicted.  Metrics: vllm:prefix_cache_queries_total, _hits_total.
+  --kv-events-config (vllm/config/kv_events.py's JSON; needs pyzmq):
+  ZeroMQ PUB (bound when the endpoint has * or ::, else connected), frames
+  (topic, seq 8 bytes big-endian from 0, msgpack [ts, events, 0]), one
+  batch per scheduler step with events: BlockStored (block_hashes,
+  parent_block_hash, token_ids, block_size, lora_id, medium "GPU",
+  lora_name, extra_keys one per block, group_idx 0, kv_cache_spec_kind
+  "full_attention"), BlockRemoved (evictions), AllBlocksCleared (reset).
+  --kv-events-form map: {"type":..} maps without null-defaulted fields
+  (vLLM >= 0.26), replay replies [topic, seq, payload], end ["", 0xFF*8,
+  ""]; array: positional ["BlockStored", ...] with every field (older
+  vLLM), replay replies [seq, payload], end [0xFF*8, ""].  Hashes: the
+  digest's last 8 bytes as uint64 or the 32 bytes (--kv-events-hash).
+  replay_endpoint: ROUTER; a request [identity, "", start_seq] gets every
+  kept batch (buffer_steps) from start_seq on, then the end marker.
 
 TIMING MODEL  One scheduler thread: each step runs every decoding sequence
   (1 token each) plus prefill chunks up to --max-num-batched-tokens; a step
