@@ -18,7 +18,7 @@ use DPD::Emu;
 my $J = JSON::PP->new->utf8->canonical;
 my $T = JSON::PP::true;
 my $F = JSON::PP::false;
-my $base = ($ENV{DPD_EMU_PORT} || 19000) + 13;
+my $base = ($ENV{DPD_EMU_PORT} || 19000) + 14;
 my %ports = (port => $base, side_channel_port => $base + 100,
              lmcache_init_port => $base + 200,
              lmcache_alloc_port => $base + 300);
