@@ -150,7 +150,8 @@ PREFIX CACHING (vLLM v1; --no-enable-prefix-caching turns it off)
   longest run of cached blocks from block 0, at most (prompt - 1) tokens
   (vLLM always computes the last token), is reused, not with
   prompt_logprobs; KV from a transfer (nixl, lmcache, kv_agent) is cached
-  on arrival; cached_tokens = the larger of the two.  Freed blocks keep
+  on arrival (a NIXL decoder pulls, and times, only the blocks it lacks:
+  kv.transferred_tokens); cached_tokens = the larger of the two.  Freed blocks keep
   their hash in the free queue (LRU; a request's blocks are freed tail
   first) until reused; blocks of running or held requests are never
   evicted.  Metrics: vllm:prefix_cache_queries_total, _hits_total.
@@ -162,10 +163,15 @@ PREFIX CACHING (vLLM v1; --no-enable-prefix-caching turns it off)
   lora_name, extra_keys one per block, group_idx 0, kv_cache_spec_kind
   "full_attention"), BlockRemoved (evictions), AllBlocksCleared (reset).
   --kv-events-form map: {"type":..} maps without null-defaulted fields
-  (vLLM >= 0.26), replay replies [topic, seq, payload], end ["", 0xFF*8,
-  ""]; array: positional ["BlockStored", ...] with every field (older
-  vLLM), replay replies [seq, payload], end [0xFF*8, ""].  Hashes: the
+  (vLLM 0.26), replay replies [topic, seq, payload], end ["", 0xFF*8,
+  ""]; typed: the same with extra_keys as tagged structs ({"type":
+  "cache_salt","salt":..}, {"type":"lora","name":..}; vLLM main after
+  0.26); array: positional ["BlockStored", ...] with every field (vLLM
+  0.10-0.25), replay replies [seq, payload], end [0xFF*8, ""]; array0:
+  vLLM 0.9's (BlockStored [name, hashes, parent, token_ids, block_size,
+  lora_id], BlockRemoved [name, hashes], batch [ts, events]).  Hashes: the
   digest's last 8 bytes as uint64 or the 32 bytes (--kv-events-hash).
+  --data-parallel-rank N: the batches' rank; both ports shifted by N.
   replay_endpoint: ROUTER; a request [identity, "", start_seq] gets every
   kept batch (buffer_steps) from start_seq on, then the end marker.
 
@@ -543,6 +549,17 @@ class Scheduler(threading.Thread):
         ev = self.pool.take_events()
         if ev and self.emu.kv_pub is not None:
             self.emu.kv_pub.publish(ev)
+
+    def peek_hit(self, ids, salt, lora, skip_read):
+        """Tokens of ids this pod's prefix cache holds now (no touch)."""
+        pool = self.pool
+        if not pool.enabled or skip_read:
+            return 0
+        h = apc_hash_blocks(pool.seed, ids[:((len(ids) - 1) // pool.bs)
+                                          * pool.bs], pool.bs, [], lora,
+                            salt)
+        with self.cv:
+            return len(pool.lookup(h, len(h))) * pool.bs
 
     def reset_prefix_cache(self):
         with self.cv:
@@ -1591,7 +1608,7 @@ class PrefixCache(object):
                 "stored", new, s.apc_hashes[first - 1] if first else None,
                 ids[first * bs:nfull * bs],
                 [apc_extra_keys(i * bs, s.lora, s.salt)
-                 for i in range(first, nfull)], s.lora))
+                 for i in range(first, nfull)], s.lora, s.salt))
 
     def reset(self):
         """reset_prefix_cache: only with every block free."""
@@ -1661,7 +1678,8 @@ def parse_kv_events_config(text):
             raise ValueError("%s: expected an integer >= %d" % (k, lo))
     for k in ("endpoint", "replay_endpoint"):
         ep = out[k]
-        if ep is not None and not re.match(r"^(tcp|ipc|inproc)://.+", ep):
+        if ep is not None and not re.match(
+                r"^(tcp://.+:\d{1,5}|(ipc|inproc)://.+)$", ep):
             raise ValueError("%s: expected tcp://HOST:PORT, ipc:// or "
                              "inproc:// (got %r)" % (k, ep))
     return out
@@ -1684,7 +1702,7 @@ class KvEventPublisher(threading.Thread):
         threading.Thread.__init__(self, name="kv-events", daemon=True)
         self.emu = emu
         self.cfg = cfg
-        self.form = form              # "map" (vLLM >= 0.26) | "array"
+        self.form = form              # map | typed | array | array0
         self.int_hash = hash_form == "int"
         self.dp_rank = dp_rank
         self.bs = emu.args.block_size
@@ -1787,31 +1805,51 @@ class KvEventPublisher(threading.Thread):
         return int.from_bytes(h[-8:], "big") if self.int_hash else h
 
     def wire(self, ev):
+        """One event as the chosen vLLM version's msgspec structs encode
+        it.  map (0.26: tag=True, omit_defaults), typed (vLLM main after
+        it: extra keys as tagged ExtraKey structs, event_version 1 left out
+        as the default), array (0.10-0.25: array_like, every field),
+        array0 (0.9, @b4e69e0af33f: five BlockStored fields)."""
+        form = self.form
         kind = ev[0]
         if kind == "stored":
-            _, hashes, parent, toks, extra, lora = ev
+            _, hashes, parent, toks, extra, lora, salt = ev
+            if form == "typed":
+                # extra_keys_to_typed: the LoRA name, then cache_salt
+                ek = [[({"type": "lora", "name": x}
+                        if lora is not None and x == lora[0]
+                        else {"type": "cache_salt", "salt": x}
+                        if salt is not None and x == salt
+                        else {"type": "legacy", "value": x}) for x in k]
+                       if k is not None else None for k in extra]
+            else:
+                ek = [list(k) if k is not None else None for k in extra]
             f = [("block_hashes", [self.ext(h) for h in hashes]),
                  ("parent_block_hash",
                   self.ext(parent) if parent is not None else None),
                  ("token_ids", list(toks)), ("block_size", self.bs),
                  ("lora_id", lora[1] if lora else None), ("medium", "GPU"),
                  ("lora_name", lora[0] if lora else None),
-                 ("extra_keys", [list(k) if k is not None else None
-                                 for k in extra]),
-                 ("group_idx", 0), ("kv_cache_spec_kind", "full_attention"),
+                 ("extra_keys", ek), ("group_idx", 0),
+                 ("kv_cache_spec_kind", "full_attention"),
                  ("kv_cache_spec_sliding_window", None)]
             name = "BlockStored"
+            if form == "array0":
+                f = f[:5]
         elif kind == "removed":
             f = [("block_hashes", [self.ext(ev[1])]), ("medium", "GPU"),
                  ("group_idx", 0)]
             name = "BlockRemoved"
+            if form == "array0":
+                f = f[:1]
         else:
             f, name = [], "AllBlocksCleared"
-        if self.form == "array":
+        if form in ("array", "array0"):
             # array_like structs: every field, in declaration order
             return [name] + [v for _, v in f]
         # maps (omit_defaults): fields whose default is None are left out
-        # when None; lora_id, medium, lora_name have no default
+        # when None (typed: locality and ownership too); lora_id, medium,
+        # lora_name have no default
         d = {"type": name}
         for k, v in f:
             if v is None and k in ("kv_cache_spec_sliding_window",
@@ -1819,6 +1857,12 @@ class KvEventPublisher(threading.Thread):
                 continue
             d[k] = v
         return d
+
+    def batch(self, ts, events):
+        b = [ts, [self.wire(e) for e in events]]
+        if self.form != "array0":        # EventBatch.data_parallel_rank
+            b.append(self.dp_rank)
+        return mp_pack(b)
 
     # -- thread ------------------------------------------------------------
 
@@ -1854,8 +1898,7 @@ class KvEventPublisher(threading.Thread):
                 drop = self.drop_left > 0
                 if drop:
                     self.drop_left -= 1
-            payload = mp_pack([ts, [self.wire(e) for e in events],
-                               self.dp_rank])
+            payload = self.batch(ts, events)
             sb = seq.to_bytes(8, "big")
             if not drop:
                 self.pub.send_multipart((self.topic, sb, payload))
@@ -1876,7 +1919,8 @@ class KvEventPublisher(threading.Thread):
             items = [(q, p) for q, p in self.buffer if q >= start]
             self.info["replays"] += 1
             self.info["replayed"] += len(items)
-        topic = [self.topic] if self.form == "map" else []
+        # vLLM PR #45177: replies carry the topic frame (map forms)
+        topic = [self.topic] if self.form in ("map", "typed") else []
         for q, p in items:
             self.rep.send_multipart([ident, b""] + topic +
                                     [q.to_bytes(8, "big"), p])
@@ -2004,7 +2048,8 @@ class Emu(object):
                              "--enable-prefix-caching to enable.\n")
         try:
             self.kv_pub = KvEventPublisher(self, cfg, a.kv_events_form,
-                                           a.kv_events_hash)
+                                           a.kv_events_hash,
+                                           a.data_parallel_rank)
         except zmq.ZMQError as e:
             sys.exit("vllm_emu: KV events publisher on %s (replay %s): %s"
                      % (cfg["endpoint"], cfg["replay_endpoint"], e))
@@ -2682,7 +2727,9 @@ class Conn(socketserver.BaseRequestHandler):
         cached = [0] * len(prompts)
         single = len(prompts) == 1
         if kvp and single and kvp.get("do_remote_prefill"):
-            kvinfo = self.nixl_pull(kvp, prompts[0], eids[0])
+            kvinfo = self.nixl_pull(kvp, prompts[0], eids[0],
+                                    emu.sched.peek_hit(prompts[0], salt, lora,
+                                                       skip_read))
             cached[0] = kvinfo["cached_tokens"]
         elif dpd is not None and req_role == "decode":
             kvinfo = self.kv_agent_consume(dpd, prompts)
@@ -3075,7 +3122,7 @@ class Conn(socketserver.BaseRequestHandler):
 
     # -- NIXL ----------------------------------------------------------------
 
-    def nixl_pull(self, kvp, ids, own_eid):
+    def nixl_pull(self, kvp, ids, own_eid, local=0):
         """Decoder: pull the prompt blocks named by kvp; returns kv info."""
         emu = self.emu
         a = emu.args
@@ -3115,12 +3162,12 @@ class Conn(socketserver.BaseRequestHandler):
         with emu.lock:
             emu.pulling += 1
         try:
-            return self._nixl_pull(info, kvp, ids, host, port, blocks)
+            return self._nixl_pull(info, kvp, ids, host, port, blocks, local)
         finally:
             with emu.lock:
                 emu.pulling -= 1
 
-    def _nixl_pull(self, info, kvp, ids, host, port, blocks):
+    def _nixl_pull(self, info, kvp, ids, host, port, blocks, local=0):
         emu = self.emu
         a = emu.args
         try:
@@ -3144,7 +3191,11 @@ class Conn(socketserver.BaseRequestHandler):
             emu.counter_add("nixl_pull_mismatch_total", 1)
             return info
         # modelled transfer time for the pulled blocks
-        self.transfer_sleep(ntok)
+        # vLLM's NIXL worker reads only the blocks the decoder's own prefix
+        # cache does not hold (local: its hit now)
+        moved = max(0, ntok - local)
+        self.transfer_sleep(moved)
+        info["transferred_tokens"] = moved
         c = min(ntok, ((len(ids) - 1) // a.block_size) * a.block_size)
         info["outcome"] = "ok"
         info["pulled_blocks"] = int(r["n_blocks"])
@@ -3411,11 +3462,19 @@ def parse_args(argv):
                    "\"buffer_steps\":10000, \"hwm\":100000, "
                    "\"max_queue_size\":100000, \"topic\":\"\"} (needs "
                    "pyzmq)")
-    g.add_argument("--kv-events-form", choices=("map", "array"),
+    g.add_argument("--kv-events-form",
+                   choices=("map", "typed", "array", "array0"),
                    default="map",
-                   help="events as maps with a \"type\" key (vLLM >= 0.26;"
-                   " replay replies carry the topic frame) or positional "
-                   "arrays (older vLLM; no topic frame in replay replies)")
+                   help="map: events as maps with a \"type\" key (vLLM "
+                   "0.26; replay replies carry the topic frame); typed: the "
+                   "same with extra_keys as tagged structs (vLLM main after "
+                   "0.26); array: positional arrays with every field (vLLM "
+                   "0.10-0.25; no topic frame in replay replies); array0: "
+                   "vLLM 0.9's (BlockStored with five fields, batch [ts, "
+                   "events])")
+    g.add_argument("--data-parallel-rank", type=int, default=0,
+                   help="the events' data_parallel_rank; the KV event "
+                   "endpoints' ports are shifted by it, as vLLM does")
     g.add_argument("--kv-events-hash", choices=("int", "bytes"),
                    default=None,
                    help="block hashes on the wire: uint64 (the digest's "
@@ -3543,6 +3602,14 @@ def parse_args(argv):
                                  % sys.executable)
                 sys.exit(2)
             a.kv_events = cfg
+            if a.data_parallel_rank and any(
+                    (cfg[k] or "").startswith("ipc://")
+                    for k in ("endpoint", "replay_endpoint")):
+                ap.error("--kv-events-config: an ipc:// endpoint cannot be "
+                         "offset by --data-parallel-rank (vLLM: \"Invalid "
+                         "endpoint\")")
+    if a.data_parallel_rank < 0:
+        ap.error("--data-parallel-rank must be >= 0")
     return a
 
 

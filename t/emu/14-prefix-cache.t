@@ -236,6 +236,20 @@ my ($a, $b) = DPD::Emu->start_many(count => 2, %ports, prefix_caching => 1, time
                    {prompt => $prompt, max_tokens => 1,
                     kv_transfer_params => {do_remote_decode => $T}});
     is cached($pr2), 192, 'the prefiller reuses its own blocks';
+    # a longer prompt with the same start: the decoder pulls only the
+    # blocks its own cache lacks (vLLM's NIXL worker reads the tail)
+    my $longer = [@$prompt, @{ ids(9500, 100) }];
+    my $pr3 = post($p, '/v1/completions',
+                   {prompt => $longer, max_tokens => 1,
+                    kv_transfer_params => {do_remote_decode => $T}});
+    my $dr3 = post($d, '/v1/completions',
+                   {prompt => $longer, max_tokens => 1,
+                    kv_transfer_params => $pr3->{kv_transfer_params}});
+    is cached($dr3), 288, 'decode of the longer prompt: 288 cached';
+    my $kv = $d->last_request->{kv};
+    is $kv->{outcome}, 'ok', 'pulled';
+    is $kv->{transferred_tokens}, 288 - 192,
+        'only the 96 tokens the decoder lacked were moved';
     $p->stop;
     $d->stop;
 }

@@ -2,7 +2,10 @@
 # independently of the emulator's own msgpack encoder: Python msgspec with
 # the structs declared as in vLLM's vllm/distributed/kv_events.py (map form:
 # @0181ea3173e5 with the batch array-like as vLLM 0.26 sends it, PR #42892;
-# array form: the same structs with array_like=True, as before that PR).
+# typed: vLLM main after 0.26, extra keys as tagged ExtraKey structs and
+# event_version; array: the map form's structs with array_like=True, as
+# before PR #42892; array0: @b4e69e0af33f, vLLM 0.9's five-field
+# BlockStored and [ts, events]).
 # Checks BlockStored/BlockRemoved/AllBlocksCleared content, the parent
 # chain, cache_salt and LoRA extra keys, seq, replay (PR #45177 framing for
 # the map form), dropped batches and a publisher restart.
@@ -40,26 +43,54 @@ my ($pub, $rep) = ($base + 400, $base + 500);
         my $out = `$PY $emu --port $base --kv-events-config '$cfg' 2>&1`;
         ok $? != 0 && $out =~ $re, "refused: $cfg" or diag $out;
     }
-    SKIP: {
-        # Debian's own python3 (the venv adds pyzmq to it)
-        my $sys = -x '/usr/bin/python3' ? '/usr/bin/python3' : 'python3';
-        skip "$sys has zmq: the missing-zmq refusal cannot be shown", 1
-            if system("$sys -c 'import zmq' 2>/dev/null") == 0;
-        my $out = `$sys $emu --port $base --kv-events-config '{"enable_kv_cache_events":true}' 2>&1`;
-        ok $? != 0 && $out =~ /needs pyzmq/, 'without pyzmq: refused, says why'
-            or diag $out;
-    }
+    # the emulator where pyzmq cannot be imported
+    my $nozmq = q{import runpy, sys; sys.modules["zmq"] = None; }
+        . q{sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], }
+        . q{run_name="__main__")};
+    my $out = `$PY -c '$nozmq' $emu --port $base --kv-events-config '{"enable_kv_cache_events":true}' 2>&1`;
+    ok $? != 0 && $out =~ /needs pyzmq/, 'without pyzmq: refused, says why'
+        or diag $out;
+    $out = `$PY $emu --port $base --data-parallel-rank 1 --kv-events-config '{"enable_kv_cache_events":true,"endpoint":"ipc:///tmp/x"}' 2>&1`;
+    ok $? != 0 && $out =~ /ipc:\/\/ endpoint cannot be offset/,
+        'an ipc endpoint with a data-parallel rank: refused' or diag $out;
+}
+
+# --- a data-parallel rank shifts the port and is in every batch -----------
+{
+    my $cfg = sprintf('{"enable_kv_cache_events":true,'
+                      . '"endpoint":"tcp://*:%d"}', $pub);
+    my $e = DPD::Emu->start(host => '127.0.0.6', %ports, prefix_caching => 1,
+                            python => $PY, time_scale => 0.01,
+                            args => ['--kv-events-config', $cfg,
+                                     '--data-parallel-rank', 2]);
+    my $got = `$PY -c '
+import json, sys, time, urllib.request, zmq, msgspec
+s = zmq.Context().socket(zmq.SUB)
+s.setsockopt(zmq.SUBSCRIBE, b"")
+s.connect("tcp://127.0.0.6:%d" % ($pub + 2))
+time.sleep(0.5)
+urllib.request.urlopen(urllib.request.Request(
+    "http://127.0.0.6:$base/v1/completions", headers={"Content-Type":
+    "application/json"}, data=json.dumps({"prompt": list(range(100, 140)),
+    "max_tokens": 1}).encode())).read()
+if s.poll(3000):
+    b = msgspec.msgpack.decode(s.recv_multipart()[2])
+    print(b[2], b[1][0]["type"])
+' 2>&1`;
+    is $got, "2 BlockStored\n", 'rank 2: port + 2, data_parallel_rank 2';
+    $e->stop;
 }
 
 my $script = do { local $/; <DATA> };
-for my $form (qw(map array)) {
-    my $host = $form eq 'map' ? '127.0.0.2' : '127.0.0.3';
-    my $hash = $form eq 'map' ? 'int' : 'bytes';
+my %forms = (map => ['127.0.0.2', 'int'], typed => ['127.0.0.3', 'bytes'],
+             array => ['127.0.0.4', 'bytes'], array0 => ['127.0.0.5', 'int']);
+for my $form (qw(map typed array array0)) {
+    my ($host, $hash) = @{ $forms{$form} };
     my $cfg = sprintf('{"enable_kv_cache_events":true,"endpoint":"tcp://*:%d",'
                       . '"replay_endpoint":"tcp://*:%d","topic":"kv@%s@m",'
                       . '"buffer_steps":50}', $pub, $rep, $host);
-    my $e = DPD::Emu->start(host => $host, %ports, prefix_caching => 1, python => $PY,
-                            time_scale => 0.01, kv_blocks => 24,
+    my $e = DPD::Emu->start(host => $host, %ports, prefix_caching => 1,
+                            python => $PY, time_scale => 0.01, kv_blocks => 24,
                             args => ['--kv-events-config', $cfg,
                                      '--kv-events-form', $form,
                                      '--kv-events-hash', $hash,
@@ -92,15 +123,22 @@ import msgspec, zmq
 
 form, hashform, host, port, pub, rep = sys.argv[1:7]
 port, pub, rep = int(port), int(pub), int(rep)
-ARRAY = form == "array"
+ARRAY = form in ("array", "array0")
+V0 = form == "array0"
 ExternalBlockHash = bytes | int
 
 # --- vllm/distributed/kv_events.py, as declared there ------------------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True,
-                 gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
+if V0:
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True,
+                     gc=False):
+        ts: float
+        events: list[Any]
+else:
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True,
+                     gc=False):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
 
 if ARRAY:
     class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True,
@@ -111,23 +149,93 @@ else:
                        tag=True):
         pass
 
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+class ExtraKey(msgspec.Struct, gc=False, frozen=True, tag=True):
+    pass
 
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
+class LoRAKey(ExtraKey, frozen=True, tag="lora"):
+    name: str
+
+class CacheSaltKey(ExtraKey, frozen=True, tag="cache_salt"):
+    salt: str
+
+class PromptEmbedsKey(ExtraKey, frozen=True, tag="prompt_embeds"):
+    hash: bytes
+
+class MultiModalKey(ExtraKey, frozen=True, tag="mm"):
+    modality: str
+    hash: str
+    block_offset: int
+
+class LegacyExtraKey(ExtraKey, frozen=True, tag="legacy"):
+    value: Any
+
+ExtraKeyUnion = ExtraKey | LoRAKey | CacheSaltKey | PromptEmbedsKey | (
+    MultiModalKey | LegacyExtraKey)
+
+if V0:
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[int]
+elif form == "typed":
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[ExternalBlockHash]
+        parent_block_hash: ExternalBlockHash | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        event_version: int = 1
+        extra_keys: list[tuple[ExtraKeyUnion, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[ExternalBlockHash]
+        medium: str | None
+        group_idx: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+else:
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[ExternalBlockHash]
+        parent_block_hash: ExternalBlockHash | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[ExternalBlockHash]
+        medium: str | None
+        group_idx: int | None = None
+
+def ekeys(ev):
+    """extra_keys as plain tuples (typed ones flattened as to_tuple())."""
+    out = []
+    for k in ev.extra_keys or []:
+        if k is None:
+            out.append(None)
+        else:
+            out.append(tuple(x if isinstance(x, str) else
+                             x.name if isinstance(x, LoRAKey) else
+                             x.salt if isinstance(x, CacheSaltKey) else
+                             ("?", x) for x in k))
+    return out
 
 class AllBlocksCleared(KVCacheEvent):
     pass
@@ -202,8 +310,8 @@ seq, b, t, slen, same = decode(msgs[0])
 check(t == TOPIC and slen == 8, "frames: topic, 8-byte seq, payload")
 check(seq == 0, "first seq is 0")
 check(same, "msgspec re-encodes the batch byte for byte")
-check(b.data_parallel_rank == 0 and isinstance(b.ts, float)
-      and abs(b.ts - time.time()) < 30, "batch: ts now, dp rank 0")
+check(isinstance(b.ts, float) and abs(b.ts - time.time()) < 30
+      and (V0 or b.data_parallel_rank == 0), "batch: ts now, dp rank 0")
 ev = b.events[0]
 check(isinstance(ev, BlockStored), "BlockStored")
 check(ev.token_ids == p1[:32] and ev.block_size == 16,
@@ -217,11 +325,14 @@ if want is bytes:
     check(all(len(h) == 32 for h in ev.block_hashes), "32-byte hashes")
 else:
     check(all(0 <= h < 1 << 64 for h in ev.block_hashes), "uint64 hashes")
-check(ev.medium == "GPU" and ev.lora_id is None and ev.lora_name is None,
-      "medium GPU, no LoRA")
-check(ev.extra_keys == [None, None] and ev.group_idx == 0
-      and ev.kv_cache_spec_kind == "full_attention",
-      "extra_keys [None, None], group_idx 0, full_attention")
+check(ev.lora_id is None, "no LoRA")
+if not V0:
+    check(ev.medium == "GPU" and ev.lora_name is None, "medium GPU")
+    check(ev.extra_keys == [None, None] and ev.group_idx == 0
+          and ev.kv_cache_spec_kind == "full_attention",
+          "extra_keys [None, None], group_idx 0, full_attention")
+if form == "typed":
+    check(ev.event_version == 1 and ev.locality is None, "event_version 1")
 h1 = ev.block_hashes
 for h, i in zip(h1, range(2)):
     stored[h] = p1[16 * i:16 * i + 16]
@@ -243,8 +354,12 @@ for h, i in zip(ev.block_hashes, range(2, 4)):
 completion(p1, cache_salt="tenant-a")
 seq, b, *_ = decode(recv_all()[0])
 ev = b.events[0]
-check(list(ev.extra_keys) == [("tenant-a",), None],
-      "cache_salt on block 0 only: %r" % (ev.extra_keys,))
+if not V0:
+    check(ekeys(ev) == [("tenant-a",), None],
+          "cache_salt on block 0 only: %r" % (ev.extra_keys,))
+if form == "typed":
+    check(ev.extra_keys[0] == (CacheSaltKey(salt="tenant-a"),),
+          "typed: CacheSaltKey")
 check(not set(ev.block_hashes) & set(h1), "salted hashes differ")
 for h, i in zip(ev.block_hashes, range(2)):
     stored[h] = p1[16 * i:16 * i + 16]
@@ -253,8 +368,12 @@ for h, i in zip(ev.block_hashes, range(2)):
 completion(p1, model="ad1")
 seq, b, *_ = decode(recv_all()[0])
 ev = b.events[0]
-check(ev.lora_name == "ad1" and ev.lora_id == 1, "lora_name ad1, lora_id 1")
-check(list(ev.extra_keys) == [("ad1",), ("ad1",)], "LoRA name on each block")
+check(ev.lora_id == 1 and (V0 or ev.lora_name == "ad1"),
+      "lora_name ad1, lora_id 1")
+if not V0:
+    check(ekeys(ev) == [("ad1",), ("ad1",)], "LoRA name on each block")
+if form == "typed":
+    check(ev.extra_keys[1] == (LoRAKey(name="ad1"),), "typed: LoRAKey")
 for h, i in zip(ev.block_hashes, range(2)):
     stored[h] = p1[16 * i:16 * i + 16]
 last_seq = seq
@@ -270,8 +389,8 @@ for seq, b in events_of(recv_all()):
             for h, i in zip(ev.block_hashes, range(len(ev.block_hashes))):
                 stored[h] = ev.token_ids[16 * i:16 * i + 16]
         elif isinstance(ev, BlockRemoved):
-            bad += ev.medium != "GPU" or ev.group_idx != 0 \
-                or len(ev.block_hashes) != 1
+            bad += len(ev.block_hashes) != 1 or not V0 and (
+                ev.medium != "GPU" or ev.group_idx != 0)
             removed += ev.block_hashes
 check(bad == 0, "BlockRemoved: one hash each, medium GPU, group 0")
 check(seqs == list(range(last_seq + 1, last_seq + 1 + len(seqs))),
