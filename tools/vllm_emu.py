@@ -1874,7 +1874,11 @@ class KvEventPublisher(threading.Thread):
                     poller = zmq.Poller()
                     poller.register(self.rep, zmq.POLLIN)
                 if poller.poll(5):
-                    self._replay()
+                    try:
+                        self._replay()
+                    except zmq.ZMQError as e:   # as vLLM: logged, ignored
+                        sys.stderr.write("vllm_emu: Error in replay: %s\n"
+                                         % e)
             with self.cv:
                 if self.restart_req:
                     self._close()
@@ -1901,7 +1905,18 @@ class KvEventPublisher(threading.Thread):
             payload = self.batch(ts, events)
             sb = seq.to_bytes(8, "big")
             if not drop:
-                self.pub.send_multipart((self.topic, sb, payload))
+                try:
+                    self.pub.send_multipart((self.topic, sb, payload))
+                except zmq.ZMQError as e:
+                    # vLLM: logged, a short back-off, the batch is lost
+                    # (its seq stays used: subscribers see a gap)
+                    sys.stderr.write("vllm_emu: Error in publisher thread:"
+                                     " %s\n" % e)
+                    time.sleep(0.1)
+                    with self.cv:
+                        self.info["send_errors"] = \
+                            self.info.get("send_errors", 0) + 1
+                    continue
             with self.cv:
                 self.buffer.append((seq, payload))
                 self.info["dropped" if drop else "sent"] += 1
