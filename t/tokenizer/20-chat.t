@@ -160,7 +160,9 @@ my @bad = (
     ['{"messages":[{"role":"user","content":"hi"}],"continue_final_message":true}',
      qr/Cannot set both `continue_final_message` and `add_generation_prompt`/],
     ['{"messages":[{"role":"assistant","content":"x","tool_calls":[{"id":"a"}]}]}',
-     qr/messages\[0\]\.tool_calls\[0\]\.function: expected an object/],
+     qr/messages\[0\]\.tool_calls\[0\]: chat completions only support assistant tool_calls of type 'function'/],
+    ['{"messages":[{"role":"assistant","content":"x","tool_calls":[{"type":"x","function":{"name":"f"}}]}]}',
+     qr/messages\[0\]\.tool_calls\[0\]: chat completions only support/],
 );
 for my $b (@bad) {
     my ($body, $re) = @$b;
