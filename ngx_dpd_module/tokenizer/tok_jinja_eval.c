@@ -646,16 +646,16 @@ tj_getattr_any(tj_ctx_t *c, tj_val_t obj, const char *n, size_t len,
 }
 
 
+/* the byte offset of code point idx, stepping as tj_utf8_count() counts */
 static size_t
 tj_cp_offset(const char *s, size_t n, int64_t idx)
 {
-    size_t  i = 0;
+    size_t    i = 0;
+    uint32_t  cp;
 
     while (idx > 0 && i < n) {
-        i++;
-        while (i < n && ((unsigned char) s[i] & 0xC0) == 0x80) {
-            i++;
-        }
+        i += ((unsigned char) s[i] < 0x80) ? 1 : tj_utf8_next(s + i, n - i,
+                                                              &cp);
         idx--;
     }
     return i;
