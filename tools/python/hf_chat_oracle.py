@@ -36,8 +36,9 @@ The preparation follows vLLM's source, read at these commits
       enable_thinking = reasoning_effort != "none" unless the kwargs set
       it) merged OVER chat_template_kwargs (merge_kwargs: None/"auto"
       values do not override).
-  vllm/entrypoints/openai/engine/serving.py (_preprocess_chat)
-      defaults {tools: model_dump()s, tokenize: False} under all of it.
+  OpenAIServing._preprocess_chat (same era)
+      defaults {tools: model_dump()s, tokenize: False} under all of it
+      (ChatParams.with_defaults: the kwargs over them).
   vllm/renderers/hf.py  e7ad92e5308e
       content format detection (_detect_content_format),
       safe_apply_chat_template -> tokenizer.apply_chat_template; the
@@ -261,9 +262,6 @@ def dump_tool(t):
     return out
 
 
-UNSET = (None, "auto")
-
-
 def merge(defaults, overrides):
     """vllm/renderers/params.py merge_kwargs"""
     return {**defaults, **{k: v for k, v in overrides.items()
@@ -296,7 +294,7 @@ def render(tok, tmpl, fmt, req):
     tools = req.get("tools")
     defaults = {"tools": None if tools is None else
                 [dump_tool(t) for t in tools], "tokenize": False}
-    kw = merge(merge(defaults, {}), merge(user, extra))
+    kw = merge(defaults, merge(user, extra))
     kw.pop("tokenize", None)
     kw.pop("chat_template", None)
     tools = kw.pop("tools", None)
