@@ -646,16 +646,16 @@ tj_getattr_any(tj_ctx_t *c, tj_val_t obj, const char *n, size_t len,
 }
 
 
+/* the byte offset of code point idx, stepping as tj_utf8_count() counts */
 static size_t
 tj_cp_offset(const char *s, size_t n, int64_t idx)
 {
-    size_t  i = 0;
+    size_t    i = 0;
+    uint32_t  cp;
 
     while (idx > 0 && i < n) {
-        i++;
-        while (i < n && ((unsigned char) s[i] & 0xC0) == 0x80) {
-            i++;
-        }
+        i += ((unsigned char) s[i] < 0x80) ? 1 : tj_utf8_next(s + i, n - i,
+                                                              &cp);
         idx--;
     }
     return i;
@@ -1789,7 +1789,11 @@ tj_binary(tj_ctx_t *c, int op, tj_val_t a, tj_val_t b, unsigned line)
     if (op == TO_ADD && a.t == TJ_LIST && b.t == TJ_LIST) {
         tj_val_t l = tj_new_list(c, a.u.l->n + b.u.l->n);
         tj_mcpy(l.u.l->v, a.u.l->v, a.u.l->n * sizeof(tj_val_t));
-        tj_mcpy(l.u.l->v + a.u.l->n, b.u.l->v, b.u.l->n * sizeof(tj_val_t));
+        if (b.u.l->n) {
+            /* two empty lists: v is NULL, and NULL + 0 is undefined */
+            tj_mcpy(l.u.l->v + a.u.l->n, b.u.l->v,
+                    b.u.l->n * sizeof(tj_val_t));
+        }
         l.u.l->n = a.u.l->n + b.u.l->n;
         l.u.l->tuple = a.u.l->tuple && b.u.l->tuple;
         return l;
