@@ -399,8 +399,10 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
             /* bad input: the client gets the OpenAI-shaped error */
 
             ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                          "dpd: rejected request %V: %s",
-                          &ctx->request_id, ctx->err_message);
+                          "dpd: rejected request %V: %V",
+                          &ctx->request_id,
+                          ngx_http_dpd_log_text(r->pool, ctx->err_message,
+                                       ngx_strlen(ctx->err_message)));
 
             ctx->answer = NGX_HTTP_DPD_ANSWER_ERROR;
             ctx->answer_status = ctx->err_status;

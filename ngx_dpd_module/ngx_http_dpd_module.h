@@ -247,6 +247,17 @@ ngx_http_dpd_ctx_t *ngx_http_dpd_create_ctx(ngx_http_request_t *r);
 ngx_int_t ngx_http_dpd_answer(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx);
 
 /*
+ * Client or peer text escaped for error.log (control bytes, '\\', bytes
+ * that are not UTF-8 as \xNN; at most NGX_HTTP_DPD_LOG_TEXT_MAX bytes of
+ * it): every log line that prints such text passes it through this.
+ */
+#define NGX_HTTP_DPD_LOG_TEXT_MAX  512
+
+ngx_str_t *ngx_http_dpd_log_text(ngx_pool_t *pool, const u_char *data,
+    size_t len);
+ngx_str_t *ngx_http_dpd_log_cstr(ngx_pool_t *pool, const char *s);
+
+/*
  * Replace the main request body by len bytes at data, so that a following
  * proxy_pass (and its retries) sends exactly these bytes with a matching
  * Content-Length.  data must live as long as the request (r->pool memory).

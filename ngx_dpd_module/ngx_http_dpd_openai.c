@@ -463,8 +463,8 @@ ngx_http_dpd_job_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     if (job->count.note[0]) {
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "dpd: request \"%V\": %s", &ctx->request_id,
-                      job->count.note);
+                      "dpd: request \"%V\": %V", &ctx->request_id,
+                      ngx_http_dpd_log_cstr(r->pool, job->count.note));
     }
 
     ctx->prompt_tokens = job->count.tokens;

@@ -949,10 +949,11 @@ ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     if (pcf->fallback == NGX_HTTP_DPD_FALLBACK_ERROR) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "dpd: %s (status %ui) for request \"%V\"%s%s, "
+                      "dpd: %s (status %ui) for request \"%V\"%s%V, "
                       "answering %ui",
                       ngx_http_dpd_cause_names[cause], p->status,
-                      &ctx->request_id, why ? ": " : "", why ? why : "",
+                      &ctx->request_id, why ? ": " : "",
+                      ngx_http_dpd_log_cstr(r->pool, why ? why : ""),
                       status);
 
         /* the core's content handler sends it */
@@ -967,10 +968,11 @@ ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     }
 
     ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                  "dpd: %s (status %ui) for request \"%V\"%s%s, "
+                  "dpd: %s (status %ui) for request \"%V\"%s%V, "
                   "falling back to decode only",
                   ngx_http_dpd_cause_names[cause], p->status,
-                  &ctx->request_id, why ? ": " : "", why ? why : "");
+                  &ctx->request_id, why ? ": " : "",
+                  ngx_http_dpd_log_cstr(r->pool, why ? why : ""));
 
     ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
     ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
@@ -1609,9 +1611,11 @@ ngx_http_dpd_prefill_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "dpd: request \"%V\" decodes without KV transfer "
-                      "params (%s), the decoder recomputes the prompt "
+                      "params (%V), the decoder recomputes the prompt "
                       "(route fallback)",
-                      &ctx->request_id, why ? why : "none in the reply");
+                      &ctx->request_id,
+                      ngx_http_dpd_log_cstr(r->pool,
+                                            why ? why : "none in the reply"));
 
         return NGX_DECLINED;
     }
@@ -1619,12 +1623,13 @@ ngx_http_dpd_prefill_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     level = p->quiet ? NGX_LOG_INFO : NGX_LOG_WARN;
 
     ngx_log_error(level, r->connection->log, 0,
-                  "dpd: %V: KV of request \"%V\" %s%s%s "
+                  "dpd: %V: KV of request \"%V\" %s%s%V "
                   "(waited %M ms), decoder %V recomputes the prompt",
                   &proto->name, &ctx->request_id,
                   ngx_http_dpd_kv_names[p->kv],
-                  why ? ": " : "", why ? why : "", p->kv_elapsed,
-                  &p->decode_peer);
+                  why ? ": " : "",
+                  ngx_http_dpd_log_cstr(r->pool, why ? why : ""),
+                  p->kv_elapsed, &p->decode_peer);
 
     return NGX_DECLINED;
 }
