@@ -237,29 +237,41 @@ lmc_bits(const kv_lmc_cidr_t *c)
 
 /*
  * The allowlist as libzmq's accept filters: a connection from any other
- * address is closed as soon as it is accepted.  An IPv6 listener sees an
- * IPv4 peer as ::ffff:a.b.c.d, so each IPv4 network is given in that form
- * too.
+ * address is closed as soon as it is accepted.  libzmq parses a filter as
+ * the socket's ZMQ_IPV6 says at that moment (with it on, "10.0.0.0/8"
+ * would become ::ffff:10.0.0.0 with an 8-bit mask: almost everything), so
+ * IPv4 networks go in first with ZMQ_IPV6 off; then, for an IPv6 listener
+ * (which sees an IPv4 peer as ::ffff:a.b.c.d), ZMQ_IPV6 on, the IPv6
+ * networks and each IPv4 one in its mapped form.  An IPv4 listener
+ * cannot be reached over IPv6: its IPv6 networks need no filter.
  */
 static int
-lmc_filters(void *s, const kv_lmc_conf_t *c)
+lmc_filters(void *s, const kv_lmc_conf_t *c, int ipv6)
 {
     char a[INET6_ADDRSTRLEN], f[INET6_ADDRSTRLEN + 32];
-    int i;
+    int i, pass, v;
 
-    for (i = 0; i < c->nallow; i++) {
-        const kv_lmc_cidr_t *e = &c->allow[i];
-        if (inet_ntop((int) e->family, e->addr, a, sizeof(a)) == NULL) {
+    for (pass = 0; pass < (ipv6 ? 2 : 1); pass++) {
+        v = pass;
+        if (zmq_setsockopt(s, ZMQ_IPV6, &v, sizeof(v)) != 0) {
             return -1;
         }
-        snprintf(f, sizeof(f), "%s/%d", a, lmc_bits(e));
-        if (zmq_setsockopt(s, ZMQ_TCP_ACCEPT_FILTER, f, strlen(f)) != 0) {
-            return -1;
-        }
-        if (e->family == AF_INET) {
-            snprintf(f, sizeof(f), "::ffff:%s/%d", a, 96 + lmc_bits(e));
-            /* refused where IPv6 is off: IPv4 peers only then */
-            zmq_setsockopt(s, ZMQ_TCP_ACCEPT_FILTER, f, strlen(f));
+        for (i = 0; i < c->nallow; i++) {
+            const kv_lmc_cidr_t *e = &c->allow[i];
+            if ((pass == 0 && e->family != AF_INET)
+                || inet_ntop((int) e->family, e->addr, a, sizeof(a)) == NULL)
+            {
+                continue;
+            }
+            if (pass == 0 || e->family == AF_INET6) {
+                snprintf(f, sizeof(f), "%s/%d", a, lmc_bits(e));
+            } else {
+                snprintf(f, sizeof(f), "::ffff:%s/%d", a, 96 + lmc_bits(e));
+            }
+            if (zmq_setsockopt(s, ZMQ_TCP_ACCEPT_FILTER, f, strlen(f)) != 0)
+            {
+                return -1;
+            }
         }
     }
     return 0;
@@ -390,15 +402,14 @@ kv_lmc_open(kv_ctx_t *ctx)
         zmq_setsockopt(l->pull, ZMQ_MAXMSGSIZE, &max, sizeof(max));
         v = 4096;
         zmq_setsockopt(l->pull, ZMQ_RCVHWM, &v, sizeof(v));
-        v = 1;
         zmq_setsockopt(l->pull, ZMQ_ZAP_DOMAIN, "dpd", 3);
-        if (strchr(ctx->cfg.lmc.listen, '[')) {
-            zmq_setsockopt(l->pull, ZMQ_IPV6, &v, sizeof(v));
-        }
     }
     v = KV_LMC_HANDSHAKE;
     zmq_setsockopt(l->pull, ZMQ_HANDSHAKE_IVL, &v, sizeof(v));
-    if (lmc_filters(l->pull, &ctx->cfg.lmc) != 0) {
+    /* sets ZMQ_IPV6 too: on for a [v6] listen address */
+    if (lmc_filters(l->pull, &ctx->cfg.lmc,
+                    strchr(ctx->cfg.lmc.listen, '[') != NULL) != 0)
+    {
         kv_err("lmcache_notify: accept filter: %s", zmq_strerror(errno));
         goto failed;
     }

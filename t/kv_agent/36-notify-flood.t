@@ -39,7 +39,14 @@ my ($cport, $nport) = (kv_port(160), kv_port(161));
 my $NOTIFY = "127.0.0.1:$nport";
 my $cfg = agent_config(id => "router-0", role => "router", port => $cport);
 $cfg->{lmcache_notify} = { listen => $NOTIFY, allow => ["127.0.0.2/32"] };
-my $a = start_agent($cfg, wrap => ["prlimit", "--nofile=256:256", "--"]);
+# KV_TEST_VALGRIND=1: the agent under memcheck too (CPU bounds looser)
+my $VG = $ENV{KV_TEST_VALGRIND} ? kv_tmpdir() . "/router-0.vg" : undef;
+my @vg = $VG ? ("valgrind", "--leak-check=full",
+                "--show-leak-kinds=definite", "--errors-for-leak-kinds=definite",
+                "--error-exitcode=99", "--log-file=$VG") : ();
+my $CPU_MAX = $VG ? 0.5 : 0.15;
+my $a = start_agent($cfg, wrap => ["prlimit", "--nofile=256:256", "--", @vg],
+                    timeout => $VG ? 90 : 20);
 ok(log_text($a) =~ /info: ready$/m, "router agent ready (RLIMIT_NOFILE 256)")
     or BAIL_OUT(log_text($a));
 my $pid = $a->{pid};
@@ -99,7 +106,7 @@ diag(sprintf("agent: %d descriptors before, at most %d during the flood; "
              . "CPU %.1f %%", $fd0, $fdmax, 100 * $cpu));
 ok($fdmax <= $fd0 + 16, "the outsider holds no descriptors of the agent "
    . "($fd0 before, at most $fdmax during the flood)");
-ok($cpu < 0.15, sprintf("no spin: %.1f %% CPU during the flood", 100 * $cpu));
+ok($cpu < $CPU_MAX, sprintf("no spin: %.1f %% CPU during the flood", 100 * $cpu));
 is(notice("127.0.0.2", "during-flood"), 0, "an allowed sender connects");
 ok(notified("during-flood"), "... and its notice counts during the flood");
 ok(ctrl_answers(), "the control port answers during the flood");
@@ -132,7 +139,7 @@ ok(agent_alive($a), "the agent survived");
     my $cpu1 = (cpu_s($pid) - $c1) / (time - $w1);
     diag(sprintf("allowed flood (%s of 1000): at most %d descriptors, "
                  . "CPU %.1f %%", $op, $fdm, 100 * $cpu1));
-    ok($cpu1 < 0.15, sprintf("out of descriptors: no spin (%.1f %% CPU)",
+    ok($cpu1 < $CPU_MAX, sprintf("out of descriptors: no spin (%.1f %% CPU)",
                              100 * $cpu1));
     ok(log_wait($a, qr/no descriptor left to accept a connection: not (?#
                       )listening for \d+ ms/, 1),
@@ -154,6 +161,42 @@ ok(agent_alive($a), "the agent survived");
     waitpid($fp, 0);
 }
 
+# --- a dual-stack listener ("[::]:PORT"): IPv4 peers arrive as
+# ::ffff:a.b.c.d and the filter must still hold (libzmq parses a filter as
+# ZMQ_IPV6 says when it is set: done wrong, "127.0.0.2/32" became a mask
+# of ::ffff:0:0/32, which passes every mapped address) -------------------
+SKIP: {
+    my $p6 = kv_port(162);
+    my $c6 = agent_config(id => "router-6", role => "router",
+                          port => kv_port(163));
+    $c6->{lmcache_notify} = { listen => "[::]:$p6",
+                              allow => ["127.0.0.2/32", "::1/128"] };
+    my $b = start_agent($c6, wrap => ["prlimit", "--nofile=256:256", "--"],
+                        timeout => $VG ? 90 : 20);
+    skip("no IPv6 here: " . (log_text($b) =~ /(cannot listen.*)/)[0], 3)
+        unless log_text($b) =~ /info: ready$/m;
+    my $f0 = nfds($b->{pid});
+    my $fp = open2(my $fo, my $fi, $PY, "$FindBin::Bin/idleconns.py",
+                   "127.0.0.1", $p6, 1000);
+    my $op = <$fo> // '';
+    sleep 1;
+    my $fm = 0;
+    for (1 .. 10) { my $n = nfds($b->{pid}); $fm = $n if $n > $fm;
+                    sleep 0.1 }
+    ok($fm <= $f0 + 16, "dual-stack listener: 1000 idle IPv4 connections "
+       . "from outside allow hold none ($f0 before, at most $fm)");
+    my $rc = system($PY, kv_root() . "/tools/lmcache_notice.py", "--to",
+                    "127.0.0.1:$p6", "--from", "127.0.0.2", "notice",
+                    "v6-listener") >> 8;
+    my $ok = wait_for(5, sub {
+        my ($j) = status_json($c6->{state_path}, "--req", "v6-listener");
+        return $j && ($j->{state} // '') eq 'ready' });
+    ok($rc == 0 && $ok, "dual-stack listener: an allowed IPv4 sender counts");
+    close $fi;
+    waitpid($fp, 0);
+    is(stop_agent($b), 0, "dual-stack listener: clean exit");
+}
+
 # --- rejected control peers: rate-limited, escaped --------------------------
 my $key = "ab" x 32;
 my $evil = "intruder\n2026/12/04 00:00:00 [emerg] forged\x1b[2J\r";
@@ -169,5 +212,11 @@ unlike($text, qr/^2026\/12\/04 00:00:00 \[emerg\] forged/m,
 unlike($text, qr/\x1b|\r/, "no ESC or CR reaches the log");
 like($text, qr/intruder\\x0a2026/, "the node id is logged escaped");
 ok(agent_alive($a), "the agent is still running");
-is(stop_agent($a), 0, "clean exit");
+is(stop_agent($a, 'TERM', $VG ? 60 : 15), 0, "clean exit"
+   . ($VG ? " (valgrind: no errors, no definite leaks)" : ""));
+if ($VG) {
+    my $v = do { local (@ARGV, $/) = $VG; <> } // '';
+    like($v, qr/ERROR SUMMARY: 0 errors/, "valgrind: 0 errors")
+        or diag($v);
+}
 done_testing();
