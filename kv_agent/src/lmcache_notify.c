@@ -774,8 +774,9 @@ kv_lmc_process(kv_ctx_t *ctx)
                             : l->backoff_ms * 2;
             l->rebind_ms = kv_now_ms() + l->backoff_ms;
         }
-    } else if (l->bound && l->backoff_ms && lmc_out_of_fds(l->pull) == 0
-               && kv_now_ms() >= l->rebind_ms + 5000)
+    } else if (l->bound && l->backoff_ms
+               && kv_now_ms() >= l->rebind_ms + 5000
+               && lmc_out_of_fds(l->pull) == 0)
     {
         l->backoff_ms = 0;             /* 5 s without a shortage */
     }
