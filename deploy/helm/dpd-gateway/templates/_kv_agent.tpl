@@ -72,7 +72,8 @@
 {{/* the gateway's agent for lmcache: LMCache's notify port only */}}
 {{- define "dpd.kvConfigLmcache" -}}
 {{- $v := .Values -}}
-{{- toPrettyJson (dict "node_id" "gateway" "role" "router" "state_path" "/dev/shm/dpd_state" "lmcache_notify" (dict "listen" (printf "0.0.0.0:%d" (int $v.lmcache.notifyPort)) "allow" $v.lmcache.notifyAllow)) -}}
+{{- /* no peers: "listen" is required, so loopback only */ -}}
+{{- toPrettyJson (dict "node_id" "gateway" "role" "router" "listen" (printf "127.0.0.1:%d" (int $v.kvAgent.port)) "state_path" "/dev/shm/dpd_state" "lmcache_notify" (dict "listen" (printf "0.0.0.0:%d" (int $v.lmcache.notifyPort)) "allow" $v.lmcache.notifyAllow)) -}}
 {{- end -}}
 
 {{/* init container: config.json for this pod from the role's template */}}
