@@ -127,8 +127,9 @@ cuda_runtime 13
 # Kubernetes tooling for the chart's tests (t/deploy/4x-helm-*.t), under
 # .deps/ (not committed), each pinned and installed once:
 #  * helm (helm.sh/helm/v4) and kubeconform (github.com/yannh/kubeconform),
-#    built from the Go module proxy into .deps/bin (about 6 and 0.5 minutes
-#    on 2 cores the first time; a version check makes it a no-op after);
+#    built from the Go module proxy into .deps/bin (measured on 2 busy
+#    cores: 9 and 0.5 minutes the first time, under 2 minutes both from a
+#    warm Go cache; a version check makes it a no-op after: 0.4 s);
 #  * the Kubernetes 1.37 JSON schemas that PyPI's kubernetes-validate ships
 #    (generated from Kubernetes' OpenAPI document), unpacked into
 #    .deps/k8s-schemas/v1.37.0-standalone{,-strict}/ in kubeconform's
@@ -162,7 +163,9 @@ k8s_tools() {
   if [ "$(cat "$stamp" 2>/dev/null)" != "$K8S_SCHEMAS_PKG" ]; then
     echo "deps: unpacking the Kubernetes JSON schemas ($K8S_SCHEMAS_PKG)"
     tmp=$(mktemp -d)
-    if python3 -m pip download -q --disable-pip-version-check --no-deps \
+    local py=python3
+    [ -x "$venv/bin/python3" ] && py=$venv/bin/python3
+    if "$py" -m pip download -q --disable-pip-version-check --no-deps \
          --only-binary=:all: -d "$tmp" "$K8S_SCHEMAS_PKG" >/dev/null 2>&1 &&
        echo "$K8S_SCHEMAS_SHA256  $(ls "$tmp"/*.whl)" | sha256sum -c --quiet
     then

@@ -18,6 +18,9 @@ use Test::More;
 
 need_tools();
 
+my $lint = `'$DPDHelm::HELM' lint '$CHART' 2>&1`;
+is($? >> 8, 0, 'helm lint passes') or diag $lint;
+
 my $r = render();
 is($r->{rc}, 0, 'helm template with the defaults') or diag $r->{out};
 my ($rc, $out) = check($r->{file});

@@ -20,7 +20,8 @@ our $ROOT = "$FindBin::Bin/../..";
 our $CHART = "$ROOT/deploy/helm/dpd-gateway";
 our $DIR = File::Temp::tempdir(CLEANUP => 1);
 my $deps = $ENV{DPD_DEPS} || "$ROOT/.deps";
-my $helm = "$deps/bin/helm";
+our $HELM = "$deps/bin/helm";
+my $helm = $HELM;
 my $npm = $ENV{DPD_NPM} || "$ROOT/tools/npm/node_modules";
 
 sub need_tools {
