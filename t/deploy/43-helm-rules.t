@@ -199,14 +199,22 @@ refused('duplicate YAML keys', "kind: Deployment\nmetadata:\n  name: web",
         "kind: Deployment\nmetadata:\n  name: web\n  name: web2",
         qr/Map keys must be unique/);
 
-# ---- the chart refuses values that could not work
+# ---- the chart refuses values that could not work: values.schema.json
+# (helm checks it before rendering), then the templates' own checks
 my $r = render(set => {protocol => 'grpc'});
 isnt($r->{rc}, 0, 'chart: an unknown protocol is refused');
-like($r->{out}, qr/protocol: "grpc" is not one of nixl, lmcache, kv_agent/, '... naming it');
+like($r->{out}, qr{at '/protocol': value must be one of 'nixl', 'lmcache', 'kv_agent'}, '... naming it');
 $r = render(set => {'nixl.backend' => 'ucx'});
-like($r->{out}, qr/nixl\.backend: "ucx" is not UCX or LIBFABRIC/, 'chart: nixl.backend spelled wrong');
+like($r->{out}, qr{at '/nixl/backend': value must be one of 'UCX', 'LIBFABRIC'}, 'chart: nixl.backend spelled wrong');
 $r = render(set => {'model.source.type' => 'nfs'});
-like($r->{out}, qr/model\.source\.type: "nfs" is not pvc, s3 or hostPath/, 'chart: a model source it lacks');
+like($r->{out}, qr{at '/model/source/type': value must be one of 'pvc', 's3', 'hostPath'}, 'chart: a model source it lacks');
+$r = render(set => {'decode.replica' => 2});
+isnt($r->{rc}, 0, 'chart: a misspelt value (decode.replica) is refused, not ignored');
+like($r->{out}, qr{at '/decode': additional properties 'replica' not allowed}, '... naming it');
+$r = render(set => {'prefill.image.tag' => 'latest'});
+like($r->{out}, qr{at '/prefill/image/tag': 'not' failed}, 'chart: an image tag "latest" is refused');
+$r = render(set => {'gateway.metrics.allow[0]' => 'everyone'});
+like($r->{out}, qr{at '/gateway/metrics/allow/0': 'everyone' does not match pattern}, 'chart: a metrics CIDR that is none');
 $r = render(set => {'decode.resources.cpu' => '', 'decode.resources.memory' => ''});
 isnt($r->{rc}, 0, 'chart: hugepages without cpu or memory refused before the API server');
 like($r->{out}, qr/decode\.resources: hugepages2Mi needs cpu or memory as well/, '... naming the pool');
