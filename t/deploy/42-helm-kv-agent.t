@@ -61,6 +61,11 @@ for my $role (qw(prefill decode gateway)) {
     is($a->{resources}{limits}{'vpc.amazonaws.com/efa'}, 32, "$role: the agent holds the EFA devices");
     is($a->{resources}{requests}{'hugepages-2Mi'}, $a->{resources}{limits}{'hugepages-2Mi'},
        "$role: ... and the hugepages, requests == limits");
+    my %aenv = map { $_->{name} => $_->{value} } @{ $a->{env} };
+    is($aenv{LD_LIBRARY_PATH}, '/opt/amazon/efa/lib64:/opt/amazon/efa/lib',
+       "$role: the agent loads AWS's libfabric (efa provider) from the node");
+    ok((grep { $_->{name} eq 'efa-libfabric' && $_->{mountPath} eq '/opt/amazon/efa'
+               && $_->{readOnly} } @{ $a->{volumeMounts} }), "$role: ... mounted read-only");
     ok(!(grep { /^--kv-transfer-config/ } @{ $v->{args} }),
        "$role: no --kv-transfer-config unless kvAgent.kvTransferConfig names a connector");
 }

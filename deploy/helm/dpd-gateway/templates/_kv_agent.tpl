@@ -116,6 +116,9 @@
     {{- if gt (int .res.efa) 0 }}
     - {name: FI_PROVIDER, value: efa}
     - {name: FI_EFA_USE_DEVICE_RDMA, value: "1"}
+    {{- with $v.kvAgent.efaLibfabricHostPath }}
+    - {name: LD_LIBRARY_PATH, value: {{ printf "%s/lib64:%s/lib" . . | quote }}}
+    {{- end }}
     {{- end }}
   ports:
     - {name: kv-agent, containerPort: {{ $v.kvAgent.port }}}
@@ -139,6 +142,9 @@
     {{- if .res.hugepages2Mi }}
     - {name: hugepages, mountPath: /dev/hugepages}
     {{- end }}
+    {{- if and (gt (int .res.efa) 0) $v.kvAgent.efaLibfabricHostPath }}
+    - {name: efa-libfabric, mountPath: {{ $v.kvAgent.efaLibfabricHostPath | quote }}, readOnly: true}
+    {{- end }}
 {{- end -}}
 
 {{- define "dpd.kvAgentVolumes" -}}
@@ -149,6 +155,10 @@
   emptyDir: {sizeLimit: 1Mi}
 - name: kv-agent-run
   emptyDir: {sizeLimit: 1Mi}
+{{- if and (ne .role "gateway") (gt (int (index $root.Values .role).resources.efa) 0) $root.Values.kvAgent.efaLibfabricHostPath }}
+- name: efa-libfabric
+  hostPath: {path: {{ $root.Values.kvAgent.efaLibfabricHostPath | quote }}, type: Directory}
+{{- end }}
 - name: kv-agent-keys     # only this role's links; a missing one stops the pod
   secret:
     secretName: {{ $root.Values.kvAgent.keysSecret | quote }}
