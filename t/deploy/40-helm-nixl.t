@@ -169,6 +169,25 @@ is($rc, 0, 'model from hostPath: accepted') or diag $out;
 my %vol = map { $_->{name} => $_ } @{ $ss->{spec}{template}{spec}{volumes} };
 is($vol{model}{hostPath}{path}, '/mnt/models/current', 'hostPath');
 
+# ---- README.md's EKS walkthrough: its my-values.yaml, as written
+my $readme = slurp("$ROOT/README.md");
+my ($mv) = $readme =~ /^ +cat > my-values\.yaml <<EOF\n(.*?)^ +EOF$/ms;
+ok($mv, "README.md's my-values.yaml found") or diag 'no my-values.yaml block';
+$mv =~ s/^ {7}//mg;
+$mv =~ s/\$ECR/123456789012.dkr.ecr.us-west-2.amazonaws.com/g;
+$r = render(values => $mv);
+is($r->{rc}, 0, "README's my-values.yaml renders") or diag $r->{out};
+($rc, $out) = check($r->{file});
+is($rc, 0, '... and is accepted') or diag $out;
+($gw) = find_objects($r, 'Deployment', 'dpd-gateway');
+is(containers_of($gw)->{nginx}{image},
+   '123456789012.dkr.ecr.us-west-2.amazonaws.com/dpd-gateway:0.1.0', '... our image from ECR');
+my @cmds = $readme =~ /^ +(helm install dpd deploy\/helm\/dpd-gateway [^\n]*)$/mg;
+is_deeply(\@cmds, ['helm install dpd deploy/helm/dpd-gateway -n dpd --create-namespace -f my-values.yaml'],
+          'README: helm install with the release and namespace the Service names assume');
+like($readme, qr{port-forward svc/dpd-gateway 8000:80 &\n\s+curl -N http://127\.0\.0\.1:8000/v1/chat/completions},
+     'README: port-forward to the gateway Service (port 80) and a streamed curl');
+
 # ---- no hugepages, no EFA: nothing of them rendered
 $r = render(set => {'prefill.resources.hugepages2Mi' => '', 'prefill.resources.efa' => 0});
 ($rc, $out) = check($r->{file});
