@@ -201,7 +201,9 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
         set_wait = 0;
     }
 
-    if (set_decode && !(proto->flags & NGX_HTTP_DPD_PROTO_DECODER_FIRST)) {
+    if (set_decode && !(proto->flags & NGX_HTTP_DPD_PROTO_DECODER_FIRST)
+        && !conf->prefix)
+    {
         ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
                            "\"dpd_decode_upstream\" is ignored with "
                            "\"dpd_protocol %V\" (any decoder takes the "
@@ -469,9 +471,21 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     if (proto->flags & NGX_HTTP_DPD_PROTO_DECODER_FIRST) {
 
-        /* the prefill pushes the KV to the decoder we choose now */
+        /* the prefill pushes the KV to the decoder we choose now, or
+         * that dpd_prefix_cache chose and pinned already */
 
-        switch (ngx_http_dpd_balancer_pin(r, pcf->decode_upstream, &pin)) {
+        pin = ngx_http_dpd_balancer_get_pin(r);
+
+        if (pin != NULL && pin->upstream == pcf->decode_upstream
+            && !pin->used)
+        {
+            rc = NGX_OK;
+
+        } else {
+            rc = ngx_http_dpd_balancer_pin(r, pcf->decode_upstream, &pin);
+        }
+
+        switch (rc) {
 
         case NGX_OK:
             p->decode_peer = pin->name;
