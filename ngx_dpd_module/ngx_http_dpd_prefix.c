@@ -143,6 +143,9 @@ static void ngx_http_dpd_prefix_fail(ngx_http_dpd_prefix_reader_t *rd,
 static ngx_str_t  ngx_http_dpd_prefix_default_zone =
     ngx_string("dpd_prefix");
 
+/* per worker: where the tie-break among equal costs starts */
+static ngx_uint_t  ngx_http_dpd_prefix_rotate;
+
 
 /* ------------------------------------------------------------------ */
 /* configuration                                                       */
@@ -164,7 +167,7 @@ ngx_http_dpd_prefix_init_conf(ngx_http_dpd_prefix_conf_t *conf)
 char *
 ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
-    ngx_http_dpd_prefix_conf_t  *pc = conf;
+    ngx_http_dpd_prefix_conf_t  *pc;
 
     u_char                        *p, *colon;
     double                         rel;
@@ -175,6 +178,9 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_shm_zone_t                *shm_zone;
     ngx_http_dpd_prefix_zone_t    *z;
     ngx_http_dpd_prefix_reader_t  *rd;
+
+    /* the module's location conf; the directive's own part at offset */
+    pc = (ngx_http_dpd_prefix_conf_t *) ((u_char *) conf + cmd->offset);
 
     if (pc->mode != NGX_CONF_UNSET_UINT) {
         return "is duplicate";
@@ -600,7 +606,8 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     size_t                         unc, cached;
     uint64_t                       pool, cost, best_cost;
     ngx_int_t                      rc, best;
-    ngx_uint_t                     i, n, maxl, minl, imbalanced, usable;
+    ngx_uint_t                     i, j, n, maxl, minl, imbalanced, usable,
+                                   start;
     ngx_http_dpd_pin_t            *pin;
     ngx_http_dpd_balancer_cand_t  *cand;
 
@@ -666,10 +673,16 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     imbalanced = (maxl - minl > pc->imb_abs
                   && (uint64_t) maxl * 1000 > (uint64_t) pc->imb_rel * minl);
 
+    /* equal costs (a new prompt on idle decoders) rotate, as dpd_balance
+     * does among equally loaded peers */
+
     best = -1;
     best_cost = 0;
+    start = ngx_http_dpd_prefix_rotate++;
 
-    for (i = 0; i < n; i++) {
+    for (j = 0; j < n; j++) {
+        i = (start + j) % n;
+
         if (!cand[i].usable) {
             continue;
         }
@@ -689,7 +702,7 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
             || cost < best_cost
             || (cost == best_cost && cand[i].conns < cand[best].conns))
         {
-            best = i;
+            best = (ngx_int_t) i;
             best_cost = cost;
         }
     }
@@ -1169,12 +1182,16 @@ ngx_http_dpd_prefix_events_lookup(ngx_http_dpd_prefix_reader_t *rd,
 
         bit = (uint64_t) 1 << node[i];
 
-        /* invariant: blocks [0, lo) held; block hi not (hi = nkeys: end) */
+        /*
+         * invariant: blocks [0, lo) held, block hi not (hi = nkeys: the
+         * end); block 0 first, so that a prompt whose start is gone (or
+         * torn) counts as nothing cached whatever follows
+         */
         lo = 0;
         hi = nkeys;
 
         while (lo < hi) {
-            mid = lo + (hi - lo) / 2;
+            mid = (lo == 0) ? 0 : lo + (hi - lo) / 2;
 
             mask = 0;
 
