@@ -427,6 +427,11 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
 
         ngx_http_dpd_decide(r, ctx, dlcf);
 
+        if (dlcf->prefix.mode != NGX_HTTP_DPD_PREFIX_OFF) {
+            /* $dpd_decision_time includes the cache's lookup and pin */
+            ctx->decision_usec = ngx_http_dpd_now_usec() - ctx->start_usec;
+        }
+
         if (ctx->kv_stripped
             && (ctx->route != NGX_HTTP_DPD_ROUTE_DISAGGREGATED
                 || ctx->observe))
