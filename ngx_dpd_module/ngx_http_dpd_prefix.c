@@ -1334,6 +1334,7 @@ static void
 ngx_http_dpd_prefix_refresh(ngx_http_dpd_prefix_reader_t *rd, ngx_log_t *log)
 {
     ngx_fd_t          fd;
+    ngx_err_t         err;
     uint32_t          m, tries;
     ngx_file_info_t   fi;
     dpd_pfx_node_t    nd;
@@ -1345,12 +1346,16 @@ ngx_http_dpd_prefix_refresh(ngx_http_dpd_prefix_reader_t *rd, ngx_log_t *log)
     rd->ever = 1;
 
     if (ngx_file_info(rd->path.data, &fi) == NGX_FILE_ERROR) {
+        err = ngx_errno;
+
         if (rd->fd != NGX_INVALID_FILE) {
             (void) ngx_close_file(rd->fd);
             rd->fd = NGX_INVALID_FILE;
         }
 
-        ngx_http_dpd_prefix_fail(rd, log, "missing");
+        /* EACCES: the worker's user may not reach it */
+        ngx_http_dpd_prefix_fail(rd, log, err == NGX_ENOENT
+                                 ? "missing" : "cannot stat (permissions?)");
         return;
     }
 
@@ -1369,7 +1374,7 @@ ngx_http_dpd_prefix_refresh(ngx_http_dpd_prefix_reader_t *rd, ngx_log_t *log)
 
         fd = open((char *) rd->path.data, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
         if (fd == -1) {
-            ngx_http_dpd_prefix_fail(rd, log, "cannot open");
+            ngx_http_dpd_prefix_fail(rd, log, "cannot open (permissions?)");
             return;
         }
 
