@@ -95,11 +95,13 @@ sub post {
     return ($res->code, $addr, scalar $res->header('X-Cached'));
 }
 
-# the decoders nginx has now: requests on fresh prompts go to each in turn
+# the decoders nginx has now: requests on prompts never seen (nothing
+# cached anywhere) go to each in turn
+our $FRESH = 1000;
 sub peers {
     my %seen;
     for my $i (1 .. 6) {
-        my (undef, $a) = post([(900 + $i) x 20]);
+        my (undef, $a) = post([($FRESH++) x 20]);
         $seen{$a} = 1;
     }
     return join ' ', sort keys %seen;
