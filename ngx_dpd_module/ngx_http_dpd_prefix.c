@@ -608,21 +608,37 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_int_t                      rc, best;
     ngx_uint_t                     i, j, n, maxl, minl, imbalanced, usable,
                                    start;
+    ngx_uint_t                     max;
     ngx_http_dpd_pin_t            *pin;
+    ngx_http_upstream_rr_peers_t  *peers;
     ngx_http_dpd_balancer_cand_t  *cand;
 
     if (pc->decode == NULL) {
         return NGX_DECLINED;
     }
 
-    cand = ngx_palloc(r->pool, NGX_HTTP_DPD_PREFIX_MAX_CANDS
-                               * sizeof(ngx_http_dpd_balancer_cand_t));
+    /*
+     * room for the pool's peers as configured or resolved now (read
+     * without the lock: a bound only, candidates() never writes more);
+     * a small pool allocation, not a large one per request
+     */
+
+    peers = pc->decode->peer.data;
+    max = 0;
+
+    if (peers) {
+        max = peers->number + (peers->next ? peers->next->number : 0);
+    }
+
+    max = ngx_max(max, 2);
+    max = ngx_min(max, NGX_HTTP_DPD_PREFIX_MAX_CANDS);
+
+    cand = ngx_palloc(r->pool, max * sizeof(ngx_http_dpd_balancer_cand_t));
     if (cand == NULL) {
         return NGX_ERROR;
     }
 
-    if (ngx_http_dpd_balancer_candidates(r, pc->decode, cand,
-                                         NGX_HTTP_DPD_PREFIX_MAX_CANDS, &n)
+    if (ngx_http_dpd_balancer_candidates(r, pc->decode, cand, max, &n)
         != NGX_OK
         || n == 0)
     {
