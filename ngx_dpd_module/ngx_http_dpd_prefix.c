@@ -1138,10 +1138,11 @@ ngx_http_dpd_prefix_events_lookup(ngx_http_dpd_prefix_reader_t *rd,
     size_t      memo_k[NGX_HTTP_DPD_PREFIX_MEMO];
     uint64_t    memo_m[NGX_HTTP_DPD_PREFIX_MEMO];
 
-    if (!rd->valid
+    /* at most one stat() (and header read) a second, usable or not */
+
+    if (!rd->ever
         || (ngx_msec_int_t) (ngx_current_msec - rd->checked)
-           >= NGX_HTTP_DPD_PREFIX_CHECK
-        || !rd->ever)
+           >= NGX_HTTP_DPD_PREFIX_CHECK)
     {
         ngx_http_dpd_prefix_refresh(rd, log);
     }

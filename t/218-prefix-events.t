@@ -115,6 +115,11 @@ sub init_2 {
     ($c, $d, $k) = post(ids(runs => [[100, 64]]));
     is $c, 200, 'shrunk file: answered';
     is $k, 0, 'shrunk file: nothing cached';
+    # a short read within the re-stat interval, else the header check
+    # against the new size (slow runs: valgrind)
+    like `cat ${\ server_root()}/logs/error.log`,
+        qr/short read \(shrunk\?\)|corrupt, foreign or truncated/,
+        'shrunk file: warned';
     tick();
     ($c, $d, $k) = post(ids(runs => [[100, 64]]));
     is $c, 200, 'shrunk file, re-read: answered';
@@ -215,7 +220,6 @@ main::init_2();
 --- error_log
 dpd prefix index
 routing as if nothing were cached
-short read (shrunk?)
 ": missing: routing
 corrupt, foreign or truncated
 block size differs
