@@ -113,6 +113,18 @@ _EOC_
 
 # the checks of each block (its --- init), run with nginx up
 
+sub init_9 {
+    # counted (and keyed) in a thread of the pool: the keys come back
+    my @p = ([100, 64], [200, 40]);
+    my ($c1, $d1, $k1) = post('/v1/completions', ids(runs => [[100, 64]]));
+    is $c1, 200, 'thread pool: turn 1 answered';
+    is $k1, 0, 'thread pool: nothing cached yet';
+    my ($c2, $d2, $k2, $u2) = post('/v1/completions', ids(runs => \@p));
+    is $d2, $d1, 'thread pool: turn 2 where turn 1 went';
+    is $k2, 64, 'thread pool: 64 cached';
+    is $u2, 40, 'thread pool: 40 uncached';
+}
+
 sub init_1 {
     my $p = ids(runs => [[100, 64]]);
     my @got = map { [ post('/v1/completions', $p) ] } 1 .. 4;
@@ -582,6 +594,27 @@ main::init_7();
     location = /ok { return 200 "ok\n"; }
 --- init
 main::init_8();
+--- no_error_log
+[error]
+[alert]
+
+
+
+=== TEST 9: keys made in a dpd_count_thread_pool thread
+--- config
+    location /v1/ {
+        dpd on;
+        dpd_threshold 1000;
+        dpd_count_thread_pool default min_size=1;
+        dpd_decode_upstream pool;
+        dpd_prefix_cache approximate;
+        add_header X-Cached $dpd_cached_tokens always;
+        add_header X-Uncached $dpd_uncached_tokens always;
+        proxy_pass http://pool;
+    }
+    location = /ok { return 200 "ok\n"; }
+--- init
+main::init_9();
 --- no_error_log
 [error]
 [alert]
