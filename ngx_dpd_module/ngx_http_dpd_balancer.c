@@ -779,7 +779,9 @@ ngx_http_dpd_balancer_move(ngx_http_request_t *r,
                   "sent to %V (route fallback)",
                   &pin->name, pc->name, &pin->name);
 
-    ctx = ngx_http_dpd_get_ctx(r);
+    /* a pinned prefill subrequest (dpd_prefix_cache prefill=) retried
+     * elsewhere is not the main request's decode */
+    ctx = (r == r->main) ? ngx_http_dpd_get_ctx(r) : NULL;
 
     if (ctx && ctx->route == NGX_HTTP_DPD_ROUTE_DISAGGREGATED) {
         ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;

@@ -451,6 +451,7 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_pool_t                  *tree;
     ngx_http_dpd_proto_t        *proto;
     ngx_http_dpd_prefill_ctx_t  *p;
+    ngx_http_dpd_loc_conf_t     *dlcf;
 
     p = &ctx->prefill;
 
@@ -558,6 +559,14 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                             |NGX_HTTP_SUBREQUEST_WAITED)
         != NGX_OK)
     {
+        return NGX_ERROR;
+    }
+
+    /* dpd_prefix_cache prefill=: the prefiller by its own cache and load */
+
+    dlcf = ngx_http_get_module_loc_conf(r, ngx_http_dpd_module);
+
+    if (ngx_http_dpd_prefix_prefill(r, sr, ctx, &dlcf->prefix) == NGX_ERROR) {
         return NGX_ERROR;
     }
 

@@ -108,8 +108,14 @@ struct ngx_http_dpd_prefix_reader_s {
 };
 
 
+static char *ngx_http_dpd_prefix_merge_prefill(ngx_conf_t *cf,
+    ngx_http_dpd_prefix_conf_t *conf);
 static ngx_int_t ngx_http_dpd_prefix_init_zone(ngx_shm_zone_t *shm_zone,
     void *data);
+static ngx_int_t ngx_http_dpd_prefix_score(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefix_conf_t *pc,
+    ngx_http_upstream_srv_conf_t *us, ngx_http_dpd_balancer_cand_t **candp,
+    size_t *blocks, uint64_t *pool, ngx_uint_t *imbalanced);
 static ngx_int_t ngx_http_dpd_prefix_node(ngx_http_dpd_prefix_sh_t *sh,
     ngx_str_t *name, uint64_t pool, ngx_uint_t create);
 static void ngx_http_dpd_prefix_free_entry(ngx_http_dpd_prefix_zone_t *z,
@@ -143,8 +149,10 @@ static void ngx_http_dpd_prefix_fail(ngx_http_dpd_prefix_reader_t *rd,
 static ngx_str_t  ngx_http_dpd_prefix_default_zone =
     ngx_string("dpd_prefix");
 
-/* per worker: where the tie-break among equal costs starts */
-static ngx_uint_t  ngx_http_dpd_prefix_rotate;
+/* per worker: where the tie-break among equal costs starts, one for the
+ * decode choices and one for the prefill choices (a shared one would step
+ * twice a request and always start on the same peer of two) */
+static ngx_uint_t  ngx_http_dpd_prefix_rotate[2];
 
 
 /* ------------------------------------------------------------------ */
@@ -268,6 +276,17 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
             if (file.len == 0) {
                 return "has an empty \"file=\"";
+            }
+
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "prefill=", 8) == 0) {
+            pc->prefill_name.data = value[i].data + 8;
+            pc->prefill_name.len = value[i].len - 8;
+
+            if (pc->prefill_name.len == 0) {
+                goto invalid;
             }
 
             continue;
@@ -509,7 +528,7 @@ ngx_http_dpd_prefix_merge_conf(ngx_conf_t *cf,
         && ngx_strncmp(conf->decode->host.data, decode_name->data,
                        decode_name->len) == 0)
     {
-        return NGX_CONF_OK;
+        return ngx_http_dpd_prefix_merge_prefill(cf, conf);
     }
 
     conf->decode = ngx_http_dpd_balancer_find_upstream(cf, decode_name, 0,
@@ -518,6 +537,32 @@ ngx_http_dpd_prefix_merge_conf(ngx_conf_t *cf,
         ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
                            "\"dpd_prefix_cache\" with upstream \"%V\": %s",
                            decode_name, err);
+        return NGX_CONF_ERROR;
+    }
+
+    return ngx_http_dpd_prefix_merge_prefill(cf, conf);
+}
+
+
+/* prefill=NAME: the prefill pool, chosen in by its own cache and load */
+
+static char *
+ngx_http_dpd_prefix_merge_prefill(ngx_conf_t *cf,
+    ngx_http_dpd_prefix_conf_t *conf)
+{
+    char  *err;
+
+    if (conf->prefill_name.len == 0 || conf->prefill) {
+        return NGX_CONF_OK;
+    }
+
+    conf->prefill = ngx_http_dpd_balancer_find_upstream(cf,
+                                                        &conf->prefill_name,
+                                                        0, &err);
+    if (conf->prefill == NULL) {
+        ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                           "\"dpd_prefix_cache\" with prefill=%V: %s",
+                           &conf->prefill_name, err);
         return NGX_CONF_ERROR;
     }
 
@@ -598,24 +643,23 @@ ngx_http_dpd_prefix_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 /* the decision                                                        */
 
 
-ngx_int_t
-ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
-    ngx_http_dpd_prefix_conf_t *pc, ngx_int_t threshold)
+/*
+ * The cheapest usable peer of "us" for this prompt (its index into
+ * *candp, blocks[] its cached blocks); NGX_DECLINED: nothing to score,
+ * NGX_ERROR: memory.
+ */
+
+static ngx_int_t
+ngx_http_dpd_prefix_score(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefix_conf_t *pc, ngx_http_upstream_srv_conf_t *us,
+    ngx_http_dpd_balancer_cand_t **candp, size_t *blocks, uint64_t *pool,
+    ngx_uint_t *imbalanced)
 {
-    size_t                         blocks[NGX_HTTP_DPD_PREFIX_MAX_CANDS];
-    size_t                         unc, cached;
-    uint64_t                       pool, cost, best_cost;
-    ngx_int_t                      rc, best;
-    ngx_uint_t                     i, j, n, maxl, minl, imbalanced, usable,
-                                   start;
-    ngx_uint_t                     max;
-    ngx_http_dpd_pin_t            *pin;
+    uint64_t                       cost, best_cost;
+    ngx_int_t                      best;
+    ngx_uint_t                     i, j, n, maxl, minl, usable, start, max;
     ngx_http_upstream_rr_peers_t  *peers;
     ngx_http_dpd_balancer_cand_t  *cand;
-
-    if (pc->decode == NULL) {
-        return NGX_DECLINED;
-    }
 
     /*
      * room for the pool's peers as configured or resolved now (read
@@ -623,7 +667,7 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
      * a small pool allocation, not a large one per request
      */
 
-    peers = pc->decode->peer.data;
+    peers = us->peer.data;
     max = 0;
 
     if (peers) {
@@ -638,8 +682,9 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         return NGX_ERROR;
     }
 
-    if (ngx_http_dpd_balancer_candidates(r, pc->decode, cand, max, &n)
-        != NGX_OK
+    *candp = cand;
+
+    if (ngx_http_dpd_balancer_candidates(r, us, cand, max, &n) != NGX_OK
         || n == 0)
     {
         return NGX_DECLINED;
@@ -647,13 +692,11 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     ngx_memzero(blocks, n * sizeof(size_t));
 
-    pool = dpd_prefix_hash_str(pc->decode->host.data, pc->decode->host.len);
+    *pool = dpd_prefix_hash_str(us->host.data, us->host.len);
 
     if (ctx->prefix_nkeys) {
-        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_PREFIX_LOOKUPS);
-
         if (pc->mode == NGX_HTTP_DPD_PREFIX_APPROXIMATE) {
-            ngx_http_dpd_prefix_zone_lookup(pc, cand, n, pool,
+            ngx_http_dpd_prefix_zone_lookup(pc, cand, n, *pool,
                                             ctx->prefix_keys,
                                             ctx->prefix_nkeys, blocks);
 
@@ -666,7 +709,7 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         }
     }
 
-    /* the imbalance guard: SGLang's abs/rel rule over usable decoders */
+    /* the imbalance guard: SGLang's abs/rel rule over usable peers */
 
     maxl = 0;
     minl = NGX_MAX_UINT32_VALUE;
@@ -686,15 +729,15 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         return NGX_DECLINED;
     }
 
-    imbalanced = (maxl - minl > pc->imb_abs
-                  && (uint64_t) maxl * 1000 > (uint64_t) pc->imb_rel * minl);
+    *imbalanced = (maxl - minl > pc->imb_abs
+                   && (uint64_t) maxl * 1000 > (uint64_t) pc->imb_rel * minl);
 
-    /* equal costs (a new prompt on idle decoders) rotate, as dpd_balance
+    /* equal costs (a new prompt on idle peers) rotate, as dpd_balance
      * does among equally loaded peers */
 
     best = -1;
     best_cost = 0;
-    start = ngx_http_dpd_prefix_rotate++;
+    start = ngx_http_dpd_prefix_rotate[us == pc->prefill]++;
 
     for (j = 0; j < n; j++) {
         i = (start + j) % n;
@@ -703,7 +746,7 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
             continue;
         }
 
-        if (imbalanced) {
+        if (*imbalanced) {
             /* least loaded; more cached blocks break ties */
             cost = (uint64_t) cand[i].conns * (ctx->prefix_nkeys + 1)
                    + (ctx->prefix_nkeys - blocks[i]);
@@ -721,6 +764,43 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
             best = (ngx_int_t) i;
             best_cost = cost;
         }
+    }
+
+    return best;
+}
+
+
+ngx_int_t
+ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefix_conf_t *pc, ngx_int_t threshold)
+{
+    size_t                         blocks[NGX_HTTP_DPD_PREFIX_MAX_CANDS];
+    size_t                         unc, cached;
+    uint64_t                       pool;
+    ngx_int_t                      rc, best;
+    ngx_uint_t                     imbalanced;
+    ngx_http_dpd_pin_t            *pin;
+    ngx_http_dpd_balancer_cand_t  *cand;
+
+    if (pc->decode == NULL) {
+        return NGX_DECLINED;
+    }
+
+    if (ctx->prefix_nkeys) {
+        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_PREFIX_LOOKUPS);
+    }
+
+    imbalanced = 0;
+
+    best = ngx_http_dpd_prefix_score(r, ctx, pc, pc->decode, &cand, blocks,
+                                     &pool, &imbalanced);
+
+    if (best == NGX_ERROR) {
+        return NGX_ERROR;
+    }
+
+    if (best < 0) {
+        return NGX_DECLINED;
     }
 
     if (imbalanced) {
@@ -778,6 +858,63 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     if (rc != NGX_OK) {
         /* gone since the snapshot: dpd_balance picks; nothing learned */
         return NGX_OK;
+    }
+
+    if (pc->mode == NGX_HTTP_DPD_PREFIX_APPROXIMATE && ctx->prefix_nkeys) {
+        ngx_http_dpd_prefix_zone_insert(pc, &cand[best].name, pool,
+                                        ctx->prefix_keys, ctx->prefix_nkeys,
+                                        r->connection->log);
+    }
+
+    return NGX_OK;
+}
+
+
+/*
+ * prefill=NAME: the prefill subrequest sr goes to the prefiller of that
+ * pool with the cheapest cost by its own cached blocks and load (pinned
+ * on sr, so that its proxy_pass through dpd_balance takes it first);
+ * nothing to score leaves the choice to dpd_balance.
+ */
+
+ngx_int_t
+ngx_http_dpd_prefix_prefill(ngx_http_request_t *r, ngx_http_request_t *sr,
+    ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefix_conf_t *pc)
+{
+    size_t                         blocks[NGX_HTTP_DPD_PREFIX_MAX_CANDS];
+    uint64_t                       pool;
+    ngx_int_t                      rc, best;
+    ngx_uint_t                     imbalanced;
+    ngx_http_dpd_pin_t            *pin;
+    ngx_http_dpd_balancer_cand_t  *cand;
+
+    if (pc->mode == NGX_HTTP_DPD_PREFIX_OFF || pc->prefill == NULL) {
+        return NGX_DECLINED;
+    }
+
+    imbalanced = 0;
+
+    best = ngx_http_dpd_prefix_score(r, ctx, pc, pc->prefill, &cand, blocks,
+                                     &pool, &imbalanced);
+
+    if (best == NGX_ERROR) {
+        return NGX_ERROR;
+    }
+
+    if (best < 0) {
+        return NGX_DECLINED;
+    }
+
+    rc = ngx_http_dpd_balancer_pin_name(sr, pc->prefill, &cand[best].name,
+                                        &pin);
+
+    ngx_log_debug4(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                   "dpd prefix: prefill on %V, %uz of %uz blocks cached, "
+                   "pin %i", &cand[best].name, blocks[best],
+                   ctx->prefix_nkeys, rc);
+
+    if (rc != NGX_OK) {
+        return rc;
     }
 
     if (pc->mode == NGX_HTTP_DPD_PREFIX_APPROXIMATE && ctx->prefix_nkeys) {

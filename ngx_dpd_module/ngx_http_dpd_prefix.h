@@ -3,7 +3,7 @@
  *
  *   dpd_prefix_cache off;                                   (default)
  *   dpd_prefix_cache approximate [zone=NAME[:SIZE]] [block=N] [ttl=TIME]
- *                    [weights=U:L] [imbalance=ABS:REL];
+ *                    [weights=U:L] [imbalance=ABS:REL] [prefill=NAME];
  *   dpd_prefix_cache events file=PATH [block=N] [weights=U:L]
  *                    [imbalance=ABS:REL];
  *
@@ -54,6 +54,8 @@ typedef struct {
     ngx_shm_zone_t                  *zone;       /* approximate */
     ngx_http_dpd_prefix_reader_t    *reader;     /* events */
     ngx_http_upstream_srv_conf_t    *decode;     /* dpd_decode_upstream */
+    ngx_str_t                        prefill_name; /* prefill=NAME */
+    ngx_http_upstream_srv_conf_t    *prefill;    /* its dpd_balance pool */
 } ngx_http_dpd_prefix_conf_t;
 
 
@@ -73,6 +75,16 @@ char *ngx_http_dpd_prefix_merge_conf(ngx_conf_t *cf,
 ngx_int_t ngx_http_dpd_prefix_route(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefix_conf_t *pc,
     ngx_int_t threshold);
+
+
+/*
+ * prefill=NAME: pin the prefill subrequest sr to the prefiller of that
+ * pool whose own cache and load cost least.  NGX_OK: pinned,
+ * NGX_DECLINED: left to dpd_balance, NGX_ERROR: memory.
+ */
+ngx_int_t ngx_http_dpd_prefix_prefill(ngx_http_request_t *r,
+    ngx_http_request_t *sr, ngx_http_dpd_ctx_t *ctx,
+    ngx_http_dpd_prefix_conf_t *pc);
 
 
 #endif /* _NGX_HTTP_DPD_PREFIX_H_INCLUDED_ */

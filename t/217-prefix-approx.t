@@ -29,6 +29,7 @@ my $base = $ENV{DPD_TEST_PORT_BASE} || 18600;
 $ENV{TEST_NGINX_B1} = $base + 40;
 $ENV{TEST_NGINX_B2} = $base + 41;
 $ENV{TEST_NGINX_PF} = $base + 42;
+$ENV{TEST_NGINX_PF2} = $base + 43;
 $ENV{TEST_NGINX_SLOW} = 'x' x 2500;
 
 our $JSON = JSON::PP->new->canonical;
@@ -62,7 +63,8 @@ sub post {
     $port =~ s/\s+$//;
     return ($res->code, $port, scalar $res->header('X-Cached'),
             scalar $res->header('X-Uncached'),
-            scalar $res->header('X-Route'));
+            scalar $res->header('X-Route'),
+            scalar $res->header('X-Prefill'));
 }
 
 sub metric {
@@ -91,6 +93,12 @@ add_block_preprocessor(sub {
     upstream prefill {
         server 127.0.0.1:$TEST_NGINX_PF;
     }
+    upstream prefills {
+        dpd_balance;
+        zone prefills 64k;
+        server 127.0.0.1:$TEST_NGINX_PF;
+        server 127.0.0.1:$TEST_NGINX_PF2;
+    }
     server {
         listen 127.0.0.1:$TEST_NGINX_B1;
         listen 127.0.0.1:$TEST_NGINX_B2;
@@ -102,6 +110,7 @@ add_block_preprocessor(sub {
     }
     server {
         listen 127.0.0.1:$TEST_NGINX_PF;
+        listen 127.0.0.1:$TEST_NGINX_PF2;
         location / {
             default_type application/json;
             return 200 '{"id":"p","object":"text_completion","choices":[{"index":0,"text":"a","finish_reason":"length"}],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_block_ids":[1],"remote_request_id":"p","remote_host":"127.0.0.1","remote_port":5600}}';
@@ -112,6 +121,27 @@ _EOC_
 });
 
 # the checks of each block (its --- init), run with nginx up
+
+sub init_10 {
+    # two prefillers: a conversation's long turns go to the one holding
+    # its start (dpd_balance alone would alternate between equal loads)
+    my ($c1, $d1, $k1, $u1, $r1, $p1) = post('/v1/completions',
+        ids(runs => [[100, 80]]));
+    is $r1, 'disaggregated', 'prefill=: turn 1 disaggregated';
+    like $p1, qr/^127\.0\.0\.1:\d+$/, "prefill=: turn 1 prefilled on $p1";
+    my (undef, undef, undef, undef, $r2, $p2) = post('/v1/completions',
+        ids(runs => [[100, 80], [200, 80]]));
+    is $r2, 'disaggregated', 'prefill=: turn 2 disaggregated (80 uncached)';
+    is $p2, $p1, 'prefill=: turn 2 prefilled where turn 1 was';
+    my (undef, undef, undef, undef, $r3, $p3) = post('/v1/completions',
+        ids(runs => [[100, 80], [200, 80], [300, 80]]));
+    is $p3, $p1, 'prefill=: turn 3 too';
+    my (undef, undef, undef, undef, undef, $q1) = post('/v1/completions',
+        ids(runs => [[700, 80]]));
+    my (undef, undef, undef, undef, undef, $q2) = post('/v1/completions',
+        ids(runs => [[800, 80]]));
+    isnt $q1, $q2, 'prefill=: new conversations on idle prefillers rotate';
+}
 
 sub init_9 {
     # counted (and keyed) in a thread of the pool: the keys come back
@@ -350,6 +380,9 @@ SKIP: {
         ['events', qr/needs "file=PATH" with "events"/],
         ['events zone=z:1m file=/x', qr/invalid parameter "zone=z:1m"/],
         ['approximate size=1m', qr/invalid parameter "size=1m"/],
+        ['approximate prefill=', qr/invalid parameter "prefill="/],
+        ['approximate prefill=plain', qr/prefill=plain: .*must use "dpd_balance"/],
+        ['approximate prefill=nosuch', qr/prefill=nosuch/],
     );
 
     my $run = sub {
@@ -615,6 +648,33 @@ main::init_8();
     location = /ok { return 200 "ok\n"; }
 --- init
 main::init_9();
+--- no_error_log
+[error]
+[alert]
+
+
+
+=== TEST 10: prefill=: the prefiller by its own cached prefix
+--- config
+    location /v1/ {
+        dpd on;
+        dpd_threshold 64;
+        dpd_protocol nixl;
+        dpd_prefill_pass /_dpd_prefill;
+        dpd_decode_upstream pool;
+        dpd_prefix_cache approximate prefill=prefills;
+        add_header X-Cached $dpd_cached_tokens always;
+        add_header X-Route $dpd_route always;
+        add_header X-Prefill $dpd_prefill_peer always;
+        proxy_pass http://pool;
+    }
+    location /_dpd_prefill/ {
+        internal;
+        proxy_pass http://prefills/;
+    }
+    location = /ok { return 200 "ok\n"; }
+--- init
+main::init_10();
 --- no_error_log
 [error]
 [alert]
