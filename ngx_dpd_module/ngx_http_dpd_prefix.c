@@ -177,10 +177,10 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 {
     ngx_http_dpd_prefix_conf_t  *pc;
 
-    u_char                        *p, *colon;
-    double                         rel;
+    u_char                        *p, *colon, *end;
+    double                         rel, frac;
     ssize_t                        size;
-    ngx_int_t                      n, block_set;
+    ngx_int_t                      n;
     ngx_str_t                     *value, s, name, file;
     ngx_uint_t                     i;
     ngx_shm_zone_t                *shm_zone;
@@ -228,7 +228,6 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_str_null(&name);
     ngx_str_null(&file);
     size = NGX_CONF_UNSET;
-    block_set = 0;
 
     for (i = 2; i < cf->args->nelts; i++) {
 
@@ -304,7 +303,6 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
             }
 
             pc->block = (size_t) n;
-            block_set = 1;
             continue;
         }
 
@@ -374,32 +372,26 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
                 goto invalid;
             }
 
-            {
-                u_char  *end;
-                double   frac;
+            end = s.data + s.len;
 
-                end = s.data + s.len;
-                frac = 0;
-
-                for ( /* void */ ; p < end && *p >= '0' && *p <= '9'; p++) {
-                    rel = rel * 10 + (*p - '0');
-                    if (rel > 1000) {
-                        goto invalid;
-                    }
-                }
-
-                if (p < end && *p == '.') {
-                    frac = 0.1;
-
-                    for (p++; p < end && *p >= '0' && *p <= '9'; p++) {
-                        rel += (*p - '0') * frac;
-                        frac /= 10;
-                    }
-                }
-
-                if (p != end) {
+            for ( /* void */ ; p < end && *p >= '0' && *p <= '9'; p++) {
+                rel = rel * 10 + (*p - '0');
+                if (rel > 1000) {
                     goto invalid;
                 }
+            }
+
+            if (p < end && *p == '.') {
+                frac = 0.1;
+
+                for (p++; p < end && *p >= '0' && *p <= '9'; p++) {
+                    rel += (*p - '0') * frac;
+                    frac /= 10;
+                }
+            }
+
+            if (p != end) {
+                goto invalid;
             }
 
             if (n == NGX_ERROR || rel < 1.0) {
@@ -440,11 +432,10 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         rd->path.len = file.len;
         rd->fd = NGX_INVALID_FILE;
 
-        pc->reader = rd;
-
         /* the index says its block size; block= must agree (checked at
          * read time: a mismatch means no cache information) */
-        (void) block_set;
+
+        pc->reader = rd;
 
         return NGX_CONF_OK;
     }
