@@ -515,6 +515,18 @@ kv_pfx_node_clear(kv_pfx_t *x, int node)
 void
 kv_pfx_stored(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev)
 {
+    if (node < 0 || (uint32_t) node >= x->nnodes) {
+        return;
+    }
+    kv_pfx_stored_seeded(x, node, ev, x->node[node].model,
+                         x->node[node].model_len);
+}
+
+
+void
+kv_pfx_stored_seeded(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev,
+    const char *model, size_t model_len)
+{
     size_t          k, B;
     uint64_t        parent, key, bit;
     pfx_node_t     *nd;
@@ -551,7 +563,7 @@ kv_pfx_stored(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev)
         }
         parent = e->key;
     } else {
-        parent = dpd_prefix_salted(dpd_prefix_seed(nd->model, nd->model_len,
+        parent = dpd_prefix_salted(dpd_prefix_seed(model, model_len,
                                                    ev->lora, ev->lora_len),
                                    ev->salt, ev->salt_len);
     }

@@ -46,7 +46,8 @@ typedef struct {
     const uint32_t  *tokens;        /* nblocks * block_size ids */
     size_t           ntokens;
     uint32_t         block_size;
-    const char      *lora;          /* lora_name, "" for none */
+    const char      *lora;          /* LoRA seed ("": the module seeds an
+                                       adapter by its name as the model) */
     size_t           lora_len;
     const char      *salt;          /* cache_salt from block 0's extra
                                        keys, "" for none */
@@ -73,6 +74,9 @@ int  kv_pfx_node(kv_pfx_t *x, const char *id, const char *http_addr,
 void kv_pfx_node_clear(kv_pfx_t *x, int node);
 
 void kv_pfx_stored(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev);
+/* the same, block 0 seeded with another model name (an adapter's) */
+void kv_pfx_stored_seeded(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev,
+    const char *model, size_t model_len);
 void kv_pfx_removed(kv_pfx_t *x, int node, const uint64_t *ids, size_t n,
     int lower_tier);
 
