@@ -18,7 +18,8 @@ CUDA_HOME  ?= /usr/local/cuda
 PROVE      ?= prove
 
 .PHONY: all deps test test-quick test-real test-valgrind test-valgrind-ci test-asan \
-        module-asan fuzz-nginx demo bench clean module programs fuzz image
+        module-asan fuzz-nginx demo bench clean module programs fuzz image \
+        k8s-manifests
 all: module programs
 
 include ngx_dpd_module/tokenizer/build.mk
@@ -111,6 +112,12 @@ image:
 	@bash tools/deps.sh image
 	@bash tools/image.sh all
 
+# docker/k8s/dpd-gateway.yaml: the Helm chart (deploy/helm/dpd-gateway)
+# rendered with its defaults by the helm `make deps` builds;
+# t/deploy/10-manifests.t fails when it is stale.
+k8s-manifests:
+	@bash tools/k8s-manifests.sh
+
 demo: deps
 	@$(MAKE) --no-print-directory all
 	@bash tools/demo.sh
@@ -119,4 +126,5 @@ bench: all
 	@bash bench/run-all.sh
 
 clean:
-	rm -rf $(BUILD) $(SAN_BUILD) $(NGX130_BUILD) t/servroot*
+	rm -rf $(BUILD) $(SAN_BUILD) $(NGX130_BUILD) t/servroot* \
+	    $(addprefix build-cuda,$(CUDA_MAJORS))

@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+. "$ROOT/tools/python-path.sh"
 SECS=${1:-2}
 BASE=${2:-main}
 CORE=${BENCH_CORE:-0}

@@ -13,6 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+. "$ROOT/tools/python-path.sh"
 B=$ROOT/build/kv_agent
 ROUNDS=5
 QUICK=0

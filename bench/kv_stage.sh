@@ -17,6 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+. "$ROOT/tools/python-path.sh"
 B=$ROOT/build/kv_agent
 ROUNDS=5
 while [ $# -gt 0 ]; do

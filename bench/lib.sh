@@ -3,6 +3,7 @@
 # started from it, when the script exits.
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$ROOT/tools/python-path.sh"
 BUILD=${DPD_BUILD:-$ROOT/build}
 NGINX=${NGINX:-/usr/sbin/nginx}
 MODULE=${MODULE:-$BUILD/ngx_http_dpd_module.so}

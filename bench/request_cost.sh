@@ -12,6 +12,10 @@
 #   direct1k  the same with a 1000-token prompt
 #   disagg  "dpd on", dpd_threshold 0, dpd_protocol nixl: prefill
 #           subrequest + decode body + proxy_pass (100-token prompt)
+#   balanced  "dpd on" through a dpd_balance upstream (the baseline of:)
+#   prefix  the same with "dpd_prefix_cache approximate" (keys, lookup,
+#           pin, remember; the same prompt each time: a full hit), 100
+#           and 1000 tokens, and a 32k-token chat turn by turn
 #   long    ~100k-token chats (words no cache has seen) counted inline
 #           and with dpd_count_thread_pool: the instructions of the event
 #           loop's thread alone per request (what every other request on
@@ -22,7 +26,7 @@
 #
 # Usage: bench/request_cost.sh            (after `make`)
 # Knobs (env): COUNT=200 WARM=50 LONG=10 (long requests measured)
-#              BENCH_PORT_BASE=18720 (BASE .. BASE+5)
+#              BENCH_PORT_BASE=18720 (BASE .. BASE+7)
 #              KEEP=dir  (keep the callgrind files there, for
 #                         callgrind_annotate)
 set -euo pipefail
@@ -37,6 +41,8 @@ DIRECT=$((BASE + 2))
 DISAGG=$((BASE + 3))
 PREF=$((BASE + 4))
 THREAD=$((BASE + 5))
+BALANCED=$((BASE + 6))
+PREFIX=$((BASE + 7))
 LONG=${LONG:-10}
 
 command -v valgrind >/dev/null || { echo "valgrind is not installed" >&2; exit 1; }
@@ -81,6 +87,12 @@ http {
     dpd_tokenizer $TOK/tokenizer.json config=$TOK/tokenizer_config.json;
 
     upstream back { server 127.0.0.1:$BACK; keepalive 16; }
+    upstream backd {
+        dpd_balance;
+        zone backd 64k;
+        server 127.0.0.1:$BACK;
+        keepalive 16;
+    }
     upstream pref { server 127.0.0.1:$PREF; keepalive 16; }
 
     proxy_http_version 1.1;
@@ -94,6 +106,19 @@ http {
     server {
         listen 127.0.0.1:$DIRECT;
         location /v1/ { dpd on; proxy_pass http://back; }
+    }
+    server {
+        listen 127.0.0.1:$BALANCED;
+        location /v1/ { dpd on; proxy_pass http://backd; }
+    }
+    server {
+        listen 127.0.0.1:$PREFIX;
+        location /v1/ {
+            dpd on;
+            dpd_decode_upstream backd;
+            dpd_prefix_cache approximate;
+            proxy_pass http://backd;
+        }
     }
     server {
         listen 127.0.0.1:$THREAD;
@@ -150,6 +175,18 @@ for name, words in (("100", 75), ("1000", 750)):
 text = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
                         for _ in range(rng.randint(3, 9)))
                 for _ in range(29500))
+# a 32k-token chat: ~24k words of history (the cache's worst case: 2k
+# blocks looked up and remembered each time)
+msgs = []
+for t in range(16):
+    msgs.append({"role": "user", "content": " ".join(rng.choice(w)
+                 for _ in range(750))})
+    msgs.append({"role": "assistant", "content": " ".join(rng.choice(w)
+                 for _ in range(750))})
+msgs.append({"role": "user", "content": "and now?"})
+with open(f"{sys.argv[1]}/body-32k.json", "w") as f:
+    f.write(json.dumps({"model": "m", "stream": True, "max_tokens": 16,
+                        "messages": msgs}))
 with open(f"{sys.argv[1]}/body-long.json", "w") as f:
     f.write(json.dumps({"model": "m", "stream": True, "max_tokens": 16,
               "messages": [{"role": "user", "content": text}]}))
@@ -193,6 +230,11 @@ P=$(measure plain "$PLAIN" 100)
 D=$(measure direct "$DIRECT" 100)
 K=$(measure direct1k "$DIRECT" 1000)
 G=$(measure disagg "$DISAGG" 100)
+B=$(measure balanced "$BALANCED" 100)
+X=$(measure prefix "$PREFIX" 100)
+XK=$(measure prefix1k "$PREFIX" 1000)
+B32=$(measure balanced32k "$BALANCED" 32k "$LONG" 2)
+X32=$(measure prefix32k "$PREFIX" 32k "$LONG" 2)
 LI=$(measure long-inline "$DIRECT" long "$LONG" 2)
 LT=$(measure long-thread "$THREAD" long "$LONG" 2 1)
 f=$(grep -lx "desc: Trigger: dump long-thread" "$WORK"/cg.*-02 | head -1)
@@ -203,6 +245,10 @@ printf "plain proxy_pass          %9d Ir\n" "$P"
 printf "direct, 100-token chat    %9d Ir  (plain/direct %.3f)\n" "$D" "$(echo "$P / $D" | bc -l)"
 printf "direct, 1000-token chat   %9d Ir  (plain/direct %.3f)\n" "$K" "$(echo "$P / $K" | bc -l)"
 printf "disaggregated, 100 tokens %9d Ir  (plain/disagg %.3f)\n" "$G" "$(echo "$P / $G" | bc -l)"
+printf "dpd_balance, 100 tokens   %9d Ir  (plain/balanced %.3f)\n" "$B" "$(echo "$P / $B" | bc -l)"
+printf "prefix cache, 100 tokens  %9d Ir  (plain/prefix %.3f, +%d Ir over balanced)\n" "$X" "$(echo "$P / $X" | bc -l)" "$((X - B))"
+printf "prefix cache, 1000 tokens %9d Ir  (plain/prefix %.3f)\n" "$XK" "$(echo "$P / $XK" | bc -l)"
+printf "32k-token chat: balanced %11d Ir, prefix cache %11d Ir (+%d Ir)\n" "$B32" "$X32" "$((X32 - B32))"
 printf "~100k-token chat, inline:     event loop %11d Ir a request\n" "$LI"
 printf "~100k-token chat, thread pool: event loop %11d Ir a request (%.4f of inline), pool thread %d Ir\n" \
     "$LT" "$(echo "$LT / $LI" | bc -l)" "$LP"

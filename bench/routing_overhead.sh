@@ -59,6 +59,18 @@ set -euo pipefail
 
 . "$(dirname "$0")/lib.sh"
 DURATION=${DURATION:-8}
+# PREFIX=approximate: the dpd servers (exact, bound and their decision
+# logs) choose their decoder with dpd_prefix_cache through a dpd_balance
+# upstream of the same backend (issue 23: the direct path with the cache
+# on stays >= 0.85x plain proxy_pass)
+PREFIX=${PREFIX:-}
+if [[ -n $PREFIX ]]; then
+    PFX_CONF="dpd_decode_upstream backd; dpd_prefix_cache $PREFIX;"
+    DIRECT_UP=backd
+else
+    PFX_CONF=""
+    DIRECT_UP=back
+fi
 ROUNDS=${ROUNDS:-3}
 CONNS=${CONNS:-16}
 THRESHOLD=${THRESHOLD:-4096}
@@ -118,6 +130,12 @@ http {
     client_max_body_size 16m;
 
     upstream back { server 127.0.0.1:$BACK; keepalive 64; }
+    upstream backd {
+        dpd_balance;
+        zone backd 64k;
+        server 127.0.0.1:$BACK;
+        keepalive 64;
+    }
     upstream pref { server 127.0.0.1:$PREF; keepalive 64; }
     upstream reader { server 127.0.0.1:$READER; keepalive 64; }
 
@@ -186,7 +204,8 @@ http {
             dpd on;
             dpd_count exact;
             dpd_threshold $THRESHOLD;
-            proxy_pass http://back;
+            $PFX_CONF
+            proxy_pass http://$DIRECT_UP;
         }
     }
     server {
@@ -195,7 +214,8 @@ http {
             dpd on;
             dpd_count bound;
             dpd_threshold $THRESHOLD;
-            proxy_pass http://back;
+            $PFX_CONF
+            proxy_pass http://$DIRECT_UP;
         }
     }
     server {
@@ -204,7 +224,8 @@ http {
             dpd on;
             dpd_count exact;
             dpd_threshold $THRESHOLD;
-            proxy_pass http://back;
+            $PFX_CONF
+            proxy_pass http://$DIRECT_UP;
             add_header X-Tokens \$dpd_prompt_tokens;
             access_log $WORK/decision-exact.log decision;
         }
@@ -215,7 +236,8 @@ http {
             dpd on;
             dpd_count bound;
             dpd_threshold $THRESHOLD;
-            proxy_pass http://back;
+            $PFX_CONF
+            proxy_pass http://$DIRECT_UP;
             access_log $WORK/decision-bound.log decision;
         }
     }

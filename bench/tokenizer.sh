@@ -17,6 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+. "$ROOT/tools/python-path.sh"
 SECS=${1:-3}
 CORE=${BENCH_CORE:-0}
 BUILD=${DPD_BUILD:-$ROOT/build}

@@ -117,6 +117,11 @@ static ngx_uint_t ngx_http_dpd_balancer_ready(ngx_http_request_t *r,
 static ngx_uint_t ngx_http_dpd_balancer_usable(
     ngx_http_upstream_rr_peers_t *peers, ngx_http_upstream_rr_peer_t *peer,
     uintptr_t *tried, ngx_uint_t i, time_t now);
+static ngx_http_upstream_rr_peer_t *ngx_http_dpd_balancer_named(
+    ngx_http_upstream_rr_peers_t *peers, ngx_str_t *name, time_t now);
+static ngx_int_t ngx_http_dpd_balancer_pin_peer(ngx_http_request_t *r,
+    ngx_http_upstream_srv_conf_t *us, ngx_str_t *name,
+    ngx_http_dpd_pin_t **pinp);
 static void ngx_http_dpd_balancer_release(ngx_http_dpd_pin_t *pin);
 static void ngx_http_dpd_balancer_pin_cleanup(void *data);
 static void *ngx_http_dpd_balancer_create_srv_conf(ngx_conf_t *cf);
@@ -774,7 +779,9 @@ ngx_http_dpd_balancer_move(ngx_http_request_t *r,
                   "sent to %V (route fallback)",
                   &pin->name, pc->name, &pin->name);
 
-    ctx = ngx_http_dpd_get_ctx(r);
+    /* a pinned prefill subrequest (dpd_prefix_cache prefill=) retried
+     * elsewhere is not the main request's decode */
+    ctx = (r == r->main) ? ngx_http_dpd_get_ctx(r) : NULL;
 
     if (ctx && ctx->route == NGX_HTTP_DPD_ROUTE_DISAGGREGATED) {
         ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
@@ -1199,9 +1206,131 @@ ngx_http_dpd_balancer_usable(ngx_http_upstream_rr_peers_t *peers,
 }
 
 
+/* the usable peer of "peers" called "name", under the caller's lock */
+
+static ngx_http_upstream_rr_peer_t *
+ngx_http_dpd_balancer_named(ngx_http_upstream_rr_peers_t *peers,
+    ngx_str_t *name, time_t now)
+{
+    ngx_uint_t                    i;
+    ngx_http_upstream_rr_peer_t  *peer;
+
+    for (peer = peers->peer, i = 0; peer; peer = peer->next, i++) {
+
+        if (peer->name.len != name->len
+            || ngx_strncmp(peer->name.data, name->data, name->len) != 0)
+        {
+            continue;
+        }
+
+        return ngx_http_dpd_balancer_usable(peers, peer, NULL, i, now)
+               ? peer : NULL;
+    }
+
+    return NULL;
+}
+
+
 ngx_int_t
 ngx_http_dpd_balancer_pin(ngx_http_request_t *r,
     ngx_http_upstream_srv_conf_t *us, ngx_http_dpd_pin_t **pinp)
+{
+    return ngx_http_dpd_balancer_pin_peer(r, us, NULL, pinp);
+}
+
+
+ngx_int_t
+ngx_http_dpd_balancer_pin_name(ngx_http_request_t *r,
+    ngx_http_upstream_srv_conf_t *us, ngx_str_t *name,
+    ngx_http_dpd_pin_t **pinp)
+{
+    return ngx_http_dpd_balancer_pin_peer(r, us, name, pinp);
+}
+
+
+/*
+ * A snapshot of the peers for a caller that scores them itself (the
+ * prefix cache): taken under the read lock, scored without it, then
+ * pinned by name (the peer may have gone meanwhile: NGX_DECLINED).
+ */
+
+ngx_int_t
+ngx_http_dpd_balancer_candidates(ngx_http_request_t *r,
+    ngx_http_upstream_srv_conf_t *us, ngx_http_dpd_balancer_cand_t *cand,
+    ngx_uint_t max, ngx_uint_t *n)
+{
+    time_t                             now;
+    uint64_t                           free;
+    ngx_uint_t                         i, k, state;
+    ngx_http_upstream_rr_peer_t       *peer;
+    ngx_http_upstream_rr_peers_t      *list;
+    ngx_http_dpd_balancer_srv_conf_t  *bscf;
+
+    *n = 0;
+
+    bscf = ngx_http_conf_upstream_srv_conf(us, ngx_http_dpd_balancer_module);
+
+    if (us->peer.data == NULL || bscf == NULL || !bscf->balance) {
+        return NGX_ERROR;
+    }
+
+    now = ngx_time();
+    state = ngx_http_dpd_state_enabled(r);
+
+    /* the backup list only when no primary peer is usable, as pinning */
+
+    for (list = us->peer.data; list; list = list->next) {
+
+        k = 0;
+
+        ngx_http_upstream_rr_peers_rlock(list);
+
+        for (peer = list->peer, i = 0; peer && k < max;
+             peer = peer->next, i++)
+        {
+            cand[k].usable = ngx_http_dpd_balancer_usable(list, peer, NULL,
+                                                          i, now);
+            cand[k].down = peer->down ? 1 : 0;
+
+            if (cand[k].usable && state) {
+                free = 0;
+
+                if (ngx_http_dpd_balancer_ready(r, peer, &free)
+                    == NGX_HTTP_DPD_READY_DEAD)
+                {
+                    cand[k].usable = 0;
+                }
+            }
+
+            cand[k].conns = peer->conns;
+            cand[k].weight = peer->weight ? peer->weight : 1;
+            cand[k].name.len = ngx_min(peer->name.len,
+                                       NGX_HTTP_DPD_CAND_NAME_LEN);
+            ngx_memcpy(cand[k].buf, peer->name.data, cand[k].name.len);
+            cand[k].name.data = cand[k].buf;
+            k++;
+        }
+
+        ngx_http_upstream_rr_peers_unlock(list);
+
+        for (i = 0; i < k; i++) {
+            if (cand[i].usable) {
+                *n = k;
+                return NGX_OK;
+            }
+        }
+    }
+
+    /* none usable: the caller pins as dpd_balance would (NGX_BUSY) */
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_http_dpd_balancer_pin_peer(ngx_http_request_t *r,
+    ngx_http_upstream_srv_conf_t *us, ngx_str_t *name,
+    ngx_http_dpd_pin_t **pinp)
 {
     time_t                             now;
     ngx_uint_t                         p;
@@ -1252,7 +1381,12 @@ ngx_http_dpd_balancer_pin(ngx_http_request_t *r,
 
         ngx_http_upstream_rr_peers_wlock(list);
 
-        best = ngx_http_dpd_balancer_least(r, list, NULL, now, &p);
+        if (name) {
+            best = ngx_http_dpd_balancer_named(list, name, now);
+
+        } else {
+            best = ngx_http_dpd_balancer_least(r, list, NULL, now, &p);
+        }
 
         if (best) {
             /* the reference keeps the peer's memory while we hold it */
@@ -1268,6 +1402,11 @@ ngx_http_dpd_balancer_pin(ngx_http_request_t *r,
         }
 
         ngx_http_upstream_rr_peers_unlock(list);
+    }
+
+    if (best == NULL && name) {
+        /* gone or unusable since the snapshot: the caller picks again */
+        return NGX_DECLINED;
     }
 
     if (best == NULL) {

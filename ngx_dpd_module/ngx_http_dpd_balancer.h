@@ -120,6 +120,40 @@ extern ngx_module_t  ngx_http_dpd_balancer_module;
 ngx_int_t ngx_http_dpd_balancer_pin(ngx_http_request_t *r,
     ngx_http_upstream_srv_conf_t *us, ngx_http_dpd_pin_t **pin);
 
+/*
+ * The same for the peer called "name" (a candidate the caller chose):
+ * NGX_DECLINED when it is no longer a usable peer of "us".
+ */
+ngx_int_t ngx_http_dpd_balancer_pin_name(ngx_http_request_t *r,
+    ngx_http_upstream_srv_conf_t *us, ngx_str_t *name,
+    ngx_http_dpd_pin_t **pin);
+
+
+#define NGX_HTTP_DPD_CAND_NAME_LEN  128
+
+/* one peer of an upstream as ngx_http_dpd_balancer_candidates() saw it */
+typedef struct {
+    ngx_str_t                       name;        /* in buf, maybe cut */
+    ngx_uint_t                      conns;       /* outstanding requests */
+    ngx_uint_t                      weight;
+    unsigned                        usable:1;    /* may take a request now
+                                                    (not down, failed, full
+                                                    or dead per the state
+                                                    table) */
+    unsigned                        down:1;      /* marked down */
+    u_char                          buf[NGX_HTTP_DPD_CAND_NAME_LEN];
+} ngx_http_dpd_balancer_cand_t;
+
+
+/*
+ * At most "max" peers of the first peer list (primary, else backup) that
+ * has a usable one, with their load now: *n set.  NGX_ERROR when "us"
+ * does not use dpd_balance.
+ */
+ngx_int_t ngx_http_dpd_balancer_candidates(ngx_http_request_t *r,
+    ngx_http_upstream_srv_conf_t *us, ngx_http_dpd_balancer_cand_t *cand,
+    ngx_uint_t max, ngx_uint_t *n);
+
 /* drop the pin (fallback path): the reservation is released */
 void ngx_http_dpd_balancer_unpin(ngx_http_request_t *r);
 

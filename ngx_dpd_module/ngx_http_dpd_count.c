@@ -12,6 +12,7 @@
 
 #include "ngx_http_dpd_count.h"
 #include "ngx_http_dpd_json.h"
+#include "dpd_prefix.h"
 
 
 static int dpd_refuse(ngx_http_dpd_count_t *out, int bad,
@@ -32,6 +33,13 @@ static int dpd_count_chat(const cJSON *req,
     const ngx_http_dpd_count_conf_t *cf, ngx_http_dpd_count_t *out);
 static int dpd_check_messages(const cJSON *messages, size_t max,
     ngx_http_dpd_count_t *out);
+static long dpd_encode(const dpd_tok_t *tok, const char *text, size_t len,
+    int add_special, uint32_t **ids);
+static void dpd_prefix_keys_of(const cJSON *req,
+    const ngx_http_dpd_count_conf_t *cf, ngx_http_dpd_count_t *out,
+    const uint32_t *ids, size_t n);
+static int dpd_chat_keys(const cJSON *req,
+    const ngx_http_dpd_count_conf_t *cf, ngx_http_dpd_count_t *out);
 
 
 static int
@@ -55,6 +63,8 @@ ngx_http_dpd_count(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
 {
     out->tokens = -1;
     out->bound = -1;
+    out->keys = NULL;
+    out->nkeys = 0;
     out->skipped = 0;
     out->estimated = 0;
     out->bad = NGX_HTTP_DPD_BAD_NONE;
@@ -127,7 +137,7 @@ dpd_count_completions(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
 {
     long              n, i, total;
     size_t            ids;
-    uint32_t          vocab;
+    uint32_t          vocab, *ids32;
     uint64_t          bound, b;
     const cJSON      *prompt, *item, *first;
     const dpd_tok_t  *tok;
@@ -147,6 +157,21 @@ dpd_count_completions(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
                    dpd_text_bound(cf, (unsigned char *) prompt->valuestring,
                                   strlen(prompt->valuestring), 1)))
         {
+            return 0;
+        }
+
+        if (cf->prefix_block) {
+            /* the ids themselves, for the prefix cache's keys */
+            n = dpd_encode(tok, prompt->valuestring,
+                           strlen(prompt->valuestring), 1, &ids32);
+            if (n < 0) {
+                return -1;
+            }
+
+            dpd_prefix_keys_of(req, cf, out, ids32, (size_t) n);
+            free(ids32);
+
+            out->tokens = n;
             return 0;
         }
 
@@ -220,6 +245,22 @@ dpd_count_completions(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
             != 0)
         {
             return 0;
+        }
+
+        if (cf->prefix_block && ids >= cf->prefix_block) {
+            /* checked above: integers in [0, vocab) */
+            ids32 = malloc(ids * sizeof(uint32_t));
+
+            if (ids32 != NULL) {
+                i = 0;
+
+                for (item = first; item; item = item->next) {
+                    ids32[i++] = (uint32_t) item->valuedouble;
+                }
+
+                dpd_prefix_keys_of(req, cf, out, ids32, ids);
+                free(ids32);
+            }
         }
 
         goto ids_counted;
@@ -376,6 +417,14 @@ dpd_count_chat(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
 
     estimated = 0;
     err[0] = '\0';
+
+    if (cf->prefix_block) {
+        /* 1: no exact ids (no template, estimate): counted below */
+        n = dpd_chat_keys(req, cf, out);
+        if (n <= 0) {
+            return (int) n;
+        }
+    }
 
     if (cf->bound) {
 
@@ -544,5 +593,154 @@ dpd_check_messages(const cJSON *messages, size_t max,
         }
     }
 
+    return 0;
+}
+
+
+/* the ids of a text into *ids (malloc()ed); their number or -1 */
+
+static long
+dpd_encode(const dpd_tok_t *tok, const char *text, size_t len,
+    int add_special, uint32_t **ids)
+{
+    long       n;
+    size_t     cap;
+    uint32_t  *buf;
+
+    /* about 4 bytes per id in practice; a second pass when more */
+
+    cap = len / 3 + 64;
+
+    for ( ;; ) {
+        buf = malloc(cap * sizeof(uint32_t));
+        if (buf == NULL) {
+            return -1;
+        }
+
+        n = dpd_tok_encode(tok, text, len, add_special, buf, cap);
+
+        if (n < 0) {
+            free(buf);
+            return -1;
+        }
+
+        if ((size_t) n <= cap) {
+            *ids = buf;
+            return n;
+        }
+
+        free(buf);
+        cap = (size_t) n;
+    }
+}
+
+
+/*
+ * The block keys of a prompt's ids (dpd_prefix.h): seeded by the request's
+ * "model" (which names the LoRA adapter too when one is addressed, as
+ * vLLM serves adapters under their own model names) and "cache_salt".
+ * Out of memory: no keys, the request is routed as if nothing were cached.
+ */
+
+static void
+dpd_prefix_keys_of(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
+    ngx_http_dpd_count_t *out, const uint32_t *ids, size_t n)
+{
+    size_t        nblocks;
+    uint64_t      seed;
+    const char   *model, *salt;
+    const cJSON  *v;
+
+    nblocks = n / cf->prefix_block;
+
+    if (nblocks == 0) {
+        return;
+    }
+
+    v = cJSON_GetObjectItemCaseSensitive(req, "model");
+    model = cJSON_IsString(v) ? v->valuestring : "";
+
+    v = cJSON_GetObjectItemCaseSensitive(req, "cache_salt");
+    salt = cJSON_IsString(v) ? v->valuestring : "";
+
+    seed = dpd_prefix_salted(dpd_prefix_seed(model, strlen(model), "", 0),
+                             salt, strlen(salt));
+
+    out->keys = malloc(nblocks * sizeof(uint64_t));
+    if (out->keys == NULL) {
+        return;
+    }
+
+    out->nkeys = dpd_prefix_keys(seed, ids, n, cf->prefix_block, out->keys,
+                                 nblocks);
+}
+
+
+/*
+ * A chat's exact ids and keys: the rendered template encoded without
+ * specials (harmony: its own ids).  0: counted (or refused, out->bad),
+ * -1: failure, 1: no exact ids (no template, an estimate): count as usual.
+ */
+
+static int
+dpd_chat_keys(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
+    ngx_http_dpd_count_t *out)
+{
+    int        rc;
+    long       n, count;
+    char       err[256], *text;
+    size_t     len, nids;
+    uint32_t  *ids;
+
+    err[0] = '\0';
+
+    if (dpd_tok_chat_harmony(cf->tok)) {
+        ids = NULL;
+        nids = 0;
+
+        rc = dpd_chat_harmony_json(cf->tok, req, NULL, NULL, &ids, &nids,
+                                   &count, err, sizeof(err));
+        if (rc != 0) {
+            /* refused or an estimate: the usual path says which */
+            free(ids);
+            return 1;
+        }
+
+        dpd_prefix_keys_of(req, cf, out, ids, nids);
+        free(ids);
+
+        out->tokens = count;
+        return 0;
+    }
+
+    text = NULL;
+
+    rc = dpd_chat_render_json(cf->tok, cf->tmpl, req, &text, &len, err,
+                              sizeof(err));
+
+    if (rc != 0 && rc != 2) {
+        /* -1: refused, 1: no template: the usual path */
+        free(text);
+        return 1;
+    }
+
+    n = dpd_encode(cf->tok, text, len, 0, &ids);
+    free(text);
+
+    if (n < 0) {
+        return -1;
+    }
+
+    dpd_prefix_keys_of(req, cf, out, ids, (size_t) n);
+    free(ids);
+
+    if (rc == 2) {
+        /* non-text parts: the text's ids only */
+        out->estimated = 1;
+        snprintf(out->note, sizeof(out->note), "text counted only (%s)",
+                 err);
+    }
+
+    out->tokens = n;
     return 0;
 }

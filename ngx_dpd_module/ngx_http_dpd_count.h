@@ -42,6 +42,9 @@ typedef struct {
     unsigned long          bound_other;
     unsigned long          bound_prefix;
     unsigned long          bound_specials;
+
+    /* dpd_prefix_cache: tokens per block; 0: no keys */
+    size_t                 prefix_block;
 } ngx_http_dpd_count_conf_t;
 
 
@@ -51,6 +54,12 @@ typedef struct {
     unsigned               skipped:1;       /* bound < threshold: no BPE */
     unsigned               estimated:1;     /* chat count is an estimate */
 
+    /* dpd_prefix_cache: the prompt's block keys (dpd_prefix.h), seeded
+     * by "model" and "cache_salt"; malloc()ed, the caller frees them.
+     * NULL: none (a batch of prompts, an estimated chat, no full block) */
+    uint64_t              *keys;
+    size_t                 nkeys;
+
     int                    bad;             /* NGX_HTTP_DPD_BAD_* */
     char                   why[NGX_HTTP_DPD_WHY_LEN];
     char                   note[320];       /* worth an info log line */
@@ -59,7 +68,9 @@ typedef struct {
 
 /*
  * Counts the prompt of req (an object).  Returns 0 (out->bad set when the
- * request is refused) or -1 (tokenizer failure, out of memory).
+ * request is refused) or -1 (tokenizer failure, out of memory).  With
+ * cf->prefix_block the prompt is encoded (not only counted) and its block
+ * keys are set; failing to make them (memory) leaves keys NULL.
  */
 int ngx_http_dpd_count(const cJSON *req, const ngx_http_dpd_count_conf_t *cf,
     ngx_http_dpd_count_t *out);

@@ -30,6 +30,80 @@ static ngx_http_output_header_filter_pt  ngx_http_next_header_filter;
 static ngx_http_output_body_filter_pt    ngx_http_next_body_filter;
 
 
+/*
+ * Client or peer text (a model name, an error message quoting the body, a
+ * prefill reply's field) for error.log: control bytes (newline, CR, ESC,
+ * NUL, DEL), the backslash, the double quote and bytes that are not UTF-8 (as
+ * ngx_utf8_decode() reads it) as \xNN, as nginx's access log escapes,
+ * valid UTF-8 kept; at most NGX_HTTP_DPD_LOG_TEXT_MAX bytes of the input,
+ * then "...".  A client cannot forge a line ("\n2026/12/04 [emerg] ...")
+ * nor drive a terminal.  The string is the pool's; "(no memory)" when it
+ * has none.
+ */
+ngx_str_t *
+ngx_http_dpd_log_text(ngx_pool_t *pool, const u_char *data, size_t len)
+{
+    static ngx_str_t   nomem = ngx_string("(no memory)");
+    static u_char      hex[] = "0123456789abcdef";
+    u_char            *p, *q, *end, *next;
+    size_t             n;
+    uint32_t           cp;
+    ngx_str_t         *out;
+
+    n = ngx_min(len, NGX_HTTP_DPD_LOG_TEXT_MAX);
+
+    out = ngx_palloc(pool, sizeof(ngx_str_t) + 4 * n + sizeof("..."));
+    if (out == NULL) {
+        return &nomem;
+    }
+
+    out->data = (u_char *) (out + 1);
+    q = out->data;
+    p = (u_char *) data;
+    end = p + n;
+
+    while (p < end) {
+
+        if (*p >= 0x20 && *p < 0x7f && *p != '\\' && *p != '"') {
+            *q++ = *p++;
+            continue;
+        }
+
+        if (*p >= 0x80) {
+            next = p;
+            cp = ngx_utf8_decode(&next, end - p);
+
+            if (cp <= 0x10ffff && (cp < 0xd800 || cp > 0xdfff)) {
+                q = ngx_cpymem(q, p, next - p);
+                p = next;
+                continue;
+            }
+        }
+
+        *q++ = '\\';
+        *q++ = 'x';
+        *q++ = hex[*p >> 4];
+        *q++ = hex[*p & 0xf];
+        p++;
+    }
+
+    if (n < len) {
+        q = ngx_cpymem(q, "...", 3);
+    }
+
+    out->len = q - out->data;
+
+    return out;
+}
+
+
+ngx_str_t *
+ngx_http_dpd_log_cstr(ngx_pool_t *pool, const char *s)
+{
+    return ngx_http_dpd_log_text(pool, (const u_char *) s, ngx_strlen(s));
+}
+
+
 const char *
 ngx_http_dpd_error_type(ngx_uint_t status)
 {
@@ -149,8 +223,8 @@ ngx_http_dpd_send_error(ngx_http_request_t *r, ngx_uint_t status,
 
     if (r->header_sent) {
         ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
-                      "dpd: cannot send error %ui after the header: %s",
-                      status, message);
+                      "dpd: cannot send error %ui after the header: %V",
+                      status, ngx_http_dpd_log_cstr(r->pool, message));
         return NGX_ERROR;
     }
 

@@ -223,6 +223,22 @@ ngx_http_dpd_metrics_inc(ngx_http_request_t *r, ngx_uint_t counter)
 
 
 void
+ngx_http_dpd_metrics_add(ngx_http_request_t *r, ngx_uint_t counter,
+    ngx_uint_t n)
+{
+    ngx_http_dpd_metrics_t  *m;
+
+    m = ngx_http_dpd_metrics_get(r);
+
+    if (m == NULL || counter >= NGX_HTTP_DPD_M_N) {
+        return;
+    }
+
+    (void) ngx_atomic_fetch_add(&m->counters[counter], n);
+}
+
+
+void
 ngx_http_dpd_metrics_error(ngx_http_request_t *r, ngx_uint_t reason)
 {
     ngx_http_dpd_metrics_t  *m;
@@ -545,6 +561,35 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
                         ngx_http_dpd_retry_labels[i],
                         m->counters[NGX_HTTP_DPD_M_DECODE_RETRY_OK + i]);
     }
+
+    p = ngx_sprintf(p,
+            "# HELP dpd_prefix_lookups_total Prefix-cache lookups "
+            "(dpd_prefix_cache), and those that found cached blocks on "
+            "the chosen decoder.\n"
+            "# TYPE dpd_prefix_lookups_total counter\n"
+            "dpd_prefix_lookups_total{result=\"all\"} %uA\n"
+            "dpd_prefix_lookups_total{result=\"hit\"} %uA\n"
+            "# HELP dpd_prefix_cached_tokens_total Prompt tokens the chosen "
+            "decoder held, by the index.\n"
+            "# TYPE dpd_prefix_cached_tokens_total counter\n"
+            "dpd_prefix_cached_tokens_total %uA\n"
+            "# HELP dpd_prefix_routes_total Routes decided with the prefix "
+            "cache, by reason.\n"
+            "# TYPE dpd_prefix_routes_total counter\n"
+            "dpd_prefix_routes_total{reason=\"direct_short\"} %uA\n"
+            "dpd_prefix_routes_total{reason=\"direct_cached\"} %uA\n"
+            "dpd_prefix_routes_total{reason=\"disaggregated\"} %uA\n"
+            "# HELP dpd_prefix_imbalanced_total Decisions where the load "
+            "guard chose the least loaded decoder over the cache.\n"
+            "# TYPE dpd_prefix_imbalanced_total counter\n"
+            "dpd_prefix_imbalanced_total %uA\n",
+            m->counters[NGX_HTTP_DPD_M_PREFIX_LOOKUPS],
+            m->counters[NGX_HTTP_DPD_M_PREFIX_HITS],
+            m->counters[NGX_HTTP_DPD_M_PREFIX_CACHED_TOKENS],
+            m->counters[NGX_HTTP_DPD_M_PREFIX_ROUTE_SHORT],
+            m->counters[NGX_HTTP_DPD_M_PREFIX_ROUTE_CACHED],
+            m->counters[NGX_HTTP_DPD_M_PREFIX_ROUTE_DISAGG],
+            m->counters[NGX_HTTP_DPD_M_PREFIX_IMBALANCED]);
 
     p = ngx_sprintf(p,
             "# HELP dpd_kv_wait_total kv_agent handoffs, by how the wait "

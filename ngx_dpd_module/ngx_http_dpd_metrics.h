@@ -53,6 +53,13 @@ typedef enum {
     NGX_HTTP_DPD_M_DECODE_RETRY_FAILED,  /* ok, failed, no_decoder, */
     NGX_HTTP_DPD_M_DECODE_RETRY_NO_PEER, /* client_closed */
     NGX_HTTP_DPD_M_DECODE_RETRY_ABORTED,
+    NGX_HTTP_DPD_M_PREFIX_LOOKUPS,       /* dpd_prefix_cache lookups */
+    NGX_HTTP_DPD_M_PREFIX_HITS,          /* ... with cached blocks */
+    NGX_HTTP_DPD_M_PREFIX_CACHED_TOKENS, /* sum of cached tokens */
+    NGX_HTTP_DPD_M_PREFIX_ROUTE_SHORT,   /* routes by reason: direct */
+    NGX_HTTP_DPD_M_PREFIX_ROUTE_CACHED,  /* short, direct cached, */
+    NGX_HTTP_DPD_M_PREFIX_ROUTE_DISAGG,  /* disaggregated */
+    NGX_HTTP_DPD_M_PREFIX_IMBALANCED,    /* the load guard overrode */
     NGX_HTTP_DPD_M_N
 } ngx_http_dpd_counter_e;
 
@@ -98,6 +105,8 @@ typedef enum {
 
 /* Safe from any worker, any time; a no-op without the zone. */
 void ngx_http_dpd_metrics_inc(ngx_http_request_t *r, ngx_uint_t counter);
+void ngx_http_dpd_metrics_add(ngx_http_request_t *r, ngx_uint_t counter,
+    ngx_uint_t n);
 void ngx_http_dpd_metrics_observe(ngx_http_request_t *r,
     ngx_uint_t histogram, double value);
 void ngx_http_dpd_metrics_error(ngx_http_request_t *r, ngx_uint_t reason);

@@ -246,7 +246,9 @@ ngx_http_dpd_model_pass(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
 {
     ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                    "dpd model: \"%V\" in %V",
-                   &ctx->model_name, &ctx->model->location);
+                   ngx_http_dpd_log_text(r->pool, ctx->model_name.data,
+                                         ctx->model_name.len),
+                   &ctx->model->location);
 
     ctx->model_done = 1;
     ctx->count_rc = NGX_OK;

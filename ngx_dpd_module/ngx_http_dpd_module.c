@@ -144,6 +144,13 @@ static ngx_command_t  ngx_http_dpd_commands[] = {
       offsetof(ngx_http_dpd_loc_conf_t, chat_template),
       NULL },
 
+    { ngx_string("dpd_prefix_cache"),
+      NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_1MORE,
+      ngx_http_dpd_prefix_cache,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      offsetof(ngx_http_dpd_loc_conf_t, prefix),
+      NULL },
+
     { ngx_string("dpd_threshold"),
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
       ngx_conf_set_num_slot,
@@ -244,6 +251,8 @@ ngx_module_t  ngx_http_dpd_module = {
 #define NGX_HTTP_DPD_VAR_TOKENS_BOUND    4
 #define NGX_HTTP_DPD_VAR_KV_REQUEST_ID   5
 #define NGX_HTTP_DPD_VAR_MODEL           6
+#define NGX_HTTP_DPD_VAR_CACHED_TOKENS   7
+#define NGX_HTTP_DPD_VAR_UNCACHED_TOKENS 8
 
 
 static ngx_http_variable_t  ngx_http_dpd_vars[] = {
@@ -268,6 +277,12 @@ static ngx_http_variable_t  ngx_http_dpd_vars[] = {
 
     { ngx_string("dpd_model"), NULL, ngx_http_dpd_variable,
       NGX_HTTP_DPD_VAR_MODEL, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_cached_tokens"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_CACHED_TOKENS, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_uncached_tokens"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_UNCACHED_TOKENS, NGX_HTTP_VAR_NOCACHEABLE, 0 },
 
       ngx_http_null_variable
 };
@@ -399,8 +414,10 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
             /* bad input: the client gets the OpenAI-shaped error */
 
             ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                          "dpd: rejected request %V: %s",
-                          &ctx->request_id, ctx->err_message);
+                          "dpd: rejected request %V: %V",
+                          &ctx->request_id,
+                          ngx_http_dpd_log_text(r->pool, ctx->err_message,
+                                       ngx_strlen(ctx->err_message)));
 
             ctx->answer = NGX_HTTP_DPD_ANSWER_ERROR;
             ctx->answer_status = ctx->err_status;
@@ -411,6 +428,11 @@ ngx_http_dpd_handler(ngx_http_request_t *r)
         }
 
         ngx_http_dpd_decide(r, ctx, dlcf);
+
+        if (dlcf->prefix.mode != NGX_HTTP_DPD_PREFIX_OFF) {
+            /* $dpd_decision_time includes the cache's lookup and pin */
+            ctx->decision_usec = ngx_http_dpd_now_usec() - ctx->start_usec;
+        }
 
         if (ctx->kv_stripped
             && (ctx->route != NGX_HTTP_DPD_ROUTE_DISAGGREGATED
@@ -439,12 +461,39 @@ static void
 ngx_http_dpd_decide(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_loc_conf_t *dlcf)
 {
+    ngx_int_t  rc;
+
+    /*
+     * dpd_prefix_cache: the decoder first (cost of its uncached blocks
+     * and its load), then the threshold on what it must compute; a
+     * lookup that cannot run routes as without the cache
+     */
+
+    rc = NGX_DECLINED;
+
+    if (dlcf->prefix.mode != NGX_HTTP_DPD_PREFIX_OFF
+        && !ctx->count_skipped && ctx->prompt_tokens >= 0)
+    {
+        rc = ngx_http_dpd_prefix_route(r, ctx, &dlcf->prefix,
+                                       dlcf->threshold);
+
+        if (rc == NGX_ERROR) {
+            ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
+                          "dpd: prefix cache decision failed, routing by "
+                          "the prompt alone");
+        }
+    }
+
+    if (rc == NGX_OK) {
+        /* decided */
+
     /* >= threshold: disaggregate (HyperPod's routingThreshold rule) */
 
     /* count_skipped: the upper bound is already below the threshold */
 
-    if (!ctx->count_skipped
-        && (dlcf->threshold == 0 || ctx->prompt_tokens >= dlcf->threshold))
+    } else if (!ctx->count_skipped
+               && (dlcf->threshold == 0
+                   || ctx->prompt_tokens >= dlcf->threshold))
     {
         ctx->route = NGX_HTTP_DPD_ROUTE_DISAGGREGATED;
 
@@ -681,6 +730,8 @@ ngx_http_dpd_create_ctx(ngx_http_request_t *r)
 
     ctx->prompt_tokens = -1;
     ctx->prompt_bound = -1;
+    ctx->cached_tokens = -1;
+    ctx->uncached_tokens = -1;
     ctx->route = NGX_HTTP_DPD_ROUTE_NONE;
     ctx->start_usec = ngx_http_dpd_now_usec();
 
@@ -1147,8 +1198,22 @@ ngx_http_dpd_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
 
     case NGX_HTTP_DPD_VAR_PROMPT_TOKENS:
     case NGX_HTTP_DPD_VAR_TOKENS_BOUND:
-        n = (data == NGX_HTTP_DPD_VAR_PROMPT_TOKENS) ? ctx->prompt_tokens
-                                                     : ctx->prompt_bound;
+    case NGX_HTTP_DPD_VAR_CACHED_TOKENS:
+    case NGX_HTTP_DPD_VAR_UNCACHED_TOKENS:
+        switch (data) {
+        case NGX_HTTP_DPD_VAR_PROMPT_TOKENS:
+            n = ctx->prompt_tokens;
+            break;
+        case NGX_HTTP_DPD_VAR_TOKENS_BOUND:
+            n = ctx->prompt_bound;
+            break;
+        case NGX_HTTP_DPD_VAR_CACHED_TOKENS:
+            n = ctx->cached_tokens;
+            break;
+        default:
+            n = ctx->uncached_tokens;
+        }
+
         if (n < 0) {
             return NGX_OK;
         }
@@ -1374,6 +1439,7 @@ ngx_http_dpd_create_loc_conf(ngx_conf_t *cf)
     dlcf->model_default = NGX_CONF_UNSET_UINT;
 
     ngx_http_dpd_prefill_init_conf(&dlcf->prefill);
+    ngx_http_dpd_prefix_init_conf(&dlcf->prefix);
 
     return dlcf;
 }
@@ -1384,6 +1450,8 @@ ngx_http_dpd_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
 {
     ngx_http_dpd_loc_conf_t *prev = parent;
     ngx_http_dpd_loc_conf_t *conf = child;
+
+    ngx_uint_t  mode;
 
     ngx_conf_merge_ptr_value(conf->tokenizer, prev->tokenizer, NULL);
     ngx_conf_merge_value(conf->enable, prev->enable, 0);
@@ -1427,8 +1495,23 @@ ngx_http_dpd_merge_loc_conf(ngx_conf_t *cf, void *parent, void *child)
         return NGX_CONF_ERROR;
     }
 
-    return ngx_http_dpd_prefill_merge_conf(cf, &prev->prefill,
-                                           &conf->prefill);
+    /* with the cache on, dpd_decode_upstream names the pool it chooses
+     * in whatever the protocol (nixl too) */
+
+    mode = (conf->prefix.mode != NGX_CONF_UNSET_UINT) ? conf->prefix.mode
+                                                      : prev->prefix.mode;
+    conf->prefill.prefix = (mode != NGX_CONF_UNSET_UINT
+                            && mode != NGX_HTTP_DPD_PREFIX_OFF);
+
+    if (ngx_http_dpd_prefill_merge_conf(cf, &prev->prefill, &conf->prefill)
+        != NGX_CONF_OK)
+    {
+        return NGX_CONF_ERROR;
+    }
+
+    return ngx_http_dpd_prefix_merge_conf(cf, &prev->prefix, &conf->prefix,
+                                          &conf->prefill.decode_name,
+                                          conf->enable);
 }
 
 

@@ -22,6 +22,7 @@
 #include "ngx_http_dpd_protocol.h"
 #include "ngx_http_dpd_prefill.h"
 #include "ngx_http_dpd_metrics.h"
+#include "ngx_http_dpd_prefix.h"
 
 
 /* ctx->route; also the value of $dpd_route */
@@ -140,6 +141,7 @@ typedef struct {
     ngx_uint_t                   model_default; /* index of "*", else
                                                    NGX_CONF_UNSET_UINT */
     ngx_http_dpd_prefill_conf_t  prefill;       /* owned by prefill code */
+    ngx_http_dpd_prefix_conf_t   prefix;        /* dpd_prefix_cache */
 } ngx_http_dpd_loc_conf_t;
 
 
@@ -175,6 +177,14 @@ struct ngx_http_dpd_ctx_s {
     ngx_int_t                    prompt_tokens; /* -1: not counted */
     ngx_int_t                    prompt_bound;  /* dpd_count bound: upper
                                                    bound; -1: none */
+
+    /* dpd_prefix_cache (ngx_http_dpd_prefix.c) */
+    uint64_t                    *prefix_keys;   /* the prompt's block keys */
+    size_t                       prefix_nkeys;
+    ngx_int_t                    cached_tokens; /* on the chosen decoder;
+                                                   -1: no lookup */
+    ngx_int_t                    uncached_tokens;
+    ngx_uint_t                   prefix_reason; /* NGX_HTTP_DPD_PR_* */
     ngx_uint_t                   route;         /* NGX_HTTP_DPD_ROUTE_* */
     ngx_uint_t                   kind;          /* NGX_HTTP_DPD_KIND_* */
     ngx_uint_t                   state;         /* NGX_HTTP_DPD_STATE_* */
@@ -245,6 +255,17 @@ ngx_http_dpd_ctx_t *ngx_http_dpd_create_ctx(ngx_http_request_t *r);
  * whose finalize is the last touch of the request).
  */
 ngx_int_t ngx_http_dpd_answer(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx);
+
+/*
+ * Client or peer text escaped for error.log (control bytes, '\\', bytes
+ * that are not UTF-8 as \xNN; at most NGX_HTTP_DPD_LOG_TEXT_MAX bytes of
+ * it): every log line that prints such text passes it through this.
+ */
+#define NGX_HTTP_DPD_LOG_TEXT_MAX  512
+
+ngx_str_t *ngx_http_dpd_log_text(ngx_pool_t *pool, const u_char *data,
+    size_t len);
+ngx_str_t *ngx_http_dpd_log_cstr(ngx_pool_t *pool, const char *s);
 
 /*
  * Replace the main request body by len bytes at data, so that a following

@@ -258,6 +258,8 @@ ngx_http_dpd_job_init(ngx_http_dpd_job_t *job, ngx_http_request_t *r,
     job->count_rc = -1;
     job->stream = 0;
     job->model_bad = 0;
+    job->count.keys = NULL;
+    job->count.nkeys = 0;
 
     /* the parse follows this location's caps, also with dpd_model */
 
@@ -342,6 +344,16 @@ ngx_http_dpd_job_conf(ngx_http_dpd_job_t *job, ngx_http_dpd_ctx_t *ctx,
     cf->bound_other = dlcf->tokenizer->bound_other;
     cf->bound_prefix = dlcf->tokenizer->bound_prefix;
     cf->bound_specials = dlcf->tokenizer->bound_specials;
+
+    /* dpd_prefix_cache: every request's exact ids make its keys (the
+     * byte bound cannot: a short prompt is routed by its cache too) */
+
+    cf->prefix_block = 0;
+
+    if (dlcf->prefix.mode != NGX_HTTP_DPD_PREFIX_OFF) {
+        cf->prefix_block = dlcf->prefix.block;
+        cf->bound = 0;
+    }
 }
 
 
@@ -424,6 +436,24 @@ static ngx_int_t
 ngx_http_dpd_job_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_job_t *job)
 {
+    if (job->count.keys) {
+        /* dpd_prefix_cache: the keys into the request's pool */
+
+        if (job->count_rc == 0 && job->count.bad == 0) {
+            ctx->prefix_keys = ngx_pnalloc(r->pool,
+                                     job->count.nkeys * sizeof(uint64_t));
+
+            if (ctx->prefix_keys) {
+                ngx_memcpy(ctx->prefix_keys, job->count.keys,
+                           job->count.nkeys * sizeof(uint64_t));
+                ctx->prefix_nkeys = job->count.nkeys;
+            }
+        }
+
+        free(job->count.keys);
+        job->count.keys = NULL;
+    }
+
     if (job->parse_rc < 0) {
         return NGX_ERROR;
     }
@@ -463,8 +493,8 @@ ngx_http_dpd_job_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     if (job->count.note[0]) {
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
-                      "dpd: request \"%V\": %s", &ctx->request_id,
-                      job->count.note);
+                      "dpd: request \"%V\": %V", &ctx->request_id,
+                      ngx_http_dpd_log_cstr(r->pool, job->count.note));
     }
 
     ctx->prompt_tokens = job->count.tokens;
@@ -598,6 +628,8 @@ ngx_http_dpd_job_done(ngx_event_t *ev)
          * write handler now finalizes it
          */
         ctx->state = NGX_HTTP_DPD_STATE_DONE;
+        free(job->count.keys);
+        job->count.keys = NULL;
         r->write_event_handler(r);
         ngx_http_run_posted_requests(c);
         return;

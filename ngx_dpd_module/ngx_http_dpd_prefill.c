@@ -201,7 +201,9 @@ ngx_http_dpd_prefill_merge_conf(ngx_conf_t *cf,
         set_wait = 0;
     }
 
-    if (set_decode && !(proto->flags & NGX_HTTP_DPD_PROTO_DECODER_FIRST)) {
+    if (set_decode && !(proto->flags & NGX_HTTP_DPD_PROTO_DECODER_FIRST)
+        && !conf->prefix)
+    {
         ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
                            "\"dpd_decode_upstream\" is ignored with "
                            "\"dpd_protocol %V\" (any decoder takes the "
@@ -449,6 +451,7 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_pool_t                  *tree;
     ngx_http_dpd_proto_t        *proto;
     ngx_http_dpd_prefill_ctx_t  *p;
+    ngx_http_dpd_loc_conf_t     *dlcf;
 
     p = &ctx->prefill;
 
@@ -469,9 +472,21 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     if (proto->flags & NGX_HTTP_DPD_PROTO_DECODER_FIRST) {
 
-        /* the prefill pushes the KV to the decoder we choose now */
+        /* the prefill pushes the KV to the decoder we choose now, or
+         * that dpd_prefix_cache chose and pinned already */
 
-        switch (ngx_http_dpd_balancer_pin(r, pcf->decode_upstream, &pin)) {
+        pin = ngx_http_dpd_balancer_get_pin(r);
+
+        if (pin != NULL && pin->upstream == pcf->decode_upstream
+            && !pin->used)
+        {
+            rc = NGX_OK;
+
+        } else {
+            rc = ngx_http_dpd_balancer_pin(r, pcf->decode_upstream, &pin);
+        }
+
+        switch (rc) {
 
         case NGX_OK:
             p->decode_peer = pin->name;
@@ -544,6 +559,14 @@ ngx_http_dpd_prefill_start(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                             |NGX_HTTP_SUBREQUEST_WAITED)
         != NGX_OK)
     {
+        return NGX_ERROR;
+    }
+
+    /* dpd_prefix_cache prefill=: the prefiller by its own cache and load */
+
+    dlcf = ngx_http_get_module_loc_conf(r, ngx_http_dpd_module);
+
+    if (ngx_http_dpd_prefix_prefill(r, sr, ctx, &dlcf->prefix) == NGX_ERROR) {
         return NGX_ERROR;
     }
 
@@ -949,10 +972,11 @@ ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
     if (pcf->fallback == NGX_HTTP_DPD_FALLBACK_ERROR) {
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                      "dpd: %s (status %ui) for request \"%V\"%s%s, "
+                      "dpd: %s (status %ui) for request \"%V\"%s%V, "
                       "answering %ui",
                       ngx_http_dpd_cause_names[cause], p->status,
-                      &ctx->request_id, why ? ": " : "", why ? why : "",
+                      &ctx->request_id, why ? ": " : "",
+                      ngx_http_dpd_log_cstr(r->pool, why ? why : ""),
                       status);
 
         /* the core's content handler sends it */
@@ -967,10 +991,11 @@ ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     }
 
     ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
-                  "dpd: %s (status %ui) for request \"%V\"%s%s, "
+                  "dpd: %s (status %ui) for request \"%V\"%s%V, "
                   "falling back to decode only",
                   ngx_http_dpd_cause_names[cause], p->status,
-                  &ctx->request_id, why ? ": " : "", why ? why : "");
+                  &ctx->request_id, why ? ": " : "",
+                  ngx_http_dpd_log_cstr(r->pool, why ? why : ""));
 
     ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
     ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
@@ -1609,9 +1634,11 @@ ngx_http_dpd_prefill_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "dpd: request \"%V\" decodes without KV transfer "
-                      "params (%s), the decoder recomputes the prompt "
+                      "params (%V), the decoder recomputes the prompt "
                       "(route fallback)",
-                      &ctx->request_id, why ? why : "none in the reply");
+                      &ctx->request_id,
+                      ngx_http_dpd_log_cstr(r->pool,
+                                            why ? why : "none in the reply"));
 
         return NGX_DECLINED;
     }
@@ -1619,12 +1646,13 @@ ngx_http_dpd_prefill_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     level = p->quiet ? NGX_LOG_INFO : NGX_LOG_WARN;
 
     ngx_log_error(level, r->connection->log, 0,
-                  "dpd: %V: KV of request \"%V\" %s%s%s "
+                  "dpd: %V: KV of request \"%V\" %s%s%V "
                   "(waited %M ms), decoder %V recomputes the prompt",
                   &proto->name, &ctx->request_id,
                   ngx_http_dpd_kv_names[p->kv],
-                  why ? ": " : "", why ? why : "", p->kv_elapsed,
-                  &p->decode_peer);
+                  why ? ": " : "",
+                  ngx_http_dpd_log_cstr(r->pool, why ? why : ""),
+                  p->kv_elapsed, &p->decode_peer);
 
     return NGX_DECLINED;
 }

@@ -82,6 +82,8 @@ typedef struct {
     ngx_msec_t                   kv_wait;       /* dpd_kv_wait */
     ngx_array_t                 *nixl_hosts;    /* dpd_nixl_remote_hosts,
                                                    of ngx_cidr_t */
+    ngx_uint_t                   prefix;        /* dpd_prefix_cache on: it
+                                                   pins in decode_name */
 } ngx_http_dpd_prefill_conf_t;
 
 

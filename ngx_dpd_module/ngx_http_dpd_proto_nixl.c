@@ -167,8 +167,8 @@ static const char *
 ngx_http_dpd_nixl_host(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_prefill_conf_t *pcf, cJSON *params, ngx_str_t *peer)
 {
-    u_char        *s, *text, c, shown[NGX_HTTP_DPD_NIXL_HOST_SHOWN + 1];
-    size_t         len, i;
+    u_char        *s, *text;
+    size_t         len, n;
     ngx_addr_t     want, peer_addr;
     const cJSON   *v;
     const char    *why;
@@ -241,22 +241,18 @@ ngx_http_dpd_nixl_host(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
 
 replace:
 
-    /* the engine's text goes to the log: bounded, printable */
+    /* the engine's text goes to the log: bounded, escaped */
 
     s = (u_char *) (cJSON_IsString(v) ? v->valuestring : "");
-
-    for (i = 0; i < NGX_HTTP_DPD_NIXL_HOST_SHOWN && s[i] != '\0'; i++) {
-        c = s[i];
-        shown[i] = (c >= 0x20 && c < 0x7f && c != '"') ? c : '?';
-    }
-
-    shown[i] = '\0';
+    n = ngx_strlen(s);
 
     ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                   "dpd: request \"%V\": the prefill reply's remote_host "
-                  "\"%s\"%s %s, the decoder pulls from %V instead",
-                  &ctx->request_id, shown, s[i] != '\0' ? "..." : "", why,
-                  peer);
+                  "\"%V\"%s %s, the decoder pulls from %V instead",
+                  &ctx->request_id,
+                  ngx_http_dpd_log_text(r->pool, s,
+                                ngx_min(n, NGX_HTTP_DPD_NIXL_HOST_SHOWN)),
+                  n > NGX_HTTP_DPD_NIXL_HOST_SHOWN ? "..." : "", why, peer);
 
     return (char *) peer->data;
 }

@@ -186,7 +186,7 @@ and vLLM's 400 passes through unchanged
 --- response_headers
 X-Dpd-Tokens: 0
 Content-Type: application/json
---- response_body_like: "object":"error"
+--- response_body_like: ^\{"error":\{"message":
 
 
 === TEST 8: chat, system + user (Llama 3 template)

@@ -298,10 +298,10 @@ POST /v1/chat/completions
     dpd_tokenizer $TEST_NGINX_GPTOSS;
 --- request
 POST /v1/chat/completions
-{"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [{"role": "user", "content": "a"}]}
+{"tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}, {"type": "number"}]}}}}}], "messages": [{"role": "user", "content": "a"}]}
 --- response_headers_like
 X-Dpd-Tokens: ^\d+$
 --- response_body
 decoder reached
 --- error_log
-estimated (harmony: a tool without a description gets the estimate)
+estimated (harmony: a tool parameter with oneOf gets the estimate)

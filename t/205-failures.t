@@ -252,7 +252,7 @@ main::faults(status => 400);
 --- rid: f-4xx
 --- error_code: 400
 --- response_body chomp
-{"object":"error","message":"emulated fault: status 400","type":"BadRequestError","param":null,"code":400}
+{"error":{"message":"emulated fault: status 400","type":"BadRequestError","param":null,"code":400}}
 --- response_headers
 Content-Type: application/json
 --- response_headers_like

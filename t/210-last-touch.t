@@ -135,7 +135,7 @@ run_tests();
 # --- what the clients got ----------------------------------------------------
 
 my %want = (
-    'lt-4xx'         => [400, qr/^\{"object":"error","message":"emulated fault: status 400"/],
+    'lt-4xx'         => [400, qr/^\{"error":\{"message":"emulated fault: status 400"/],
     'lt-strict-5xx'  => [502, qr/"message":"the prefill pool failed"/],
     'lt-strict-time' => [504, qr/"message":"the prefill pool timed out"/],
     'lt-strict-conn' => [502, qr/"message":"the prefill pool failed"/],

@@ -302,8 +302,11 @@ for my $rid (qw(lmcn-plain lmcn-stream)) {
         . ($res->{h}{'x-kv-wait'} // '?') . ' ms)';
     is $res->{status}, 200, 'hostile notices: the request still answered';
     ok $R->alive, 'the router agent survived the hostile notices';
+    # refused at accept (libzmq's accept filter: no descriptor held), so
+    # the line has a count, not the address
     like $R->log_text,
-        qr/lmcache_notify: connection from "127\.0\.0\.9" refused/,
+        qr/lmcache_notify: connections refused at accept \(not in (?#
+          )lmcache_notify\.allow\) or failed \(\d+ so far\)/,
         'the refused connection is logged';
     like $R->log_text, qr/lmcache_notify: message dropped: /,
         'dropped messages are logged';

@@ -108,7 +108,7 @@ main::faults(status => 400);
 --- error_code eval
 [400, 200]
 --- response_body eval
-['{"object":"error","message":"emulated fault: status 400","type":"BadRequestError","param":null,"code":400}', "next\n"]
+['{"error":{"message":"emulated fault: status 400","type":"BadRequestError","param":null,"code":400}}', "next\n"]
 
 
 

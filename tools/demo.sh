@@ -41,6 +41,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+. "$ROOT/tools/python-path.sh"
 BUILD=${DPD_BUILD:-$ROOT/build}
 NPM=${DPD_NPM:-$ROOT/tools/npm/node_modules}
 NGINX=${NGINX_BIN:-/usr/sbin/nginx}

@@ -18,11 +18,12 @@
 #      flushed the GPUDirect RDMA writes before ready (gpu_flushes).
 # Prints PASS/FAIL per step, which memory path was used (FI_HMEM or pinned
 # staging), and exits non-zero on any failure; 2 ("SKIP") when there is no
-# GPU, CUDA toolkit or libfabric headers (nothing was checked).
+# GPU, CUDA runtime (toolkit or `make deps`'s PyPI one) or libfabric
+# headers (nothing was checked).
 #   env: KV_GPU_DEV (default 0; decode uses KV_GPU_DEV2, default same),
 #        KV_GPU_PORT (default 18950), KV_GPU_PROVIDERS ("tcp;ofi_rxm shm")
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 DEV=${KV_GPU_DEV:-0}
 DEV2=${KV_GPU_DEV2:-$DEV}
@@ -60,12 +61,41 @@ fi
 for h in /usr/include/rdma/fabric.h /usr/include/cjson/cJSON.h; do
     [ -f "$h" ] || { say "missing $h: install libfabric-dev and libcjson-dev (make deps)"; exit 2; }
 done
-[ "$DRY" = 1 ] || [ -f "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime.h" ] ||
-    { say "no CUDA toolkit under ${CUDA_HOME:-/usr/local/cuda}"; exit 2; }
+# The CUDA runtime: $CUDA_HOME, else the toolkit in /usr/local/cuda, else
+# the PyPI runtime `make deps` put in .deps/cuda-N (no toolkit on the new
+# machines), N the driver's CUDA major (nvidia-smi's "CUDA Version"), or
+# 12 under a newer driver; built by `make kv-agent-cudaN` into
+# build-cudaN/ (the libcudart.so.N rpath points at .deps/cuda-N).
+TARGETS=(build/kv_agent build/kv_agent_ctl build/kv_cuda_ipc_helper)
+if [ "$DRY" = 1 ]; then
+    TARGETS=(build/kv_agent build/kv_agent_ctl)
+elif [ -n "${CUDA_HOME:-}" ] || [ -f /usr/local/cuda/include/cuda_runtime.h ]
+then
+    [ -f "${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime.h" ] ||
+        { say "SKIP: no CUDA runtime headers under $CUDA_HOME"; exit 2; }
+    say "CUDA runtime: ${CUDA_HOME:-/usr/local/cuda}"
+else
+    drv=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\)\..*/\1/p' | head -1)
+    cu=
+    for n in 13 12; do
+        if [ -n "$drv" ] && [ "$n" -le "$drv" ] &&
+           [ -f "$ROOT/.deps/cuda-$n/include/cuda_runtime.h" ]; then
+            cu=$n; break
+        fi
+    done
+    [ -n "$cu" ] || {
+        say "SKIP: no /usr/local/cuda and no PyPI CUDA runtime in .deps/" \
+            "for this driver (CUDA ${drv:-unknown}): run make deps (needs" \
+            "PyPI), or set CUDA_HOME"
+        cat "$ROOT"/.deps/cuda-*.unavailable 2>/dev/null
+        exit 2
+    }
+    say "CUDA runtime: PyPI's CUDA $cu in .deps/cuda-$cu (driver: CUDA $drv)"
+    B=$ROOT/build-cuda$cu
+    TARGETS=("kv-agent-cuda$cu")
+fi
 say "building"
-HELPER=build/kv_cuda_ipc_helper
-[ "$DRY" = 1 ] && HELPER=
-make -j"$(nproc)" build/kv_agent build/kv_agent_ctl $HELPER \
+make -j"$(nproc)" "${TARGETS[@]}" \
     >"$T/build.log" 2>&1 || { tail -30 "$T/build.log"; fail "build"; exit 1; }
 [ "$DRY" = 1 ] || "$B/kv_agent" version | grep -q cuda ||
     { fail "built without CUDA"; exit 1; }
@@ -154,7 +184,7 @@ for prov in $PROVIDERS; do
     mkfifo "$T/hold"
     "$B/kv_cuda_ipc_helper" "$T/d.sock" "$DEV2" "$size" <"$T/hold" >"$T/helper.log" 2>&1 &
     HP=$!
-    PIDS+=($HP)
+    PIDS+=("$HP")
     exec 9>"$T/hold"
     for _ in $(seq 100); do grep -q registered "$T/helper.log" && break; sleep 0.1; done
     if grep -q registered "$T/helper.log"; then

@@ -16,7 +16,7 @@ export TEST_NGINX_LOAD_MODULES=${TEST_NGINX_LOAD_MODULES:-$ROOT/build/ngx_http_d
 export DPD_ROOT=$ROOT
 export DPD_BUILD=$ROOT/build
 export DPD_NPM=$ROOT/tools/npm/node_modules
-export DPD_VENV=${DPD_VENV:-$ROOT/.venv}
+. "$ROOT/tools/python-path.sh"
 
 PERL_INC=()
 case ${DPD_HARNESS:-auto} in

@@ -28,12 +28,15 @@ import time
 import traceback
 import uuid
 import zlib
-from collections import deque
-try:                               # LMCache's notify port (--lmcache-proxy)
-    import msgpack
+from collections import OrderedDict, deque
+try:                               # --lmcache-proxy, --kv-events-config
     import zmq
-except ImportError:                # only that option needs them
-    msgpack = zmq = None
+except ImportError:                # only those options need it
+    zmq = None
+try:                               # --lmcache-proxy
+    import msgpack
+except ImportError:
+    msgpack = None
 from email.utils import formatdate
 
 VERSION = "0.9.2-emu"
@@ -52,9 +55,9 @@ ENDPOINTS (as vLLM)
   n must be 1.  Unknown fields are ignored.  Any "model" is accepted.
   Deviations: max_tokens defaults to --default-max-tokens for chat as well;
   prompt_tokens_details is filled (as with --enable-prompt-tokens-details);
-  generation never emits EOS: finish_reason is "length" or "stop" (stop=);
-  no automatic prefix caching (vLLM V1 has it on by default), so
-  cached_tokens counts only KV that came from a prefill instance.
+  generation never emits EOS: finish_reason is "length" or "stop" (stop=).
+  POST /reset_prefix_cache    (vLLM's, dev mode there) forget every cached
+  block; refused (logged, 200 all the same) while blocks are in use.
 
 EMULATOR ENDPOINTS (tests)
   GET  /emu/stats[?since=N]  JSON: {"instance":{..},"counters":{..},
@@ -101,7 +104,19 @@ EMULATOR ENDPOINTS (tests)
         "push_state"} or {"protocol":"kv_agent","side":"consumer",
         "outcome":"ready"|"not_ready"|"failed"|"mismatch"|"no_agent",
         "req_id","state" (the agent's),"blocks","cached_tokens","error"}.
+        kv.prefix_cache: {"enabled","queries","hits" (tokens),"requests",
+        "stored_blocks","evicted_blocks","resets","resets_refused",
+        "cached_blocks","free_blocks","cached_free_blocks"}; kv.kv_events:
+        null or the publisher's state (as GET /emu/kv_events).  A record
+        also has "prefix_cache_hit_tokens" (its cached_tokens is what the
+        usage reports: the prefix-cache hit or the transferred KV).
   POST /emu/reset            forget request records and zero counters
+  GET|POST /emu/kv_events    KV event publisher: {"endpoint",
+        "replay_endpoint","topic","form","hash","next_seq","sent",
+        "dropped","restarts","replays","replayed","buffered",..}; POST
+        {"drop":N} publishes the next N batches to the replay buffer only
+        (their seq is used: subscribers see a gap), {"restart":true}
+        reopens the sockets with seq from 0 and an empty replay buffer.
   GET|POST|DELETE /emu/fault fault rules (see FAULTS)
 
 FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
@@ -124,6 +139,41 @@ FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
   bytes of the body (N=0: close without answering).  delay_ms is real time
   (not scaled).  Rules apply to /v1/* generation endpoints unless "path"
   names another one (/health, /v1/models, /metrics).
+
+PREFIX CACHING (vLLM v1; --no-enable-prefix-caching turns it off)
+  The pod's --kv-blocks are one pool.  A request's full blocks are cached
+  under chained hashes (sha256 over the parent hash, the block's token ids
+  and its extra keys: the LoRA name (--lora-modules) on every block, the
+  request's cache_salt on block 0; the seed is PYTHONHASHSEED's or random
+  per process, as vLLM's NONE_HASH) as they are computed, the output's too
+  (a generated word's id is the tokenizer's id for it).  At admission the
+  longest run of cached blocks from block 0, at most (prompt - 1) tokens
+  (vLLM always computes the last token), is reused, not with
+  prompt_logprobs; KV from a transfer (nixl, lmcache, kv_agent) is cached
+  on arrival (a NIXL decoder pulls, and times, only the blocks it lacks:
+  kv.transferred_tokens); cached_tokens = the larger of the two.  Freed blocks keep
+  their hash in the free queue (LRU; a request's blocks are freed tail
+  first) until reused; blocks of running or held requests are never
+  evicted.  Metrics: vllm:prefix_cache_queries_total, _hits_total.
+  --kv-events-config (vllm/config/kv_events.py's JSON; needs pyzmq):
+  ZeroMQ PUB (bound when the endpoint has * or ::, else connected), frames
+  (topic, seq 8 bytes big-endian from 0, msgpack [ts, events, 0]), one
+  batch per scheduler step with events: BlockStored (block_hashes,
+  parent_block_hash, token_ids, block_size, lora_id, medium "GPU",
+  lora_name, extra_keys one per block, group_idx 0, kv_cache_spec_kind
+  "full_attention"), BlockRemoved (evictions), AllBlocksCleared (reset).
+  --kv-events-form map: {"type":..} maps without null-defaulted fields
+  (vLLM 0.26), replay replies [topic, seq, payload], end ["", 0xFF*8,
+  ""]; typed: the same with extra_keys as tagged structs ({"type":
+  "cache_salt","salt":..}, {"type":"lora","name":..}; vLLM main after
+  0.26); array: positional ["BlockStored", ...] with every field (vLLM
+  0.10-0.25), replay replies [seq, payload], end [0xFF*8, ""]; array0:
+  vLLM 0.9's (BlockStored [name, hashes, parent, token_ids, block_size,
+  lora_id], BlockRemoved [name, hashes], batch [ts, events]).  Hashes: the
+  digest's last 8 bytes as uint64 or the 32 bytes (--kv-events-hash).
+  --data-parallel-rank N: the batches' rank; both ports shifted by N.
+  replay_endpoint: ROUTER; a request [identity, "", start_seq] gets every
+  kept batch (buffer_steps) from start_seq on, then the end marker.
 
 TIMING MODEL  One scheduler thread: each step runs every decoding sequence
   (1 token each) plus prefill chunks up to --max-num-batched-tokens; a step
@@ -250,9 +300,11 @@ class ApiError(Exception):
                                    status, "Error")
 
     def body(self):
-        return jdump({"object": "error", "message": self.message,
-                      "type": self.etype, "param": None,
-                      "code": self.status})
+        # vLLM's ErrorResponse (entrypoints/serve/engine/protocol.py, 0.33.0):
+        # the OpenAI shape, {"error": {...}}, code the HTTP status
+        return jdump({"error": {"message": self.message,
+                                "type": self.etype, "param": None,
+                                "code": self.status}})
 
 
 # ---------------------------------------------------------------------------
@@ -397,7 +449,12 @@ class Seq(object):
                  "n_cached", "max_tokens", "stop", "out_n", "text", "seed",
                  "vocab", "blocks", "events", "finished", "finish_reason",
                  "stop_reason", "aborted", "hold_kv", "held_blocks",
-                 "t_first", "first_tok")
+                 "t_first", "first_tok",
+                 # prefix caching (PrefixCache): block hashes, the number of
+                 # s.blocks already cached, output token ids, the request's
+                 # extra keys, prefix-cache hit tokens, no read
+                 "apc_hashes", "apc_ncb", "out_ids", "salt", "lora",
+                 "apc_hit", "apc_skip_read")
 
     def __init__(self, rid, index, prompt_ids, n_cached, max_tokens, stop,
                  events, vocab):
@@ -423,6 +480,13 @@ class Seq(object):
         self.held_blocks = None
         self.t_first = None
         self.first_tok = None
+        self.apc_hashes = []
+        self.apc_ncb = 0
+        self.out_ids = []
+        self.salt = None
+        self.lora = None
+        self.apc_hit = 0
+        self.apc_skip_read = False
 
     def next_token(self):
         h = hashlib.blake2b(("%s:%d" % (self.seed, self.out_n)).encode(),
@@ -455,8 +519,9 @@ class Scheduler(threading.Thread):
         self.emu = emu
         self.block_size = a.block_size
         self.total_blocks = a.kv_blocks
-        self.free_ids = deque(range(a.kv_blocks))
-        self.overcommit = 0
+        self.pool = PrefixCache(a.kv_blocks, a.block_size,
+                                a.enable_prefix_caching,
+                                emu.kv_events_cfg is not None)
         self.mnbt = a.max_num_batched_tokens
         self.max_seqs = a.max_num_seqs
         self.step_s = a.decode_step_ms / 1000.0
@@ -470,24 +535,56 @@ class Scheduler(threading.Thread):
 
     # block accounting (caller holds self.cv)
     def used_blocks(self):
-        return self.total_blocks - len(self.free_ids) + self.overcommit
+        return self.pool.used()
 
     def alloc(self, n):
-        out = []
-        for _ in range(n):
-            if self.free_ids:
-                out.append(self.free_ids.popleft())
-            else:
-                self.overcommit += 1
-                out.append(-1)
-        return out
+        return self.pool.alloc(n)
 
     def free(self, ids):
-        for b in ids:
-            if b < 0:
-                self.overcommit -= 1
-            else:
-                self.free_ids.append(b)
+        self.pool.free(ids)
+
+    def flush_events(self):
+        """Hand the pool's KV events to the publisher as one batch (vLLM:
+        once per schedule() step); caller holds cv."""
+        ev = self.pool.take_events()
+        if ev and self.emu.kv_pub is not None:
+            self.emu.kv_pub.publish(ev)
+
+    def peek_hit(self, ids, salt, lora, skip_read):
+        """Tokens of ids this pod's prefix cache holds now (no touch)."""
+        pool = self.pool
+        if not pool.enabled or skip_read:
+            return 0
+        h = apc_hash_blocks(pool.seed, ids[:((len(ids) - 1) // pool.bs)
+                                          * pool.bs], pool.bs, [], lora,
+                            salt)
+        with self.cv:
+            return len(pool.lookup(h, len(h))) * pool.bs
+
+    def reset_prefix_cache(self):
+        with self.cv:
+            ok = self.pool.reset()
+            self.flush_events()
+        return ok
+
+    def _admit_apc(self, s, hit, new):
+        """s takes its hit blocks and new ones; the hit (or the KV a
+        transfer brought, cached now as vLLM caches received blocks)
+        counts as computed; caller holds cv."""
+        pool = self.pool
+        pool.touch(hit)
+        s.blocks = hit + pool.alloc(new)
+        s.apc_ncb = len(hit)
+        s.apc_hit = len(hit) * self.block_size
+        if pool.enabled:
+            pool.stats["requests"] += 1
+            if not s.apc_skip_read:
+                pool.stats["queries"] += s.n_prompt
+                pool.stats["hits"] += s.apc_hit
+        if s.apc_hit > s.n_cached:
+            s.n_cached = s.apc_hit
+        s.computed = s.n_cached
+        pool.cache_upto(s, s.computed)
 
     def free_blocks(self, ids):
         with self.cv:
@@ -528,34 +625,43 @@ class Scheduler(threading.Thread):
             with self.cv:
                 self._reap()
                 while not self.running and not self.waiting:
+                    self.flush_events()
                     self.cv.wait()
                     self._reap()
                     deadline = time.monotonic()
                 decodes = [s for s in self.running if s.computed >= s.n_prompt]
                 budget = self.mnbt - len(decodes)
                 chunks = []
+                for s in decodes:
+                    # the last sampled token is computed this step
+                    self.pool.cache_upto(s, s.n_prompt + s.out_n)
                 for s in self.running:
                     if s.computed < s.n_prompt and budget > 0:
                         c = min(s.n_prompt - s.computed, budget)
                         chunks.append((s, c))
                         budget -= c
+                        self.pool.cache_upto(s, s.computed + c)
                 while (self.waiting and budget > 0
                        and len(self.running) < self.max_seqs):
                     s = self.waiting[0]
                     need = (s.n_prompt + 1 + bs - 1) // bs
-                    if need > len(self.free_ids) and self.running:
+                    hit, new, evictable = self.pool.admit(s, need)
+                    if new + evictable > self.pool.num_free() and \
+                            self.running:
                         break  # wait for KV space
                     self.waiting.popleft()
-                    s.blocks = self.alloc(need)
+                    self._admit_apc(s, hit, new)
                     self.running.append(s)
                     c = min(s.n_prompt - s.computed, budget)
                     if c > 0:
                         chunks.append((s, c))
                         budget -= c
+                        self.pool.cache_upto(s, s.computed + c)
                     elif s.computed >= s.n_prompt:
                         # everything cached: one-token recompute this step
                         chunks.append((s, 0))
                 ptoks = sum(c for _, c in chunks)
+                self.flush_events()
             if not decodes and not chunks:
                 time.sleep(0.001)
                 continue
@@ -587,6 +693,7 @@ class Scheduler(threading.Thread):
     def _emit(self, s):
         """One generated token for s (caller holds cv)."""
         tok = s.next_token()
+        s.out_ids.append(self.emu.word_id(tok))
         total = s.n_prompt + s.out_n
         need = (total + self.block_size - 1) // self.block_size
         if need > len(s.blocks):
@@ -1241,6 +1348,635 @@ class Faults(object):
 # The instance
 # ---------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------
+# Automatic prefix caching and KV events, as vLLM v1 does them.
+#
+# Followed (vllm-project/vllm):
+#   vllm/v1/core/kv_cache_utils.py @001cabc1be16: hash_block_tokens,
+#     generate_block_hash_extra_keys (LoRA name on every block, cache_salt on
+#     block 0 only), request_block_hasher (full blocks only), init_none_hash
+#     (PYTHONHASHSEED or 32 random bytes), maybe_convert_block_hash (the
+#     last 8 bytes big-endian when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its
+#     default), FreeKVCacheBlockQueue (LRU; a request's blocks freed tail
+#     first);
+#   vllm/v1/core/block_pool.py (upstream layout as of 2026): cache_full_blocks
+#     (one BlockStored per call for the new full blocks, parent = the block
+#     before them), get_new_blocks/_maybe_evict_cached_block (a cached free
+#     block is evicted when reused: BlockRemoved), touch, free_blocks,
+#     reset_prefix_cache (refused while blocks are in use; AllBlocksCleared);
+#   vllm/v1/core/kv_cache_manager.py get_computed_blocks: the longest run of
+#     cached block hashes from block 0, at most num_tokens - 1 tokens (the
+#     last token is always computed), none read with prompt_logprobs;
+#   vllm/distributed/kv_events.py @0181ea3173e5 (and @b4e69e0af33f, the first
+#     array-only one), vLLM PR #42892 (events as maps with "type", the batch
+#     stays an array) and PR #45177 (replay replies carry the topic frame);
+#     the 0.26 payload quoted in volcano-sh/kthena#1535;
+#   vllm/config/kv_events.py @00634b8acf93: KVEventsConfig.
+# The block hash is not vLLM's (pickle/CBOR + sha256 of the tuple): nobody
+# outside vLLM can reproduce it, consumers key by token_ids; it has vLLM's
+# structure (sha256 chain over the parent, the block's ids, the extra keys).
+# ---------------------------------------------------------------------------
+
+def mp_pack(obj):
+    """msgpack encoding of None/bool/int/float/str/bytes/list/tuple/dict
+    with the smallest forms, as msgspec writes them (floats as float64)."""
+    out = []
+    _mp(obj, out)
+    return b"".join(out)
+
+
+def _mp(o, out):
+    P = struct.pack
+    if o is None:
+        out.append(b"\xc0")
+    elif o is True:
+        out.append(b"\xc3")
+    elif o is False:
+        out.append(b"\xc2")
+    elif isinstance(o, int):
+        if 0 <= o < 0x80:
+            out.append(P("B", o))
+        elif o >= 0:
+            for lim, tag, f in ((0x100, 0xcc, "B"), (0x10000, 0xcd, ">H"),
+                                (1 << 32, 0xce, ">I"), (1 << 64, 0xcf, ">Q")):
+                if o < lim:
+                    out.append(P("B", tag) + P(f, o))
+                    return
+            raise ValueError("integer too large for msgpack")
+        elif o >= -32:
+            out.append(P("b", o))
+        else:
+            for lim, tag, f in ((1 << 7, 0xd0, "b"), (1 << 15, 0xd1, ">h"),
+                                (1 << 31, 0xd2, ">i"), (1 << 63, 0xd3, ">q")):
+                if o >= -lim:
+                    out.append(P("B", tag) + P(f, o))
+                    return
+            raise ValueError("integer too small for msgpack")
+    elif isinstance(o, float):
+        out.append(b"\xcb" + P(">d", o))
+    elif isinstance(o, str):
+        b = o.encode("utf-8", "surrogatepass")
+        n = len(b)
+        out.append((P("B", 0xa0 | n) if n < 32 else
+                    P(">BB", 0xd9, n) if n < 0x100 else
+                    P(">BH", 0xda, n) if n < 0x10000 else
+                    P(">BI", 0xdb, n)) + b)
+    elif isinstance(o, (bytes, bytearray)):
+        n = len(o)
+        out.append((P(">BB", 0xc4, n) if n < 0x100 else
+                    P(">BH", 0xc5, n) if n < 0x10000 else
+                    P(">BI", 0xc6, n)) + bytes(o))
+    elif isinstance(o, (list, tuple)):
+        n = len(o)
+        out.append(P("B", 0x90 | n) if n < 16 else
+                   P(">BH", 0xdc, n) if n < 0x10000 else P(">BI", 0xdd, n))
+        for x in o:
+            _mp(x, out)
+    elif isinstance(o, dict):
+        n = len(o)
+        out.append(P("B", 0x80 | n) if n < 16 else
+                   P(">BH", 0xde, n) if n < 0x10000 else P(">BI", 0xdf, n))
+        for k, v in o.items():
+            _mp(k, out)
+            _mp(v, out)
+    else:
+        raise TypeError("cannot msgpack %r" % type(o))
+
+
+def apc_none_hash():
+    """vLLM's init_none_hash: the seed of block 0's parent."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None:
+        return os.urandom(32)
+    return hashlib.sha256(seed.encode("utf-8", "surrogatepass")).digest()
+
+
+def apc_extra_keys(start, lora, salt):
+    """generate_block_hash_extra_keys: LoRA name, then cache_salt on the
+    block that starts at token 0; None when there is none."""
+    k = []
+    if lora is not None:
+        k.append(lora[0])
+    if salt and start == 0:
+        k.append(salt)
+    return tuple(k) if k else None
+
+
+def apc_hash_blocks(seed, ids, bs, have, lora, salt):
+    """Hashes of the full blocks of ids after the len(have) already
+    hashed (vLLM's request_block_hasher), appended to have."""
+    parent = have[-1] if have else seed
+    i = len(have) * bs
+    n = len(ids)
+    while i + bs <= n:
+        ek = apc_extra_keys(i, lora, salt)
+        h = hashlib.sha256(parent)
+        h.update(ids_bytes(ids[i:i + bs]))
+        if ek is not None:
+            h.update(jdump(list(ek)).encode("utf-8", "surrogatepass"))
+        parent = h.digest()
+        have.append(parent)
+        i += bs
+    return have
+
+
+class PrefixCache(object):
+    """The pod's KV block pool (vLLM's BlockPool): ref counts, a free queue
+    in eviction order (head = next allocated: least recently used first),
+    and the map of cached full blocks.  Blocks held by a running request
+    (or a NIXL/kv_agent hand-off) have ref > 0 and are never evicted; a
+    freed cached block stays findable until its slot is reused.  Beyond
+    the capacity alloc() overcommits (-1 ids) as the emulator always did.
+    Every method is called with the scheduler's lock held."""
+
+    def __init__(self, nblocks, bs, enabled, events):
+        self.n = nblocks
+        self.bs = bs
+        self.enabled = enabled
+        self.events_on = events and enabled
+        self.ref = [0] * nblocks
+        self.bhash = [None] * nblocks
+        self.free_q = OrderedDict((i, None) for i in range(nblocks))
+        self.cached = {}          # block hash -> {block id: None}, ordered
+        self.overcommit = 0
+        self.events = []          # ("stored", ..) ("removed", h) ("cleared",)
+        self.seed = apc_none_hash()
+        self.stats = {"queries": 0, "hits": 0, "requests": 0,
+                      "stored_blocks": 0, "evicted_blocks": 0, "resets": 0,
+                      "resets_refused": 0}
+
+    def num_free(self):
+        return len(self.free_q)
+
+    def used(self):
+        return self.n - len(self.free_q) + self.overcommit
+
+    def alloc(self, k):
+        out = []
+        q = self.free_q
+        for _ in range(k):
+            if q:
+                b = q.popitem(last=False)[0]
+                if self.bhash[b] is not None:
+                    self._evict(b)
+                self.ref[b] = 1
+                out.append(b)
+            else:
+                self.overcommit += 1
+                out.append(-1)
+        return out
+
+    def _evict(self, b):
+        h = self.bhash[b]
+        self.bhash[b] = None
+        d = self.cached.get(h)
+        if d is None or b not in d:
+            return
+        del d[b]
+        if not d:
+            del self.cached[h]
+        self.stats["evicted_blocks"] += 1
+        if self.events_on:
+            self.events.append(("removed", h))
+
+    def touch(self, ids):
+        for b in ids:
+            if self.ref[b] == 0:
+                del self.free_q[b]
+            self.ref[b] += 1
+
+    def free(self, ids):
+        """ids in request order; freed tail first, as vLLM's manager does
+        (the tail of a chain is evicted before its prefix)."""
+        for b in reversed(ids):
+            if b < 0:
+                self.overcommit -= 1
+                continue
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free_q[b] = None
+
+    def lookup(self, hashes, max_blocks):
+        out = []
+        for h in hashes[:max_blocks]:
+            d = self.cached.get(h)
+            if not d:
+                break
+            out.append(next(iter(d)))
+        return out
+
+    def admit(self, s, total_blocks):
+        """A waiting request's prefix hit and blocks; None when the pool
+        (free and evictable blocks) cannot hold it now."""
+        hit = []
+        if self.enabled and not s.apc_skip_read:
+            hit = self.lookup(s.apc_hashes, (s.n_prompt - 1) // self.bs)
+        return hit, total_blocks - len(hit), \
+            sum(1 for b in hit if self.ref[b] == 0)
+
+    def cache_upto(self, s, ntok):
+        """cache_full_blocks: blocks of s whose tokens are all computed
+        (or are being computed this step) become cached, one BlockStored
+        for the new ones."""
+        if not self.enabled:
+            return
+        bs = self.bs
+        nfull = min(ntok // bs, len(s.blocks))
+        first = s.apc_ncb
+        if nfull <= first:
+            return
+        if nfull * bs > s.n_prompt:
+            ids = s.prompt_ids + s.out_ids
+        else:
+            ids = s.prompt_ids
+        if len(s.apc_hashes) < nfull:
+            apc_hash_blocks(self.seed, ids[:nfull * bs], bs, s.apc_hashes,
+                            s.lora, s.salt)
+        new = []
+        for i in range(first, nfull):
+            b = s.blocks[i]
+            h = s.apc_hashes[i]
+            if b < 0 or self.bhash[b] is not None:
+                continue          # overcommitted, or a hit block
+            self.bhash[b] = h
+            self.cached.setdefault(h, {})[b] = None
+            new.append(h)
+        s.apc_ncb = nfull
+        self.stats["stored_blocks"] += len(new)
+        if self.events_on and new:
+            self.events.append((
+                "stored", new, s.apc_hashes[first - 1] if first else None,
+                ids[first * bs:nfull * bs],
+                [apc_extra_keys(i * bs, s.lora, s.salt)
+                 for i in range(first, nfull)], s.lora, s.salt))
+
+    def reset(self):
+        """reset_prefix_cache: only with every block free."""
+        if self.used() != 0:
+            self.stats["resets_refused"] += 1
+            return False
+        self.cached = {}
+        self.bhash = [None] * self.n
+        self.stats["resets"] += 1
+        if self.events_on:
+            self.events.append(("cleared",))
+        return True
+
+    def take_events(self):
+        ev = self.events
+        self.events = []
+        return ev
+
+    def snapshot(self):
+        d = dict(self.stats)
+        d.update(enabled=self.enabled, cached_blocks=sum(
+            len(v) for v in self.cached.values()),
+            free_blocks=len(self.free_q),
+            cached_free_blocks=sum(1 for b in self.free_q
+                                   if self.bhash[b] is not None))
+        return d
+
+
+KV_EVENTS_DEFAULTS = {
+    # vllm/config/kv_events.py KVEventsConfig
+    "enable_kv_cache_events": False, "publisher": None,
+    "endpoint": "tcp://*:5557", "replay_endpoint": None,
+    "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000,
+    "topic": ""}
+
+
+def parse_kv_events_config(text):
+    """--kv-events-config JSON -> dict (KVEventsConfig's fields), or a
+    ValueError that says what is wrong."""
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise ValueError("not JSON: %s" % e)
+    if not isinstance(cfg, dict):
+        raise ValueError("expected a JSON object")
+    unknown = sorted(set(cfg) - set(KV_EVENTS_DEFAULTS))
+    if unknown:
+        raise ValueError("unknown field(s) %s (known: %s)" % (
+            ", ".join(unknown), ", ".join(sorted(KV_EVENTS_DEFAULTS))))
+    out = dict(KV_EVENTS_DEFAULTS)
+    out.update(cfg)
+    if not isinstance(out["enable_kv_cache_events"], bool):
+        raise ValueError("enable_kv_cache_events: expected true or false")
+    if out["publisher"] is None:
+        out["publisher"] = "zmq" if out["enable_kv_cache_events"] else "null"
+    if out["publisher"] not in ("null", "zmq"):
+        raise ValueError("publisher: expected \"zmq\" or \"null\"")
+    for k in ("endpoint", "topic"):
+        if not isinstance(out[k], str):
+            raise ValueError("%s: expected a string" % k)
+    if out["replay_endpoint"] is not None and \
+            not isinstance(out["replay_endpoint"], str):
+        raise ValueError("replay_endpoint: expected a string or null")
+    for k, lo in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+        v = out[k]
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ValueError("%s: expected an integer >= %d" % (k, lo))
+    for k in ("endpoint", "replay_endpoint"):
+        ep = out[k]
+        if ep is not None and not re.match(
+                r"^(tcp://.+:\d{1,5}|(ipc|inproc)://.+)$", ep):
+            raise ValueError("%s: expected tcp://HOST:PORT, ipc:// or "
+                             "inproc:// (got %r)" % (k, ep))
+    return out
+
+
+class KvEventPublisher(threading.Thread):
+    """vLLM's ZmqEventPublisher: PUB socket (bound when the endpoint has *,
+    :: or is ipc/inproc, else connected), frames (topic, seq as 8 bytes
+    big-endian from 0, msgpack batch [ts, events, data_parallel_rank]); the
+    last buffer_steps payloads kept for the ROUTER replay endpoint, which
+    answers a request [identity, "", start_seq] with every kept batch from
+    start_seq on and an end marker (seq = eight 0xFF bytes, empty payload).
+    Fault knobs (POST /emu/kv_events): drop the next N batches (their seq
+    is used and they stay replayable: the subscriber sees a gap) and
+    restart (sockets reopened, seq from 0, replay buffer empty)."""
+
+    END_SEQ = b"\xff" * 8
+
+    def __init__(self, emu, cfg, form, hash_form, dp_rank=0):
+        threading.Thread.__init__(self, name="kv-events", daemon=True)
+        self.emu = emu
+        self.cfg = cfg
+        self.form = form              # map | typed | array | array0
+        self.int_hash = hash_form == "int"
+        self.dp_rank = dp_rank
+        self.bs = emu.args.block_size
+        self.topic = cfg["topic"].encode("utf-8")
+        self.endpoint = self.offset(cfg["endpoint"], dp_rank)
+        self.replay_ep = self.offset(cfg["replay_endpoint"], dp_rank)
+        self.cv = threading.Condition()
+        self.q = deque()
+        self.buffer = deque(maxlen=cfg["buffer_steps"])
+        self.seq = 0
+        self.drop_left = 0
+        self.restart_req = False
+        self.info = {"sent": 0, "dropped": 0, "restarts": 0, "replays": 0,
+                     "replayed": 0, "bad_replay_requests": 0}
+        self.ctx = zmq.Context()
+        self.pub = self.rep = None
+        self._open()
+
+    @staticmethod
+    def offset(ep, rank):
+        """ZmqEventPublisher.offset_endpoint_port."""
+        if not ep or rank == 0:
+            return ep
+        if "inproc" in ep:
+            return "%s_dp%d" % (ep, rank)
+        i = ep.rfind(":")
+        return "%s:%d" % (ep[:i], int(ep[i + 1:]) + rank)
+
+    def _open(self):
+        pub = self.ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, self.cfg["hwm"])
+        pub.setsockopt(zmq.LINGER, 0)
+        ep = self.endpoint
+        bind = ("*" in ep or "::" in ep or ep.startswith("ipc://")
+                or ep.startswith("inproc://"))
+        self._retry(lambda: pub.bind(ep) if bind else pub.connect(ep), pub)
+        self.pub = pub
+        if self.replay_ep:
+            rep = self.ctx.socket(zmq.ROUTER)
+            rep.setsockopt(zmq.LINGER, 0)
+            self._retry(lambda: rep.bind(self.replay_ep), rep)
+            self.rep = rep
+
+    @staticmethod
+    def _retry(fn, sock):
+        # a port just closed (restart) is released by zmq's I/O thread a
+        # moment later
+        end = time.monotonic() + 3.0
+        while True:
+            try:
+                fn()
+                return
+            except zmq.ZMQError:
+                if time.monotonic() > end:
+                    sock.close(0)
+                    raise
+                time.sleep(0.05)
+
+    def _close(self):
+        for s in (self.pub, self.rep):
+            if s is not None:
+                s.close(0)
+        self.pub = self.rep = None
+
+    # -- called by the scheduler / HTTP threads ----------------------------
+
+    def publish(self, events):
+        if not events:
+            return
+        with self.cv:
+            while len(self.q) >= self.cfg["max_queue_size"]:
+                self.cv.wait(0.05)   # vLLM's Queue.put blocks too
+            self.q.append((time.time(), events))
+            self.cv.notify_all()
+
+    def fault(self, drop=None, restart=False):
+        with self.cv:
+            if drop is not None:
+                self.drop_left = drop
+            if restart:
+                self.restart_req = True
+                self.cv.notify_all()
+                while self.restart_req:
+                    self.cv.wait(0.05)
+
+    def snapshot(self):
+        with self.cv:
+            d = dict(self.info)
+            d.update(endpoint=self.endpoint, replay_endpoint=self.replay_ep,
+                     topic=self.cfg["topic"], form=self.form,
+                     hash="int" if self.int_hash else "bytes",
+                     next_seq=self.seq, buffered=len(self.buffer),
+                     queued=len(self.q), drop_left=self.drop_left)
+        return d
+
+    # -- encoding ----------------------------------------------------------
+
+    def ext(self, h):
+        # maybe_convert_block_hash
+        return int.from_bytes(h[-8:], "big") if self.int_hash else h
+
+    def wire(self, ev):
+        """One event as the chosen vLLM version's msgspec structs encode
+        it.  map (0.26: tag=True, omit_defaults), typed (vLLM main after
+        it: extra keys as tagged ExtraKey structs, event_version 1 left out
+        as the default), array (0.10-0.25: array_like, every field),
+        array0 (0.9, @b4e69e0af33f: five BlockStored fields)."""
+        form = self.form
+        kind = ev[0]
+        if kind == "stored":
+            _, hashes, parent, toks, extra, lora, salt = ev
+            if form == "typed":
+                # extra_keys_to_typed: the LoRA name, then cache_salt
+                ek = [[({"type": "lora", "name": x}
+                        if lora is not None and x == lora[0]
+                        else {"type": "cache_salt", "salt": x}
+                        if salt is not None and x == salt
+                        else {"type": "legacy", "value": x}) for x in k]
+                       if k is not None else None for k in extra]
+            else:
+                ek = [list(k) if k is not None else None for k in extra]
+            f = [("block_hashes", [self.ext(h) for h in hashes]),
+                 ("parent_block_hash",
+                  self.ext(parent) if parent is not None else None),
+                 ("token_ids", list(toks)), ("block_size", self.bs),
+                 ("lora_id", lora[1] if lora else None), ("medium", "GPU"),
+                 ("lora_name", lora[0] if lora else None),
+                 ("extra_keys", ek), ("group_idx", 0),
+                 ("kv_cache_spec_kind", "full_attention"),
+                 ("kv_cache_spec_sliding_window", None)]
+            name = "BlockStored"
+            if form == "array0":
+                f = f[:5]
+        elif kind == "removed":
+            f = [("block_hashes", [self.ext(ev[1])]), ("medium", "GPU"),
+                 ("group_idx", 0)]
+            name = "BlockRemoved"
+            if form == "array0":
+                f = f[:1]
+        else:
+            f, name = [], "AllBlocksCleared"
+        if form in ("array", "array0"):
+            # array_like structs: every field, in declaration order
+            return [name] + [v for _, v in f]
+        # maps (omit_defaults): fields whose default is None are left out
+        # when None (typed: locality and ownership too); lora_id, medium,
+        # lora_name have no default
+        d = {"type": name}
+        for k, v in f:
+            if v is None and k in ("kv_cache_spec_sliding_window",
+                                   "group_idx", "extra_keys"):
+                continue
+            d[k] = v
+        return d
+
+    def batch(self, ts, events):
+        b = [ts, [self.wire(e) for e in events]]
+        if self.form != "array0":        # EventBatch.data_parallel_rank
+            b.append(self.dp_rank)
+        return mp_pack(b)
+
+    # -- thread ------------------------------------------------------------
+
+    def run(self):
+        poller = None
+        while True:
+            if self.rep is not None:
+                if poller is None:
+                    poller = zmq.Poller()
+                    poller.register(self.rep, zmq.POLLIN)
+                if poller.poll(5):
+                    try:
+                        self._replay()
+                    except zmq.ZMQError as e:   # as vLLM: logged, ignored
+                        sys.stderr.write("vllm_emu: Error in replay: %s\n"
+                                         % e)
+            with self.cv:
+                if self.restart_req:
+                    self._close()
+                    poller = None
+                    self._open()
+                    self.seq = 0
+                    self.buffer.clear()
+                    self.q.clear()
+                    self.info["restarts"] += 1
+                    self.restart_req = False
+                    self.cv.notify_all()
+                    continue
+                if not self.q:
+                    if self.rep is None:
+                        self.cv.wait(0.2)
+                    continue
+                ts, events = self.q.popleft()
+                self.cv.notify_all()
+                seq = self.seq
+                self.seq += 1
+                drop = self.drop_left > 0
+                if drop:
+                    self.drop_left -= 1
+            payload = self.batch(ts, events)
+            sb = seq.to_bytes(8, "big")
+            if not drop:
+                try:
+                    self.pub.send_multipart((self.topic, sb, payload))
+                except zmq.ZMQError as e:
+                    # vLLM: logged, a short back-off, the batch is lost
+                    # (its seq stays used: subscribers see a gap)
+                    sys.stderr.write("vllm_emu: Error in publisher thread:"
+                                     " %s\n" % e)
+                    time.sleep(0.1)
+                    with self.cv:
+                        self.info["send_errors"] = \
+                            self.info.get("send_errors", 0) + 1
+                    continue
+            with self.cv:
+                self.buffer.append((seq, payload))
+                self.info["dropped" if drop else "sent"] += 1
+
+    def _replay(self):
+        frames = self.rep.recv_multipart()
+        if len(frames) != 3:
+            self.info["bad_replay_requests"] += 1
+            sys.stderr.write("vllm_emu: WARNING Invalid replay request: "
+                             "%d frames\n" % len(frames))
+            return
+        ident, _, start = frames
+        start = int.from_bytes(start, "big")
+        with self.cv:
+            items = [(q, p) for q, p in self.buffer if q >= start]
+            self.info["replays"] += 1
+            self.info["replayed"] += len(items)
+        # vLLM PR #45177: replies carry the topic frame (map forms)
+        topic = [self.topic] if self.form in ("map", "typed") else []
+        for q, p in items:
+            self.rep.send_multipart([ident, b""] + topic +
+                                    [q.to_bytes(8, "big"), p])
+        self.rep.send_multipart([ident, b""] + ([b""] if topic else []) +
+                                [self.END_SEQ, b""])
+
+
+def parse_lora_modules(specs):
+    """--lora-modules NAME=PATH | JSON {"name":..,"path":..}: name ->
+    (name, lora_int_id), ids from 1 in order as vLLM's serving models."""
+    out = {}
+    for sp in specs or []:
+        name = None
+        if sp.startswith("{"):
+            try:
+                o = json.loads(sp)
+                name = o.get("name") if isinstance(o, dict) else None
+            except ValueError:
+                name = None
+        else:
+            name = sp.split("=", 1)[0]
+        if not isinstance(name, str) or not name:
+            raise ValueError("bad --lora-modules entry %r (NAME=PATH or "
+                             "{\"name\":..,\"path\":..})" % sp)
+        if name not in out:
+            out[name] = (name, len(out) + 1)
+    return out
+
+
+def apc_request_keys(emu, body):
+    """The request's cache_salt and LoRA (vLLM's protocol validator:
+    cache_salt must be a non-empty string when given)."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty "
+                       "string if provided.")
+    lora = emu.loras.get(body.get("model"))
+    skip = body.get("prompt_logprobs") is not None
+    return salt, lora, skip
+
+
 class Emu(object):
     lmc_lock = threading.Lock()
     lmc_zctx = None
@@ -1256,6 +1992,10 @@ class Emu(object):
         self.engine_id = args.engine_id or ("emu-%s-%d-%s" % (
             args.host, args.port, uuid.uuid4().hex[:8]))
         self.tok = self._load_tokenizer()
+        self.loras = args.loras
+        self._word_ids = {}
+        self.kv_events_cfg = args.kv_events
+        self.kv_pub = None
         self.sched = Scheduler(self)
         self.kv = KvState(self)
         self.faults = Faults()
@@ -1297,6 +2037,38 @@ class Emu(object):
                                 a.chat_template)
         except (OSError, RuntimeError, AttributeError) as e:
             sys.exit("vllm_emu: %s" % e)
+
+    def word_id(self, tok):
+        """The token id of a generated word (its text as the tokenizer
+        encodes it), so blocks filled by the output are cached under the
+        ids the next turn's prompt has."""
+        i = self._word_ids.get(tok)
+        if i is None:
+            try:
+                ids = self.tok.encode(tok, False)
+            except ApiError:
+                ids = []
+            i = ids[0] if ids else 0
+            self._word_ids[tok] = i
+        return i
+
+    def start_kv_events(self):
+        cfg = self.kv_events_cfg
+        if cfg is None:
+            return
+        a = self.args
+        if not a.enable_prefix_caching:
+            sys.stderr.write("vllm_emu: WARNING KV cache events are on, but "
+                             "prefix caching is not enabled. Use "
+                             "--enable-prefix-caching to enable.\n")
+        try:
+            self.kv_pub = KvEventPublisher(self, cfg, a.kv_events_form,
+                                           a.kv_events_hash,
+                                           a.data_parallel_rank)
+        except zmq.ZMQError as e:
+            sys.exit("vllm_emu: KV events publisher on %s (replay %s): %s"
+                     % (cfg["endpoint"], cfg["replay_endpoint"], e))
+        self.kv_pub.start()
 
     def counter_add(self, name, v):
         with self.lock:
@@ -1378,9 +2150,16 @@ class Emu(object):
                    "nixl_held_blocks": sum(e["blocks"] for e in nx),
                    "lmcache_held": lm, "lmcache_held_chunks": len(lm),
                    "lmcache_held_tokens": sum(e["tokens"] for e in lm),
-                   "kv_agent": self.kva.snapshot() if self.kva else None},
+                   "kv_agent": self.kva.snapshot() if self.kva else None,
+                   "prefix_cache": self.apc_snapshot(),
+                   "kv_events": self.kv_pub.snapshot() if self.kv_pub
+                   else None},
             "faults": self.faults.get(),
             "requests": recs, "next": nxt}
+
+    def apc_snapshot(self):
+        with self.sched.cv:
+            return self.sched.pool.snapshot()
 
     def reset(self):
         with self.lock:
@@ -1414,6 +2193,13 @@ class Emu(object):
           "GPU KV-cache usage. 1 means 100 percent usage.", [(lab, usage)])
         m("vllm:kv_cache_usage_perc", "gauge",
           "KV-cache usage. 1 means 100 percent usage.", [(lab, usage)])
+        apc = self.apc_snapshot()
+        m("vllm:prefix_cache_queries_total", "counter",
+          "Prefix cache queries, in terms of number of queried tokens.",
+          [(lab, apc["queries"])])
+        m("vllm:prefix_cache_hits_total", "counter",
+          "Prefix cache hits, in terms of number of cached tokens.",
+          [(lab, apc["hits"])])
         m("vllm:prompt_tokens_total", "counter",
           "Number of prefill tokens processed.", [(lab, prom["prompt"])])
         m("vllm:generation_tokens_total", "counter",
@@ -1516,6 +2302,7 @@ class Emu(object):
 
     def start(self):
         a = self.args
+        self.start_kv_events()
         self.sched.start()
         if self.kva:
             self.kva.start()
@@ -1730,6 +2517,8 @@ class Conn(socketserver.BaseRequestHandler):
             if m:
                 since = int(m.group(1))
             return self.respond(200, jdump(emu.stats(since)))
+        if self.apc_dispatch(method, path, body):
+            return
         if path == "/emu/reset" and method == "POST":
             emu.reset()
             return self.respond(200, jdump({"ok": True}))
@@ -1762,6 +2551,68 @@ class Conn(socketserver.BaseRequestHandler):
                     "/emu/reset", "/emu/fault"):
             return self.respond(405, jdump({"detail": "Method Not Allowed"}))
         return self.respond(404, jdump({"detail": "Not Found"}))
+
+    # -- prefix caching / KV events ----------------------------------------
+
+    def apc_prepare(self, s, salt, lora, skip_read):
+        """The request's extra keys and its prompt's block hashes (vLLM
+        hashes them when the request is created)."""
+        s.salt = salt
+        s.lora = lora
+        s.apc_skip_read = skip_read
+        pool = self.emu.sched.pool
+        if pool.enabled:
+            apc_hash_blocks(pool.seed, s.prompt_ids, pool.bs, s.apc_hashes,
+                            lora, salt)
+
+    def apc_dispatch(self, method, path, body):
+        """POST /reset_prefix_cache (vLLM's, dev mode there) and the
+        emulator's /emu/kv_events (publisher state and faults)."""
+        emu = self.emu
+        if path == "/reset_prefix_cache":
+            if method != "POST":
+                self.respond(405, jdump({"detail": "Method Not Allowed"}))
+            elif emu.sched.reset_prefix_cache():
+                sys.stderr.write("vllm_emu: Successfully reset prefix "
+                                 "cache\n")
+                self.respond(200, b"", None)
+            else:
+                # vLLM logs it and answers 200 all the same
+                used = emu.sched.counts()[2]
+                sys.stderr.write("vllm_emu: WARNING Failed to reset prefix "
+                                 "cache because some blocks (%d) are not "
+                                 "freed yet\n" % used)
+                self.respond(200, b"", None)
+            return True
+        if path != "/emu/kv_events":
+            return False
+        if emu.kv_pub is None:
+            self.respond(404, jdump({"detail": "KV events are off "
+                                     "(--kv-events-config)"}))
+            return True
+        if method == "POST":
+            try:
+                spec = json.loads(body.decode("utf-8") or "{}")
+                if not isinstance(spec, dict) or set(spec) - {"drop",
+                                                               "restart"}:
+                    raise ValueError("expected {\"drop\": N} and/or "
+                                     "{\"restart\": true}")
+                drop = spec.get("drop")
+                if drop is not None and (not isinstance(drop, int) or
+                                         isinstance(drop, bool) or
+                                         drop < 0):
+                    raise ValueError("drop: expected an integer >= 0")
+                if not isinstance(spec.get("restart", False), bool):
+                    raise ValueError("restart: expected true or false")
+            except (ValueError, UnicodeDecodeError) as e:
+                self.respond(400, jdump({"ok": False, "error": str(e)}))
+                return True
+            emu.kv_pub.fault(drop=drop, restart=spec.get("restart", False))
+        elif method != "GET":
+            self.respond(405, jdump({"detail": "Method Not Allowed"}))
+            return True
+        self.respond(200, jdump(emu.kv_pub.snapshot()))
+        return True
 
     def models(self):
         a = self.args_
@@ -1870,6 +2721,7 @@ class Conn(socketserver.BaseRequestHandler):
             return
         try:
             p = self.parse(chat, body)
+            salt, lora, skip_read = apc_request_keys(emu, body)
         except ApiError as e:
             rec["status"] = e.status
             self.count_status(e.status)
@@ -1890,7 +2742,9 @@ class Conn(socketserver.BaseRequestHandler):
         cached = [0] * len(prompts)
         single = len(prompts) == 1
         if kvp and single and kvp.get("do_remote_prefill"):
-            kvinfo = self.nixl_pull(kvp, prompts[0], eids[0])
+            kvinfo = self.nixl_pull(kvp, prompts[0], eids[0],
+                                    emu.sched.peek_hit(prompts[0], salt, lora,
+                                                       skip_read))
             cached[0] = kvinfo["cached_tokens"]
         elif dpd is not None and req_role == "decode":
             kvinfo = self.kv_agent_consume(dpd, prompts)
@@ -1931,6 +2785,7 @@ class Conn(socketserver.BaseRequestHandler):
             s = Seq(eids[i], i, ids, cached[i], p["max_tokens"], p["stop"],
                     events, emu.tok.vocab)
             s.hold_kv = nixl_producer
+            self.apc_prepare(s, salt, lora, skip_read)
             seqs.append(s)
         emu.sched.submit(seqs)
         created = int(time.time())
@@ -1943,6 +2798,9 @@ class Conn(socketserver.BaseRequestHandler):
         def finish_rec(status, texts, reasons):
             rec["status"] = status
             rec["completion_tokens"] = sum(s.out_n for s in seqs)
+            # what usage reports: the transfer's KV or the prefix cache's
+            rec["cached_tokens"] = sum(s.n_cached for s in seqs)
+            rec["prefix_cache_hit_tokens"] = sum(s.apc_hit for s in seqs)
             rec["finish_reason"] = reasons[0] if len(reasons) == 1 \
                 else reasons
             rec["text"] = texts[0] if len(texts) == 1 else texts
@@ -1957,7 +2815,9 @@ class Conn(socketserver.BaseRequestHandler):
             u = {"prompt_tokens": n_prompt,
                  "total_tokens": n_prompt + comp,
                  "completion_tokens": comp}
-            c = sum(cached)
+            # num_cached_tokens: local prefix-cache hit or transferred KV,
+            # known once the request was scheduled
+            c = sum(s.n_cached for s in seqs)
             if final and a.prompt_tokens_details and c:
                 u["prompt_tokens_details"] = {"cached_tokens": c}
             elif final == "full":
@@ -2098,8 +2958,11 @@ class Conn(socketserver.BaseRequestHandler):
                 return
             if chat:
                 choices = [{"index": i, "message": {
-                    "role": "assistant", "reasoning_content": None,
-                    "content": texts[i], "tool_calls": []},
+                    # vLLM 0.33.0 ChatMessage: "reasoning" (the old
+                    # "reasoning_content" renamed), an empty tool_calls
+                    # left out by its serializer
+                    "role": "assistant", "content": texts[i],
+                    "reasoning": None},
                     "logprobs": None, "finish_reason": reasons[i],
                     "stop_reason": stops[i]} for i in range(len(seqs))]
                 resp = {"id": rid, "object": "chat.completion",
@@ -2274,7 +3137,7 @@ class Conn(socketserver.BaseRequestHandler):
 
     # -- NIXL ----------------------------------------------------------------
 
-    def nixl_pull(self, kvp, ids, own_eid):
+    def nixl_pull(self, kvp, ids, own_eid, local=0):
         """Decoder: pull the prompt blocks named by kvp; returns kv info."""
         emu = self.emu
         a = emu.args
@@ -2314,12 +3177,12 @@ class Conn(socketserver.BaseRequestHandler):
         with emu.lock:
             emu.pulling += 1
         try:
-            return self._nixl_pull(info, kvp, ids, host, port, blocks)
+            return self._nixl_pull(info, kvp, ids, host, port, blocks, local)
         finally:
             with emu.lock:
                 emu.pulling -= 1
 
-    def _nixl_pull(self, info, kvp, ids, host, port, blocks):
+    def _nixl_pull(self, info, kvp, ids, host, port, blocks, local=0):
         emu = self.emu
         a = emu.args
         try:
@@ -2343,7 +3206,11 @@ class Conn(socketserver.BaseRequestHandler):
             emu.counter_add("nixl_pull_mismatch_total", 1)
             return info
         # modelled transfer time for the pulled blocks
-        self.transfer_sleep(ntok)
+        # vLLM's NIXL worker reads only the blocks the decoder's own prefix
+        # cache does not hold (local: its hit now)
+        moved = max(0, ntok - local)
+        self.transfer_sleep(moved)
+        info["transferred_tokens"] = moved
         c = min(ntok, ((len(ids) - 1) // a.block_size) * a.block_size)
         info["outcome"] = "ok"
         info["pulled_blocks"] = int(r["n_blocks"])
@@ -2389,6 +3256,8 @@ class Conn(socketserver.BaseRequestHandler):
                       # set by vLLM on a decode node only (turn-2 readback);
                       # the prefill side's lease is --kv-lease-duration
                       "remote_blocks_expiry_time": None,
+                      # 0 until the engine re-registers its KV memory
+                      "remote_registration_generation": 0,
                       "transfer_mode": "pull"}
         emu.kv.nixl_hold(eid, blocks, s.prompt_ids, published)
         info = {"protocol": "nixl", "side": "producer", "outcome": "held",
@@ -2590,10 +3459,47 @@ def parse_args(argv):
                    help="sequences running at once (others wait)")
     g.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every modelled time (0.01 = 100x faster)")
-    g.add_argument("--kv-blocks", type=int, default=8192,
-                   help="KV cache capacity in blocks (gpu_cache_usage_perc)")
+    g.add_argument("--kv-blocks", "--num-gpu-blocks-override", type=int,
+                   default=8192, dest="kv_blocks",
+                   help="KV cache capacity in blocks (gpu_cache_usage_perc; "
+                   "the prefix cache lives in the free ones)")
     g.add_argument("--block-size", type=int, default=16,
                    help="tokens per KV block")
+    g = ap.add_argument_group("prefix caching and KV events (see PREFIX "
+                              "CACHING)")
+    g.add_argument("--enable-prefix-caching",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="automatic prefix caching (vLLM v1's default: on)")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's KVEventsConfig: {\"enable_kv_cache_events\""
+                   ":true, \"publisher\":\"zmq\", \"endpoint\":"
+                   "\"tcp://*:5557\", \"replay_endpoint\":null, "
+                   "\"buffer_steps\":10000, \"hwm\":100000, "
+                   "\"max_queue_size\":100000, \"topic\":\"\"} (needs "
+                   "pyzmq)")
+    g.add_argument("--kv-events-form",
+                   choices=("map", "typed", "array", "array0"),
+                   default="map",
+                   help="map: events as maps with a \"type\" key (vLLM "
+                   "0.26; replay replies carry the topic frame); typed: the "
+                   "same with extra_keys as tagged structs (vLLM main after "
+                   "0.26); array: positional arrays with every field (vLLM "
+                   "0.10-0.25; no topic frame in replay replies); array0: "
+                   "vLLM 0.9's (BlockStored with five fields, batch [ts, "
+                   "events])")
+    g.add_argument("--data-parallel-rank", type=int, default=0,
+                   help="the events' data_parallel_rank; the KV event "
+                   "endpoints' ports are shifted by it, as vLLM does")
+    g.add_argument("--kv-events-hash", choices=("int", "bytes"),
+                   default=None,
+                   help="block hashes on the wire: uint64 (the digest's "
+                   "last 8 bytes) or the 32 digest bytes (default: "
+                   "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, 1 = int)")
+    g.add_argument("--lora-modules", nargs="+", default=None,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters: a request whose model is NAME "
+                   "uses it (its name keys every block, lora_id = its "
+                   "position from 1)")
     g = ap.add_argument_group("prefill protocols")
     g.add_argument("--side-channel-host", default=None,
                    help="NIXL side channel address (default --host)")
@@ -2672,7 +3578,7 @@ def parse_args(argv):
     a = ap.parse_args(argv)
     if a.side_channel_port is None:
         a.side_channel_port = a.port + 1000
-    if a.lmcache_proxy and zmq is None:
+    if a.lmcache_proxy and (zmq is None or msgpack is None):
         sys.stderr.write("vllm_emu: --lmcache-proxy needs python3-zmq and "
                          "python3-msgpack\n")
         sys.exit(2)
@@ -2687,6 +3593,38 @@ def parse_args(argv):
         a.lmcache_init_port = a.lmcache_alloc_port = None
     if a.time_scale < 0 or a.prefill_tps <= 0 or a.max_num_batched_tokens < 1:
         ap.error("bad timing model values")
+    if a.kv_blocks < 1 or a.block_size < 1:
+        ap.error("--kv-blocks and --block-size must be at least 1")
+    try:
+        a.loras = parse_lora_modules(a.lora_modules)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.kv_events_hash is None:
+        a.kv_events_hash = "int" if os.environ.get(
+            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1").strip() not in (
+                "0", "false", "False") else "bytes"
+    a.kv_events = None
+    if a.kv_events_config is not None:
+        try:
+            cfg = parse_kv_events_config(a.kv_events_config)
+        except ValueError as e:
+            ap.error("--kv-events-config: %s" % e)
+        if cfg["enable_kv_cache_events"] and cfg["publisher"] == "zmq":
+            if zmq is None:
+                sys.stderr.write("vllm_emu: --kv-events-config needs pyzmq "
+                                 "(pip install pyzmq, or Debian's "
+                                 "python3-zmq); not found by %s\n"
+                                 % sys.executable)
+                sys.exit(2)
+            a.kv_events = cfg
+            if a.data_parallel_rank and any(
+                    (cfg[k] or "").startswith("ipc://")
+                    for k in ("endpoint", "replay_endpoint")):
+                ap.error("--kv-events-config: an ipc:// endpoint cannot be "
+                         "offset by --data-parallel-rank (vLLM: \"Invalid "
+                         "endpoint\")")
+    if a.data_parallel_rank < 0:
+        ap.error("--data-parallel-rank must be >= 0")
     return a
 
 

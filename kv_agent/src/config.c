@@ -268,6 +268,30 @@ parse_peer_keys(kv_config_t *c, kv_peer_conf_t *p, cJSON *e, char *err,
 }
 
 
+/*
+ * 1 (and which of b's keys in *k) when two links share a key: a key proves
+ * a node's id only if no other node holds it, so one key for two peers
+ * would let either claim to be the other.
+ */
+static int
+shared_key(const kv_peer_conf_t *a, const kv_peer_conf_t *b, int *k)
+{
+    int i, j;
+
+    for (i = 0; i < a->nkeys; i++) {
+        for (j = 0; j < b->nkeys; j++) {
+            if (a->keylen[i] == b->keylen[j]
+                && memcmp(a->key[i], b->key[j], a->keylen[i]) == 0)
+            {
+                *k = j;
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+
 static int
 parse_peers(kv_config_t *c, cJSON *arr, char *err, size_t elen)
 {
@@ -277,7 +301,7 @@ parse_peers(kv_config_t *c, cJSON *arr, char *err, size_t elen)
     kv_peer_conf_t *p;
     char role[32], host[KV_ADDR_LEN];
     cJSON *e;
-    int port, i;
+    int port, i, k;
 
     if (!cJSON_IsArray(arr)) {
         snprintf(err, elen, "\"peers\" must be an array");
@@ -322,6 +346,14 @@ parse_peers(kv_config_t *c, cJSON *arr, char *err, size_t elen)
         for (i = 0; i < c->npeers; i++) {
             if (strcmp(c->peers[i].id, p->id) == 0) {
                 snprintf(err, elen, "duplicate peer id %s", p->id);
+                return -1;
+            }
+            if (shared_key(&c->peers[i], p, &k)) {
+                snprintf(err, elen, "peers %s and %s share the key %s: each "
+                         "link needs its own key (either node could claim to "
+                         "be the other); see kv_agent/README.md, "
+                         "\"Authentication\"", c->peers[i].id, p->id,
+                         p->kid[k]);
                 return -1;
             }
         }

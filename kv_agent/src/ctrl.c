@@ -1345,7 +1345,12 @@ in_hello(kv_ctx_t *ctx, int client, cJSON *j)
     return 0;
 
 reject:
-    kv_warn("ctrl: rejected a peer: %s", err);
+    /* a line a second at most: anyone may connect and fail, in a loop */
+    ctx->stat_ctrl_rejected++;
+    if (kv_log_limit(&ctx->ctrl_reject_warn)) {
+        kv_warn("ctrl: rejected a peer: %s (%llu so far)", err,
+                (unsigned long long) ctx->stat_ctrl_rejected);
+    }
     reply = cJSON_CreateObject();
     cJSON_AddStringToObject(reply, "type", "error");
     cJSON_AddStringToObject(reply, "error", wire);

@@ -59,6 +59,14 @@ void kv_log(int level, const char *fmt, ...)
 #define kv_warn(...)  kv_log(KV_LOG_WARN, __VA_ARGS__)
 #define kv_info(...)  kv_log(KV_LOG_INFO, __VA_ARGS__)
 #define kv_debug(...) kv_log(KV_LOG_DEBUG, __VA_ARGS__)
+/* control bytes, "\\" and non-UTF-8 as \\xNN (every log line gets it) */
+size_t   kv_log_escape(char *out, size_t olen, const char *in, size_t n);
+#define KV_LOG_BURST  5                 /* rate-limited lines a second */
+typedef struct {
+    uint64_t  t_ms;                         /* this second began */
+    uint32_t  n;                            /* lines asked for in it */
+} kv_loglim_t;
+int      kv_log_limit(kv_loglim_t *l);      /* 1: log this one */
 
 uint64_t kv_now_ms(void);          /* CLOCK_MONOTONIC */
 uint64_t kv_now_us(void);
@@ -691,6 +699,12 @@ struct kv_ctx {
     int          npeers;
 
     int          ctrl_lfd, api_lfd;
+    /* out of descriptors (EMFILE/ENFILE): a listener is not polled until
+     * then (monotonic ms), [0] control, [1] local API */
+    uint64_t     accept_pause_ms[2];
+    uint32_t     accept_backoff_ms[2];
+    kv_loglim_t  accept_warn, ctrl_reject_warn;
+    uint64_t     stat_accept_nofd, stat_ctrl_rejected;
     dev_t        api_dev;              /* the socket file bound (unlinked */
     ino_t        api_ino;              /* on exit only if still this one) */
     kv_client_t *clients;              /* API and inbound control conns */
@@ -740,7 +754,8 @@ struct pollfd;
 int  kv_lmc_config(kv_lmc_conf_t *c, struct cJSON *o, char *err,
     size_t elen);
 int  kv_lmc_open(kv_ctx_t *ctx);
-int  kv_lmc_pollfds(kv_ctx_t *ctx, struct pollfd *pfd);   /* 0..2 fds */
+#define KV_LMC_NFDS  3   /* the most kv_lmc_pollfds() adds */
+int  kv_lmc_pollfds(kv_ctx_t *ctx, struct pollfd *pfd);   /* 0..3 fds */
 void kv_lmc_process(kv_ctx_t *ctx);
 void kv_lmc_close(kv_ctx_t *ctx);
 

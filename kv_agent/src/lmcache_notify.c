@@ -18,10 +18,18 @@
  * pool's TP ranks.
  *
  * Who may send: ZeroMQ's NULL mechanism has no credentials (LMCache's
- * senders use none), so the socket asks this file's ZAP handler about
- * every connection and admits only addresses in "allow" (CIDRs); each
- * admitted connection gets its own user id, which its messages carry, so
- * a sender repeating a notice counts once.  Messages over 1 KiB close the
+ * senders use none).  The allowlist ("allow", CIDRs) is enforced twice:
+ * at accept (ZMQ_TCP_ACCEPT_FILTER: libzmq closes the descriptor of any
+ * other address at once, so an outsider's idle connections hold none; the
+ * ZAP check alone runs only after a greeting, and an outsider that sent
+ * nothing kept a descriptor each until the handshake timed out), and by
+ * this file's ZAP handler, which gives each admitted connection its own
+ * user id, which its messages carry, so a sender repeating a notice counts
+ * once.  An admitted connection has ZMQ_HANDSHAKE_IVL (3 s) to greet.
+ * libzmq's listener polls again at once when accept() fails for want of
+ * descriptors (a spin): a socket monitor reports each failed accept, and
+ * when the process is out of descriptors the port is unbound and bound
+ * again after 50 ms, doubling to 1 s (senders reconnect by themselves).  Messages over 1 KiB close the
  * connection (ZMQ_MAXMSGSIZE); anything but a well-formed ProxyNotif with
  * a printable req_id is dropped and counted; a notice never touches a
  * record of this agent's own transfers (node id set, or another peer).
@@ -29,10 +37,12 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 #include <msgpack.h>
@@ -46,6 +56,8 @@
 #define KV_LMC_PROBE       16
 #define KV_LMC_PEER        "lmcache"   /* peer_id of our records */
 #define KV_LMC_ZAP         "inproc://zeromq.zap.01"
+#define KV_LMC_MON         "inproc://dpd-lmcache-monitor"
+#define KV_LMC_HANDSHAKE   3000        /* ms to greet once accepted */
 
 
 typedef struct {
@@ -60,11 +72,16 @@ struct kv_lmc {
     void          *zctx;
     void          *pull;
     void          *zap;
+    void          *mon;                /* PAIR: the pull socket's events */
+    char           ep[KV_ADDR_LEN + 16];   /* bound: ZMQ_LAST_ENDPOINT */
+    int            bound;
+    uint64_t       rebind_ms;          /* unbound: bind again then */
+    uint32_t       backoff_ms;
     uint32_t       next_conn;
     kv_lmc_req_t  *reqs;
     uint32_t       nreqs;
-    uint64_t       accepted, bad, dup, denied, foreign;
-    uint64_t       t_warn_ms;
+    uint64_t       accepted, bad, dup, denied, foreign, filtered, nofd;
+    kv_loglim_t    warn_bad, warn_denied, warn_nofd;
 };
 
 
@@ -203,6 +220,150 @@ lmc_allowed(const kv_lmc_conf_t *c, const char *addr)
 }
 
 
+/* the prefix length of a mask */
+static int
+lmc_bits(const kv_lmc_cidr_t *c)
+{
+    int i, b, bits = 0, n = c->family == AF_INET ? 4 : 16;
+
+    for (i = 0; i < n; i++) {
+        for (b = 7; b >= 0; b--) {
+            bits += (c->mask[i] >> b) & 1;
+        }
+    }
+    return bits;
+}
+
+
+/*
+ * The allowlist as libzmq's accept filters: a connection from any other
+ * address is closed as soon as it is accepted.  libzmq parses a filter as
+ * the socket's ZMQ_IPV6 says at that moment (with it on, "10.0.0.0/8"
+ * would become ::ffff:10.0.0.0 with an 8-bit mask: almost everything), so
+ * IPv4 networks go in first with ZMQ_IPV6 off; then, for an IPv6 listener
+ * (which sees an IPv4 peer as ::ffff:a.b.c.d), ZMQ_IPV6 on, the IPv6
+ * networks and each IPv4 one in its mapped form.  An IPv4 listener
+ * cannot be reached over IPv6: its IPv6 networks need no filter.
+ */
+static int
+lmc_filters(void *s, const kv_lmc_conf_t *c, int ipv6)
+{
+    char a[INET6_ADDRSTRLEN], f[INET6_ADDRSTRLEN + 32];
+    int i, pass, v;
+
+    for (pass = 0; pass < (ipv6 ? 2 : 1); pass++) {
+        v = pass;
+        if (zmq_setsockopt(s, ZMQ_IPV6, &v, sizeof(v)) != 0) {
+            return -1;
+        }
+        for (i = 0; i < c->nallow; i++) {
+            const kv_lmc_cidr_t *e = &c->allow[i];
+            if ((pass == 0 && e->family != AF_INET)
+                || inet_ntop((int) e->family, e->addr, a, sizeof(a)) == NULL)
+            {
+                continue;
+            }
+            if (pass == 0 || e->family == AF_INET6) {
+                snprintf(f, sizeof(f), "%s/%d", a, lmc_bits(e));
+            } else {
+                snprintf(f, sizeof(f), "::ffff:%s/%d", a, 96 + lmc_bits(e));
+            }
+            if (zmq_setsockopt(s, ZMQ_TCP_ACCEPT_FILTER, f, strlen(f)) != 0)
+            {
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+
+/* 1 when this process has no descriptor left (EMFILE, ENFILE) */
+static int
+lmc_out_of_fds(void *s)
+{
+    size_t sz;
+    int fd, nfd;
+
+    sz = sizeof(fd);
+    if (zmq_getsockopt(s, ZMQ_FD, &fd, &sz) != 0) {
+        return 0;
+    }
+    nfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (nfd < 0) {
+        return errno == EMFILE || errno == ENFILE;
+    }
+    close(nfd);
+    return 0;
+}
+
+
+/*
+ * The monitor's ACCEPT_FAILED events: a connection the filter closed, or
+ * an accept() without a descriptor, which libzmq's listener would retry
+ * at once, forever: then the port is unbound for a while.
+ */
+static void
+lmc_monitor(kv_ctx_t *ctx)
+{
+    struct kv_lmc *l = ctx->lmc;
+    uint8_t ev[64];
+    char addr[256];
+    int n, more, failed = 0;
+    uint16_t id;
+    size_t sz;
+
+    for (;;) {
+        n = zmq_recv(l->mon, ev, sizeof(ev), ZMQ_DONTWAIT);
+        if (n < 0) {
+            break;
+        }
+        more = 0;
+        sz = sizeof(more);
+        zmq_getsockopt(l->mon, ZMQ_RCVMORE, &more, &sz);
+        while (more) {                 /* the endpoint */
+            if (zmq_recv(l->mon, addr, sizeof(addr), ZMQ_DONTWAIT) < 0) {
+                break;
+            }
+            sz = sizeof(more);
+            zmq_getsockopt(l->mon, ZMQ_RCVMORE, &more, &sz);
+        }
+        if (n < 6) {
+            continue;
+        }
+        memcpy(&id, ev, sizeof(id));
+        if (id == ZMQ_EVENT_ACCEPT_FAILED) {
+            failed++;
+        }
+    }
+    if (failed == 0) {
+        return;
+    }
+    if (l->bound && lmc_out_of_fds(l->pull)) {
+        l->nofd += (uint64_t) failed;
+        l->backoff_ms = l->backoff_ms == 0 ? 50
+                        : l->backoff_ms * 2 > 1000 ? 1000 : l->backoff_ms * 2;
+        l->rebind_ms = kv_now_ms() + l->backoff_ms;
+        if (zmq_unbind(l->pull, l->ep) == 0) {
+            l->bound = 0;
+        }
+        if (kv_log_limit(&l->warn_nofd)) {
+            kv_warn("lmcache_notify: no descriptor left to accept a "
+                    "connection: not listening for %u ms (%llu failed "
+                    "accepts so far)", l->backoff_ms,
+                    (unsigned long long) l->nofd);
+        }
+        return;
+    }
+    l->filtered += (uint64_t) failed;
+    if (kv_log_limit(&l->warn_denied)) {
+        kv_warn("lmcache_notify: connections refused at accept (not in "
+                "lmcache_notify.allow) or failed (%llu so far)",
+                (unsigned long long) l->filtered);
+    }
+}
+
+
 int
 kv_lmc_open(kv_ctx_t *ctx)
 {
@@ -241,11 +402,27 @@ kv_lmc_open(kv_ctx_t *ctx)
         zmq_setsockopt(l->pull, ZMQ_MAXMSGSIZE, &max, sizeof(max));
         v = 4096;
         zmq_setsockopt(l->pull, ZMQ_RCVHWM, &v, sizeof(v));
-        v = 1;
         zmq_setsockopt(l->pull, ZMQ_ZAP_DOMAIN, "dpd", 3);
-        if (strchr(ctx->cfg.lmc.listen, '[')) {
-            zmq_setsockopt(l->pull, ZMQ_IPV6, &v, sizeof(v));
-        }
+    }
+    v = KV_LMC_HANDSHAKE;
+    zmq_setsockopt(l->pull, ZMQ_HANDSHAKE_IVL, &v, sizeof(v));
+    /* sets ZMQ_IPV6 too: on for a [v6] listen address */
+    if (lmc_filters(l->pull, &ctx->cfg.lmc,
+                    strchr(ctx->cfg.lmc.listen, '[') != NULL) != 0)
+    {
+        kv_err("lmcache_notify: accept filter: %s", zmq_strerror(errno));
+        goto failed;
+    }
+    /* failed accepts: refused by the filter, or no descriptor left */
+    if (zmq_socket_monitor(l->pull, KV_LMC_MON, ZMQ_EVENT_ACCEPT_FAILED)
+        != 0
+        || (l->mon = zmq_socket(l->zctx, ZMQ_PAIR)) == NULL
+        || zmq_setsockopt(l->mon, ZMQ_LINGER, &(int) { 0 }, sizeof(int))
+           != 0
+        || zmq_connect(l->mon, KV_LMC_MON) != 0)
+    {
+        kv_err("lmcache_notify: socket monitor: %s", zmq_strerror(errno));
+        goto failed;
     }
     snprintf(ep, sizeof(ep), "tcp://%s", ctx->cfg.lmc.listen);
     if (zmq_bind(l->pull, ep) != 0) {
@@ -253,12 +430,22 @@ kv_lmc_open(kv_ctx_t *ctx)
                zmq_strerror(errno));
         goto failed;
     }
+    {
+        size_t sz = sizeof(l->ep);
+        if (zmq_getsockopt(l->pull, ZMQ_LAST_ENDPOINT, l->ep, &sz) != 0) {
+            snprintf(l->ep, sizeof(l->ep), "%s", ep);
+        }
+    }
+    l->bound = 1;
     ctx->lmc = l;
     kv_info("lmcache_notify: listening on %s for ProxyNotif (%d allowed "
             "networks)", ctx->cfg.lmc.listen, ctx->cfg.lmc.nallow);
     return 0;
 
 failed:
+    if (l->mon) {
+        zmq_close(l->mon);
+    }
     if (l->pull) {
         zmq_close(l->pull);
     }
@@ -284,10 +471,15 @@ kv_lmc_close(kv_ctx_t *ctx)
     }
     kv_info("lmcache_notify: %llu notices accepted, %llu repeated, "
             "%llu malformed, %llu for foreign records, %llu connections "
-            "refused", (unsigned long long) l->accepted,
+            "refused (%llu at accept), %llu accepts without a descriptor",
+            (unsigned long long) l->accepted,
             (unsigned long long) l->dup, (unsigned long long) l->bad,
             (unsigned long long) l->foreign,
-            (unsigned long long) l->denied);
+            (unsigned long long) (l->denied + l->filtered),
+            (unsigned long long) l->filtered,
+            (unsigned long long) l->nofd);
+    zmq_socket_monitor(l->pull, NULL, 0);
+    zmq_close(l->mon);
     zmq_close(l->pull);
     zmq_close(l->zap);
     zmq_ctx_term(l->zctx);
@@ -319,7 +511,13 @@ kv_lmc_pollfds(kv_ctx_t *ctx, struct pollfd *pfd)
     }
     pfd[1].fd = fd;
     pfd[1].events = POLLIN;
-    return 2;
+    sz = sizeof(fd);
+    if (zmq_getsockopt(l->mon, ZMQ_FD, &fd, &sz) != 0) {
+        return 2;
+    }
+    pfd[2].fd = fd;
+    pfd[2].events = POLLIN;
+    return 3;
 }
 
 
@@ -382,8 +580,11 @@ lmc_zap(kv_ctx_t *ctx)
         } else {
             uid[0] = '\0';
             l->denied++;
-            kv_warn("lmcache_notify: connection from \"%.64s\" refused "
-                    "(not in lmcache_notify.allow)", addr);
+            if (kv_log_limit(&l->warn_denied)) {
+                kv_warn("lmcache_notify: connection from \"%.64s\" refused "
+                        "(not in lmcache_notify.allow; %llu so far)", addr,
+                        (unsigned long long) l->denied);
+            }
         }
         zmq_send(l->zap, "1.0", 3, ZMQ_SNDMORE);
         zmq_send(l->zap, rid, (size_t) ridlen, ZMQ_SNDMORE);
@@ -563,6 +764,22 @@ kv_lmc_process(kv_ctx_t *ctx)
     if (l == NULL) {
         return;
     }
+    lmc_monitor(ctx);
+    if (!l->bound && kv_now_ms() >= l->rebind_ms) {
+        if (zmq_bind(l->pull, l->ep) == 0) {
+            l->bound = 1;
+            kv_info("lmcache_notify: listening on %s again", l->ep);
+        } else {
+            l->backoff_ms = l->backoff_ms * 2 > 1000 ? 1000
+                            : l->backoff_ms * 2;
+            l->rebind_ms = kv_now_ms() + l->backoff_ms;
+        }
+    } else if (l->bound && l->backoff_ms
+               && kv_now_ms() >= l->rebind_ms + 5000
+               && lmc_out_of_fds(l->pull) == 0)
+    {
+        l->backoff_ms = 0;             /* 5 s without a shortage */
+    }
     lmc_zap(ctx);
     for (n = 0; n < 1024; n++) {
         zmq_msg_init(&msg);
@@ -600,10 +817,8 @@ kv_lmc_process(kv_ctx_t *ctx)
             zmq_msg_close(&msg);
         }
         if (why) {
-            uint64_t now = kv_now_ms();
             l->bad++;
-            if (now - l->t_warn_ms >= 1000) {   /* one line a second */
-                l->t_warn_ms = now;
+            if (kv_log_limit(&l->warn_bad)) {
                 kv_warn("lmcache_notify: message dropped: %s (%llu so far)",
                         why, (unsigned long long) l->bad);
             }

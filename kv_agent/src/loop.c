@@ -133,16 +133,49 @@ kv_client_send(kv_ctx_t *ctx, int i, cJSON *j)
 }
 
 
+/*
+ * Accept what is queued.  Out of descriptors (EMFILE, ENFILE) or kernel
+ * memory, the listener stays readable: polling it again at once would spin
+ * a core and log a line per turn, so it is left out of poll() for 50 ms,
+ * doubling to 1 s while the shortage lasts (as nginx disables its accept
+ * events), with one warning a second that counts.  Connections wait in the
+ * kernel's backlog meanwhile; the budgets of kv_client_add() close what
+ * is over them, so our own use of descriptors stays bounded.
+ */
 static void
 accept_all(kv_ctx_t *ctx, int lfd, int is_peer)
 {
-    int fd, i;
+    int fd, i, k = is_peer ? 0 : 1;
 
     for ( ;; ) {
         fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
-            if (errno != EAGAIN && errno != EINTR) {
-                kv_warn("accept: %s", strerror(errno));
+            if (errno == EAGAIN || errno == EINTR) {
+                ctx->accept_backoff_ms[k] = 0;
+                return;
+            }
+            if (errno == ECONNABORTED || errno == EPROTO) {
+                continue;             /* that one is gone: the next */
+            }
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS
+                || errno == ENOMEM)
+            {
+                int err = errno;
+                uint32_t *b = &ctx->accept_backoff_ms[k];
+                *b = *b == 0 ? 50 : *b * 2 > 1000 ? 1000 : *b * 2;
+                ctx->accept_pause_ms[k] = kv_now_ms() + *b;
+                ctx->stat_accept_nofd++;
+                if (kv_log_limit(&ctx->accept_warn)) {
+                    kv_warn("%s: cannot accept: %s; not accepting for %u ms "
+                            "(%llu times so far)", is_peer ? "ctrl" : "api",
+                            strerror(err), *b,
+                            (unsigned long long) ctx->stat_accept_nofd);
+                }
+                return;
+            }
+            if (kv_log_limit(&ctx->accept_warn)) {
+                kv_warn("%s: accept: %s", is_peer ? "ctrl" : "api",
+                        strerror(errno));
             }
             return;
         }
@@ -399,9 +432,10 @@ run_loop(kv_ctx_t *ctx)
     struct pollfd *pfd;
     int *who, n, i, np;
     int64_t timeout;
+    uint64_t now;
     struct timespec ts;
-    size_t cap = 4 + KV_MAX_RAILS + 2 * KV_MAX_RANKS + KV_MAX_PEERS
-                 + KV_EVS_MAX_SOURCES + ctx->nclients;
+    size_t cap = 2 + KV_LMC_NFDS + KV_MAX_RAILS + 2 * KV_MAX_RANKS
+                 + KV_MAX_PEERS + KV_EVS_MAX_SOURCES + ctx->nclients;
 
     pfd = calloc(cap, sizeof(*pfd));
     who = calloc(cap, sizeof(*who));
@@ -412,10 +446,13 @@ run_loop(kv_ctx_t *ctx)
     }
     while (!kv_got_signal) {
         n = 0;
-        pfd[n].fd = ctx->ctrl_lfd;
-        pfd[n].events = POLLIN;
-        who[n++] = -1;
-        if (ctx->api_lfd >= 0) {
+        now = kv_now_ms();
+        if (now >= ctx->accept_pause_ms[0]) {
+            pfd[n].fd = ctx->ctrl_lfd;
+            pfd[n].events = POLLIN;
+            who[n++] = -1;
+        }
+        if (ctx->api_lfd >= 0 && now >= ctx->accept_pause_ms[1]) {
             pfd[n].fd = ctx->api_lfd;
             pfd[n].events = POLLIN;
             who[n++] = -2;

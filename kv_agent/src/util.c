@@ -20,15 +20,123 @@
 int kv_log_level = KV_LOG_INFO;
 
 
+/*
+ * The length of the well-formed UTF-8 sequence at p (1..4 bytes, at most
+ * n), or 0: RFC 3629, no overlong forms, no surrogates, nothing past
+ * U+10FFFF.
+ */
+static size_t
+kv_utf8_len(const unsigned char *p, size_t n)
+{
+    size_t k, len;
+    unsigned c = p[0];
+
+    if (c < 0x80) {
+        return 1;
+    }
+    if (c >= 0xc2 && c <= 0xdf) {
+        len = 2;
+    } else if (c >= 0xe0 && c <= 0xef) {
+        len = 3;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+        len = 4;
+    } else {
+        return 0;
+    }
+    if (n < len) {
+        return 0;
+    }
+    for (k = 1; k < len; k++) {
+        if ((p[k] & 0xc0) != 0x80) {
+            return 0;
+        }
+    }
+    if ((c == 0xe0 && p[1] < 0xa0) || (c == 0xed && p[1] > 0x9f)
+        || (c == 0xf0 && p[1] < 0x90) || (c == 0xf4 && p[1] > 0x8f))
+    {
+        return 0;
+    }
+    return len;
+}
+
+
+/*
+ * Text for one log line: control bytes (newline, CR, ESC, DEL, ...), the
+ * backslash and bytes that are not well-formed UTF-8 become \xNN, so a
+ * peer's string (a node id, a req_id, an address) can neither forge a
+ * line nor move a terminal's cursor.  At most olen - 1 bytes out, always
+ * NUL-terminated; what does not fit ends in "...".
+ */
+size_t
+kv_log_escape(char *out, size_t olen, const char *in, size_t n)
+{
+    static const char hex[] = "0123456789abcdef";
+    const unsigned char *p = (const unsigned char *) in;
+    size_t i = 0, o = 0, k;
+
+    if (olen == 0) {
+        return 0;
+    }
+    while (i < n) {
+        k = kv_utf8_len(p + i, n - i);
+        if (k == 1 && (p[i] < 0x20 || p[i] == 0x7f || p[i] == '\\')) {
+            k = 0;
+        }
+        if (k == 0) {
+            if (o + 4 + 4 > olen) {
+                break;
+            }
+            out[o++] = '\\';
+            out[o++] = 'x';
+            out[o++] = hex[p[i] >> 4];
+            out[o++] = hex[p[i] & 15];
+            i++;
+            continue;
+        }
+        if (o + k + 4 > olen) {
+            break;
+        }
+        memcpy(out + o, p + i, k);
+        o += k;
+        i += k;
+    }
+    if (i < n) {
+        memcpy(out + o, "...", 3);
+        o += 3;
+    }
+    out[o] = '\0';
+    return o;
+}
+
+
+/*
+ * A rate-limited warning: 1 (log it now) for the first KV_LOG_BURST calls
+ * of each second, 0 after, so a flood of refusals or bad messages costs a
+ * few lines a second, each with its running count, while the first
+ * distinct ones of a quiet moment are all seen.
+ */
+int
+kv_log_limit(kv_loglim_t *l)
+{
+    uint64_t now = kv_now_ms();
+
+    if (l->t_ms == 0 || now - l->t_ms >= 1000) {
+        l->t_ms = now;
+        l->n = 0;
+    }
+    return l->n++ < KV_LOG_BURST;
+}
+
+
 void
 kv_log(int level, const char *fmt, ...)
 {
     static const char *names[] = { "error", "warn", "info", "debug" };
     struct timespec ts;
     struct tm tm;
-    char buf[2048];
+    char msg[2048], buf[2048 + 64];
     va_list ap;
-    int n;
+    int n, m;
 
     if (level > kv_log_level) {
         return;
@@ -39,9 +147,16 @@ kv_log(int level, const char *fmt, ...)
                  tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
                  (int) getpid(), names[level]);
     va_start(ap, fmt);
-    vsnprintf(buf + n, sizeof(buf) - n - 1, fmt, ap);
+    m = vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    n = strlen(buf);
+    if (m < 0) {
+        m = 0;
+    }
+    if ((size_t) m >= sizeof(msg)) {
+        m = sizeof(msg) - 1;
+    }
+    /* every line escaped as a whole: the peers' strings it may hold */
+    n += (int) kv_log_escape(buf + n, sizeof(buf) - n - 1, msg, (size_t) m);
     buf[n++] = '\n';
     /* one write() per line so lines of concurrent agents do not mix */
     if (write(2, buf, n) < 0) {

@@ -43,6 +43,9 @@
 
 #define TOK_CHAT_MAX_FILES  16
 
+/* transformers' continue_final_message marker (a space follows it) */
+#define TOK_CFM_TAG  "CONTINUE_FINAL_MESSAGE_TAG"
+
 
 /* cJSON's tests and lookups inline (tok_cjson.h) */
 #define tok_is(j, t)     tok_json_is(j, t)
@@ -605,16 +608,50 @@ media:
 }
 
 
+/*
+ * vLLM's _strip_claude_code_billing_header() for one system text part (a
+ * string part or a {"type": "text"} one): Claude Code's attribution line
+ * changes on every request, so vLLM drops it, up to its newline, and the
+ * part when nothing follows.  NULL: the part is dropped.
+ */
+static const char *
+tok_billing_strip(const cJSON *part, const char *text)
+{
+    static const char   hdr[] = "x-anthropic-billing-header";
+    const cJSON        *type;
+    const char         *nl;
+
+    if (part != NULL && !cJSON_IsString(part)) {
+        type = cJSON_GetObjectItemCaseSensitive(part, "type");
+        if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") != 0) {
+            return text;
+        }
+    }
+    if (strncmp(text, hdr, sizeof(hdr) - 1) != 0) {
+        return text;
+    }
+    nl = strchr(text, '\n');
+    return (nl == NULL || nl[1] == '\0') ? NULL : nl + 1;
+}
+
+
+/*
+ * vLLM's _parse_chat_message_content_parts: the string format joins the
+ * parts' texts with "\n", leaving out empty ones (a falsy parse result is
+ * not appended); the openai format keeps each as {"type": "text"}, empty
+ * ones too, and a tool message's all-text list is joined back with "\n",
+ * empty texts included.
+ */
 static int
 tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
-    int tool_role, tj_val_t *out)
+    int tool_role, int system, tj_val_t *out)
 {
     const cJSON  *part;
     const char   *text;
     tj_buf_t      b = { 0 };
     tj_val_t      l = { 0 }, item;
     tj_dict_t    *d;
-    size_t        j = 0, texts = 0, n;
+    size_t        j = 0, texts = 0;
 
     b.a = &p->a;
     if (openai && !tool_role) {
@@ -628,14 +665,17 @@ tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
         return 0;
     }
     if (tok_is_string(c)) {
-        n = strlen(c->valuestring);
-        p->bytes += n;
-        if (!openai || tool_role) {
-            *out = tj_str(c->valuestring, n);
-            return 0;
-        }
         part = NULL;
         text = c->valuestring;
+        if (system && (text = tok_billing_strip(NULL, text)) == NULL) {
+            *out = openai && !tool_role ? l : tj_str("", 0);
+            return 0;
+        }
+        p->bytes += strlen(text);
+        if (!openai || tool_role) {
+            *out = tok_cstr(p, text);
+            return 0;
+        }
         goto one;
     }
     if (!cJSON_IsArray(c)) {
@@ -648,6 +688,12 @@ tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
             return -1;
         }
         if (text == NULL) {
+            continue;
+        }
+        if (system && (text = tok_billing_strip(part, text)) == NULL) {
+            continue;
+        }
+        if (!openai && text[0] == '\0') {
             continue;
         }
         p->bytes += strlen(text);
@@ -665,7 +711,7 @@ one:
             if (tj_a_list_push(&p->a, l.u.l, item) != 0) {
                 return tok_prep_oom(p);
             }
-            if (part == NULL && cJSON_IsString(c)) {
+            if (part == NULL) {
                 break;
             }
             continue;
@@ -685,7 +731,35 @@ one:
 }
 
 
-/* vLLM's _postprocess_messages for one assistant tool call */
+/*
+ * vLLM's _postprocess_messages for one assistant tool call: an object of
+ * type "function" (the default) with a function object, whose arguments
+ * become an object: a JSON string parsed, and whatever is not then an
+ * object (invalid or empty JSON, an array, a number, null, missing) {}
+ */
+static int
+tok_prep_args(tok_prep_t *p, const cJSON *args, tj_val_t *v)
+{
+    if (cJSON_IsString(args)) {
+        p->bytes += strlen(args->valuestring);
+        if (tj_json_loads(&p->a, args->valuestring, strlen(args->valuestring),
+                          v) == 0
+            && v->t == TJ_DICT)
+        {
+            return 0;
+        }
+    } else if (cJSON_IsObject(args)) {
+        return tok_prep_val(p, args, v);
+    }
+    v->t = TJ_DICT;
+    v->n = 0;
+    if ((v->u.d = tj_a_dict(&p->a)) == NULL) {
+        return tok_prep_oom(p);
+    }
+    return 0;
+}
+
+
 static int
 tok_prep_call(tok_prep_t *p, const cJSON *call, size_t i, size_t k,
     tj_val_t *out)
@@ -700,9 +774,14 @@ tok_prep_call(tok_prep_t *p, const cJSON *call, size_t i, size_t k,
         return -1;
     }
     fn = cJSON_GetObjectItemCaseSensitive(call, "function");
-    if (!cJSON_IsObject(fn)) {
-        tok_err(p->err, p->errlen, "messages[%zu].tool_calls[%zu].function: "
-                "expected an object", i, k);
+    e = cJSON_GetObjectItemCaseSensitive(call, "type");
+    if (!cJSON_IsObject(fn)
+        || (e && !(cJSON_IsString(e) && strcmp(e->valuestring, "function")
+                   == 0)))
+    {
+        tok_err(p->err, p->errlen, "messages[%zu].tool_calls[%zu]: chat "
+                "completions only support assistant tool_calls of type "
+                "'function'.", i, k);
         return -1;
     }
     if ((d = tj_a_dict(&p->a)) == NULL || (fd = tj_a_dict(&p->a)) == NULL) {
@@ -720,37 +799,24 @@ tok_prep_call(tok_prep_t *p, const cJSON *call, size_t i, size_t k,
             return -1;
         }
     }
+    args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
     cJSON_ArrayForEach(e, fn) {
-        if (e != (args = cJSON_GetObjectItemCaseSensitive(fn, "arguments"))) {
+        if (e != args) {
             if (tok_prep_val(p, e, &v) != 0) {
                 return -1;
             }
-        } else if (cJSON_IsString(args)) {
-            p->bytes += strlen(args->valuestring);
-            if (tj_json_loads(&p->a, args->valuestring,
-                              strlen(args->valuestring), &v) != 0)
-            {
-                /* "" or not JSON: {} */
-                v.t = TJ_DICT;
-                v.n = 0;
-                if ((v.u.d = tj_a_dict(&p->a)) == NULL) {
-                    return tok_prep_oom(p);
-                }
-            }
-        } else if (cJSON_IsObject(args) || cJSON_IsArray(args)) {
-            if (tok_prep_val(p, args, &v) != 0) {
-                return -1;
-            }
-        } else {
-            v.t = TJ_DICT;
-            v.n = 0;
-            if ((v.u.d = tj_a_dict(&p->a)) == NULL) {
-                return tok_prep_oom(p);
-            }
+        } else if (tok_prep_args(p, args, &v) != 0) {
+            return -1;
         }
         if (tok_set(p, fd, e->string, v) != 0) {
             return -1;
         }
+    }
+    if (args == NULL
+        && (tok_prep_args(p, NULL, &v) != 0
+            || tok_set(p, fd, "arguments", v) != 0))
+    {
+        return -1;
     }
     out->t = TJ_DICT;
     out->u.d = d;
@@ -765,7 +831,7 @@ tok_prep_message(tok_prep_t *p, const cJSON *m, size_t i, int openai,
 {
     const cJSON  *role = NULL, *content = NULL, *calls = NULL, *e;
     const cJSON  *reasoning = NULL, *call_id = NULL, *name = NULL;
-    const cJSON  *task = NULL, *tools = NULL;
+    const cJSON  *task = NULL, *tools = NULL, *reasoning_content = NULL;
     tj_dict_t    *d;
     tj_val_t      v, l;
     const char   *r, *k;
@@ -785,6 +851,8 @@ tok_prep_message(tok_prep_t *p, const cJSON *m, size_t i, int openai,
                 role = e;
             } else if (strcmp(k, "reasoning") == 0) {
                 reasoning = e;
+            } else if (strcmp(k, "reasoning_content") == 0) {
+                reasoning_content = e;
             }
             break;
         case 'c':
@@ -817,6 +885,16 @@ tok_prep_message(tok_prep_t *p, const cJSON *m, size_t i, int openai,
     }
     r = role->valuestring;
     tool_role = (r[0] == 't' && strcmp(r, "tool") == 0);
+    /*
+     * vLLM's ChatCompletionRequest._normalize_messages_before: the
+     * deprecated "reasoning_content" stands for "reasoning" when that is
+     * unset (and is gone otherwise)
+     */
+    if ((reasoning == NULL || tok_is_null(reasoning))
+        && reasoning_content && !tok_is_null(reasoning_content))
+    {
+        reasoning = reasoning_content;
+    }
     if ((d = tj_a_dict(&p->a)) == NULL) {
         return tok_prep_oom(p);
     }
@@ -824,7 +902,9 @@ tok_prep_message(tok_prep_t *p, const cJSON *m, size_t i, int openai,
     if (tj_a_dict_add(&p->a, d, tj_k_role, 4, tok_cstr(p, r)) != 0) {
         return tok_prep_oom(p);
     }
-    if (tok_prep_content(p, content, i, openai, tool_role, &v) != 0) {
+    if (tok_prep_content(p, content, i, openai, tool_role,
+                         r[0] == 's' && strcmp(r, "system") == 0, &v) != 0)
+    {
         return -1;
     }
     if (tj_a_dict_add(&p->a, d, tj_k_content, 7, v) != 0) {
@@ -1005,6 +1085,7 @@ typedef struct {
     const cJSON    *agp;            /* add_generation_prompt */
     const cJSON    *cfm;            /* continue_final_message */
     const cJSON    *kwargs;         /* chat_template_kwargs */
+    const cJSON    *effort;         /* reasoning_effort */
 } tok_req_keys_t;
 
 
@@ -1044,6 +1125,11 @@ tok_req_keys(const cJSON *in, tok_req_keys_t *k)
         case 'a':
             if (k->agp == NULL && strcmp(s, "add_generation_prompt") == 0) {
                 k->agp = e;
+            }
+            break;
+        case 'r':
+            if (k->effort == NULL && strcmp(s, "reasoning_effort") == 0) {
+                k->effort = e;
             }
             break;
         case 'c':
@@ -1164,19 +1250,16 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in,
                 "and `add_generation_prompt` to True.");
         return -1;
     }
-    if (tj_a_dict_add(&p->a, g, tj_k_add_generation_prompt, 21,
-                      tj_bool(agp)) != 0
-        || tj_a_dict_add(&p->a, g, tj_k_continue_final_message, 22,
-                         tj_bool(cfm)) != 0)
-    {
-        return tok_prep_oom(p);
+    if (k->effort && !tok_is_null(k->effort) && !tok_is_string(k->effort)) {
+        tok_err(p->err, p->errlen, "reasoning_effort: expected a string");
+        return -1;
     }
 
     /* the special tokens (after the request's variables, which are looked
      * up most; no name is shared), then the kwargs over everything */
     if (tok->chat && tok->chat->specials) {
         /* the specials' names (*_token, additional_special_tokens) are
-         * distinct, and none of the five above */
+         * distinct, and none of the three above */
         for (i = 0; i < tok->chat->specials->n; i++) {
             const tj_pair_t *sp = &tok->chat->specials->p[i];
             if (tj_a_dict_add(&p->a, g, sp->k, sp->kn, sp->v) != 0) {
@@ -1185,6 +1268,14 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in,
         }
     }
 
+    /*
+     * vLLM's ChatCompletionRequest.build_chat_params() merges the request's
+     * add_generation_prompt, continue_final_message, documents and
+     * reasoning_effort over chat_template_kwargs, and the kwargs over the
+     * tools (merge_kwargs(): a null or "auto" value overrides nothing);
+     * continue_final_message reaches transformers' apply_chat_template()
+     * as its own argument, which no template sees.
+     */
     kw = k->kwargs;
     if (kw && !tok_is_null(kw)) {
         if (!tok_is_object(kw)) {
@@ -1201,7 +1292,11 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in,
                         e->string);
                 return -1;
             }
-            if (strcmp(e->string, "messages") == 0) {
+            if (strcmp(e->string, "messages") == 0
+                || strcmp(e->string, "continue_final_message") == 0
+                || tok_is_null(e)
+                || (tok_is_string(e) && strcmp(e->valuestring, "auto") == 0))
+            {
                 continue;       /* the conversation is the request's */
             }
             if (tok_prep_val(p, e, &v) != 0
@@ -1210,28 +1305,81 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in,
                 return -1;
             }
         }
-        cfm = tj_truthy(*tj_dict_get(g, "continue_final_message", 22));
     }
+    if (tok_set_k(p, g, tj_k_add_generation_prompt, 21, tj_bool(agp)) != 0) {
+        return -1;
+    }
+    e = k->documents;
+    if (e && !tok_is_null(e)) {
+        if (tok_prep_val(p, e, &v) != 0
+            || tok_set_k(p, g, tj_k_documents, 9, v) != 0)
+        {
+            return -1;
+        }
+    }
+    e = k->effort;
+    if (tok_is_string(e)) {
+        if (tok_set(p, g, "reasoning_effort", tok_cstr(p, e->valuestring))
+            != 0)
+        {
+            return -1;
+        }
+        /* reasoning requested turns thinking on (Gemma 4, Qwen 3) unless
+         * the kwargs say otherwise */
+        if ((kw == NULL || !tok_is_object(kw)
+             || cJSON_GetObjectItemCaseSensitive(kw, "enable_thinking")
+                == NULL)
+            && tok_set(p, g, "enable_thinking",
+                       tj_bool(strcmp(e->valuestring, "none") != 0)) != 0)
+        {
+            return -1;
+        }
+    }
+
     if (cfm) {
-        /* transformers: the last text block of the final message */
+        /*
+         * transformers (4.57 and 5): the final message's content, or its
+         * last text block, gets CONTINUE_FINAL_MESSAGE_TAG appended before
+         * the render; the prompt is cut where the tag lands
+         */
         const tj_val_t *last = &l.u.l->v[l.u.l->n - 1];
-        const tj_val_t *c = tj_dict_get(last->u.d, "content", 7);
-        *final = tj_str("", 0);
+        tj_val_t       *c = tj_dict_get(last->u.d, "content", 7);
+        tj_dict_t      *blk = NULL;
+        tj_val_t        t = tj_str("", 0);
+
         if (c && c->t == TJ_STR) {
-            *final = *c;
+            t = *c;
+            blk = last->u.d;
         } else if (c && c->t == TJ_LIST) {
             for (i = c->u.l->n; i-- > 0; ) {
-                const tj_val_t *t = c->u.l->v[i].t == TJ_DICT
+                const tj_val_t *x = c->u.l->v[i].t == TJ_DICT
                     ? tj_dict_get(c->u.l->v[i].u.d, "text", 4) : NULL;
-                if (t && t->t == TJ_STR) {
-                    *final = *t;
+                if (x && x->t == TJ_STR) {
+                    t = *x;
+                    blk = c->u.l->v[i].u.d;
                     break;
                 }
             }
-            if (i == (size_t) -1) {
-                tok_err(p->err, p->errlen, "continue_final_message is set but "
-                        "we could not find any text to continue in the final "
-                        "message!");
+        }
+        if (blk == NULL) {
+            tok_err(p->err, p->errlen, "continue_final_message is set but we "
+                    "could not find any text to continue in the final "
+                    "message!");
+            return -1;
+        }
+        *final = t;
+        {
+            tj_buf_t  b = { 0 };
+
+            b.a = &p->a;
+            if (tj_buf_add(&b, t.u.s, t.n) != 0
+                || tj_buf_add(&b, TOK_CFM_TAG " ", sizeof(TOK_CFM_TAG)) != 0)
+            {
+                return tok_prep_oom(p);
+            }
+            if (tok_set_k(p, blk, blk == last->u.d ? tj_k_content : tj_k_text,
+                          blk == last->u.d ? 7 : 4, tj_str(b.p, b.len)) != 0)
+            {
                 return -1;
             }
         }
@@ -1242,17 +1390,20 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in,
 
 
 /*
- * transformers' continue_final_message cut: loc = rendered.rindex(
- * final.strip()); keep up to loc + len(final.lstrip()) when the text there
- * is final itself, else up to loc + len(final.strip())
+ * transformers' continue_final_message cut (render_jinja_template(), 4.57
+ * and 5): the final text (s, without the tag) stripped, and the tag, must
+ * be in the prompt; it ends where the last tag starts, and loses its
+ * trailing whitespace (Python's str.rstrip()) when the template did not
+ * keep the tag's own space.
  */
 static int
 tok_continue_final(char *text, size_t *len, tj_val_t s, char *err,
     size_t errlen)
 {
-    size_t        a, b, i, loc;
-    const char   *found = NULL, *q;
-    uint32_t      cp;
+    static const char   tag[] = TOK_CFM_TAG " ";
+    size_t              a, b, i, loc;
+    const char         *found = NULL, *q;
+    uint32_t            cp;
 
     for (a = 0; a < s.n; a += i) {
         i = tj_utf8_next(s.u.s + a, s.n - a, &cp);
@@ -1270,18 +1421,16 @@ tok_continue_final(char *text, size_t *len, tj_val_t s, char *err,
             break;
         }
     }
-    if (b == a) {
-        found = text + *len;
-    } else {
-        for (q = text; (size_t) (text + *len - q) >= b - a; q++) {
-            q = memmem(q, (size_t) (text + *len - q), s.u.s + a, b - a);
-            if (q == NULL) {
-                break;
-            }
-            found = q;
+    for (q = text; (size_t) (text + *len - q) >= sizeof(tag) - 2; q++) {
+        q = memmem(q, (size_t) (text + *len - q), tag, sizeof(tag) - 2);
+        if (q == NULL) {
+            break;
         }
+        found = q;
     }
-    if (found == NULL) {
+    if (found == NULL
+        || (b > a && memmem(text, *len, s.u.s + a, b - a) == NULL))
+    {
         tok_err(err, errlen, "continue_final_message is set but the final "
                 "message does not appear in the chat after applying the chat "
                 "template! This can happen if the chat template deletes "
@@ -1291,10 +1440,21 @@ tok_continue_final(char *text, size_t *len, tj_val_t s, char *err,
         return -1;
     }
     loc = (size_t) (found - text);
-    if (a == 0 && loc + s.n <= *len && memcmp(found, s.u.s, s.n) == 0) {
-        loc += s.n;
-    } else {
-        loc += b - a;
+    if (!(loc + sizeof(tag) - 1 <= *len
+          && memcmp(found, tag, sizeof(tag) - 1) == 0))
+    {
+        /* rstrip(): back over the whitespace code points */
+        while (loc > 0) {
+            i = loc - 1;
+            while (i > 0 && ((unsigned char) text[i] & 0xC0) == 0x80) {
+                i--;
+            }
+            tj_utf8_next(text + i, loc - i, &cp);
+            if (!tj_py_space(cp)) {
+                break;
+            }
+            loc = i;
+        }
     }
     text[loc] = '\0';
     *len = loc;

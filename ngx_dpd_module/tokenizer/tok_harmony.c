@@ -19,6 +19,10 @@
  * tokens as single ids: the ids are built the same way, piece by piece,
  * and the rendered text is those pieces joined (for --render).
  *
+ * Checked against openai-harmony itself (0.0.8, vLLM's pin) by
+ * t/tokenizer/23-harmony-oracle.t through tools/python/harmony_oracle.py,
+ * which prepares requests as online_renderer.py 01063cd0 does.
+ *
  * Returns 0 (exact), 1 (a feature not reproduced exactly: err says which,
  * the caller estimates) or -1 (refused as vLLM refuses it: 400).
  */
@@ -641,14 +645,11 @@ th_tools(th_ctx_t *x, th_str_t *dev, const cJSON *tools)
             return -1;
         }
         desc = th_get(fn, "description");
-        if (desc == NULL || cJSON_IsNull(desc)) {
-            /* harmony's ToolDescription requires a str: vLLM versions
-             * differ in what they do then */
-            tok_err(x->err, x->errlen, "harmony: a tool without a "
-                    "description gets the estimate");
-            return TH_UNSUPPORTED;
-        }
-        if (!cJSON_IsString(desc)) {
+        /* a missing or null description is "": current vLLM's
+         * create_tool_definition passes `description or ""` (harmony's
+         * ToolDescription requires a str); harmony renders no comment
+         * line for it (proven by t/tokenizer/23-harmony-oracle.t) */
+        if (desc != NULL && !cJSON_IsNull(desc) && !cJSON_IsString(desc)) {
             tok_err(x->err, x->errlen, "tools: function.description: "
                     "expected a string");
             return -1;
@@ -663,7 +664,8 @@ th_tools(th_ctx_t *x, th_str_t *dev, const cJSON *tools)
         }
         /* joined with "\n": the namespace line ends in "\n" itself */
         first = 0;
-        th_comment_lines(dev, desc->valuestring, &first);
+        th_comment_lines(dev, cJSON_IsString(desc) ? desc->valuestring : "",
+                         &first);
         th_cs(dev, "\ntype ");
         th_cs(dev, name->valuestring);
         if (params != NULL && !cJSON_IsNull(params)) {
@@ -1319,14 +1321,9 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
             rc = -1;
             goto done;
         }
-        if (tools->child == NULL) {
-            tok_err(err, errlen, "harmony: an empty tools array gets the "
-                    "estimate");
-            rc = 1;
-            goto done;
-        }
         choice = cJSON_GetObjectItemCaseSensitive(req, "tool_choice");
-        if (cJSON_IsString(choice) && strcmp(choice->valuestring, "none") == 0)
+        if (tools->child != NULL && cJSON_IsString(choice)
+            && strcmp(choice->valuestring, "none") == 0)
         {
             /* vLLM's --exclude-tools-when-tool-choice-none decides */
             tok_err(err, errlen, "harmony: tools with tool_choice \"none\" "
@@ -1334,7 +1331,10 @@ tok_harmony_render(const dpd_tok_t *tok, const cJSON *in, int want_ids,
             rc = 1;
             goto done;
         }
-        has_tools = 1;
+        /* an empty array renders as none: build_harmony_preamble's
+         * `if developer_instructions or tools` and get_developer_message's
+         * `if function_tools` both skip it */
+        has_tools = (tools->child != NULL);
     }
 
     /* extract_instructions_from_messages: a leading system or developer

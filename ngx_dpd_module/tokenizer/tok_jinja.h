@@ -126,9 +126,21 @@ typedef struct {
     size_t      out_hint;       /* the output buffer's first size, or 0 */
 } tj_limits_t;
 
+/* a string made by +, ~ with room after it (tj_str_cat) */
+#define TJ_NGROW     4
+#define TJ_GROW_MIN  256        /* shorter results get no room */
+
+typedef struct {
+    char       *p;
+    size_t      n;              /* the longest value made in it so far */
+    size_t      cap;
+} tj_grow_t;
+
 typedef struct {
     tj_arena_t      arena;
     tj_buf_t       *out;        /* current sink */
+    tj_grow_t       grow[TJ_NGROW];
+    unsigned        grow_next;
     tj_frame_t     *frame;
     tj_frame_t     *top;        /* template level */
     const tj_dict_t *globals;   /* the caller's variables */

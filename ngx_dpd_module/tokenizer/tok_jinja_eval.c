@@ -646,16 +646,16 @@ tj_getattr_any(tj_ctx_t *c, tj_val_t obj, const char *n, size_t len,
 }
 
 
+/* the byte offset of code point idx, stepping as tj_utf8_count() counts */
 static size_t
 tj_cp_offset(const char *s, size_t n, int64_t idx)
 {
-    size_t  i = 0;
+    size_t    i = 0;
+    uint32_t  cp;
 
     while (idx > 0 && i < n) {
-        i++;
-        while (i < n && ((unsigned char) s[i] & 0xC0) == 0x80) {
-            i++;
-        }
+        i += ((unsigned char) s[i] < 0x80) ? 1 : tj_utf8_next(s + i, n - i,
+                                                              &cp);
         idx--;
     }
     return i;
@@ -1772,6 +1772,69 @@ tj_call_value(tj_ctx_t *c, tj_val_t f, tj_args_t *a, const tj_node_t *at)
 
 /* ---- arithmetic */
 
+/*
+ * a + b (and a ~ b) on strings.  A template that accumulates, as
+ * DeepSeek-V3's joins every system message into one namespace string
+ * (ns.system_prompt = ns.system_prompt + '\n\n' + content), copied the
+ * whole string at every step: quadratic allocation for a linear prompt
+ * (1000 system messages of 1 KB: about 500 MB for a 1 MB prompt), which
+ * the arena's bound refused while Jinja2 (vLLM) renders it.  So a result
+ * of TJ_GROW_MIN bytes or more gets room to grow (half its length again,
+ * within max_output) and is remembered; a later a + b whose a is exactly
+ * the longest value made in that buffer writes b into the room, in place.
+ * Every value that refers to the buffer is a prefix of it (or a slice of
+ * a prefix), and no byte of a prefix changes: strings stay immutable, and
+ * none relies on a NUL after its bytes.  A template that copies a large
+ * string again and again (not the one it grows), or doubles one, still
+ * meets max_memory and max_output.
+ */
+static tj_val_t
+tj_str_cat(tj_ctx_t *c, tj_val_t a, tj_val_t b, unsigned line)
+{
+    tj_grow_t  *g = NULL;
+    size_t      n = (size_t) a.n + b.n, cap;
+    unsigned    i;
+    char       *p;
+
+    if (n > c->lim.max_output) {
+        tj_fail(c, "chat template: line %u: string too large", line);
+    }
+    for (i = 0; i < TJ_NGROW; i++) {
+        if (c->grow[i].p != NULL && c->grow[i].p == a.u.s) {
+            g = &c->grow[i];
+            if (g->n == a.n && n < g->cap) {
+                /* b ends at or below a's end: never in the room */
+                tj_mcpy(g->p + a.n, b.u.s, b.n);
+                g->p[n] = '\0';
+                g->n = n;
+                return tj_str(g->p, n);
+            }
+            break;
+        }
+    }
+    cap = n + 1;
+    if (n >= TJ_GROW_MIN) {
+        cap += n / 2;
+        if (cap > c->lim.max_output + 1) {
+            cap = c->lim.max_output + 1;
+        }
+    }
+    p = tj_alloc(c, cap);
+    tj_mcpy(p, a.u.s, a.n);
+    tj_mcpy(p + a.n, b.u.s, b.n);
+    p[n] = '\0';
+    if (n >= TJ_GROW_MIN && cap > n + 1) {
+        if (g == NULL) {               /* a's own slot, else the oldest */
+            g = &c->grow[c->grow_next++ % TJ_NGROW];
+        }
+        g->p = p;
+        g->n = n;
+        g->cap = cap;
+    }
+    return tj_str(p, n);
+}
+
+
 static tj_val_t
 tj_binary(tj_ctx_t *c, int op, tj_val_t a, tj_val_t b, unsigned line)
 {
@@ -1780,16 +1843,16 @@ tj_binary(tj_ctx_t *c, int op, tj_val_t a, tj_val_t b, unsigned line)
     size_t   k;
 
     if (op == TO_ADD && a.t == TJ_STR && b.t == TJ_STR) {
-        char *p = tj_alloc(c, (size_t) a.n + b.n + 1);
-        tj_mcpy(p, a.u.s, a.n);
-        tj_mcpy(p + a.n, b.u.s, b.n);
-        p[a.n + b.n] = '\0';
-        return tj_str(p, a.n + b.n);
+        return tj_str_cat(c, a, b, line);
     }
     if (op == TO_ADD && a.t == TJ_LIST && b.t == TJ_LIST) {
         tj_val_t l = tj_new_list(c, a.u.l->n + b.u.l->n);
         tj_mcpy(l.u.l->v, a.u.l->v, a.u.l->n * sizeof(tj_val_t));
-        tj_mcpy(l.u.l->v + a.u.l->n, b.u.l->v, b.u.l->n * sizeof(tj_val_t));
+        if (b.u.l->n) {
+            /* two empty lists: v is NULL, and NULL + 0 is undefined */
+            tj_mcpy(l.u.l->v + a.u.l->n, b.u.l->v,
+                    b.u.l->n * sizeof(tj_val_t));
+        }
         l.u.l->n = a.u.l->n + b.u.l->n;
         l.u.l->tuple = a.u.l->tuple && b.u.l->tuple;
         return l;
@@ -2024,17 +2087,9 @@ tj_eval_more(tj_ctx_t *c, const tj_node_t *nd)
         }
     case TN_CONCAT: {
         tj_val_t sa, sb;
-        char *p;
         sa = tj_to_str(c, tj_eval(c, nd->a));
         sb = tj_to_str(c, tj_eval(c, nd->b));
-        if ((size_t) sa.n + sb.n > c->lim.max_output) {
-            tj_fail(c, "chat template: line %u: string too large", nd->line);
-        }
-        p = tj_alloc(c, (size_t) sa.n + sb.n + 1);
-        tj_mcpy(p, sa.u.s, sa.n);
-        tj_mcpy(p + sa.n, sb.u.s, sb.n);
-        p[sa.n + sb.n] = '\0';
-        return tj_str(p, sa.n + sb.n);
+        return tj_str_cat(c, sa, sb, nd->line);
     }
     case TN_COND:
         if (tj_truthy(tj_eval(c, nd->a))) {

@@ -1464,12 +1464,17 @@ tj_utf8_next(const char *s, size_t n, uint32_t *cp)
 size_t
 tj_utf8_count(const char *s, size_t n)
 {
-    size_t  i, c = 0;
+    size_t    i, c = 0;
+    uint32_t  cp;
 
-    for (i = 0; i < n; i++) {
-        if (((unsigned char) s[i] & 0xC0) != 0x80) {
-            c++;
-        }
+    /*
+     * the code points tj_utf8_next() steps over, one by one: in invalid
+     * UTF-8 a stray continuation byte is one (U+FFFD) too, so a count of
+     * lead bytes would size a list shorter than the string's iteration
+     */
+    for (i = 0; i < n; c++) {
+        i += ((unsigned char) s[i] < 0x80) ? 1 : tj_utf8_next(s + i, n - i,
+                                                              &cp);
     }
     return c;
 }

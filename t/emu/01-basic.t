@@ -110,7 +110,7 @@ my $msgs = [{role => 'system', content => 'be brief'},
                 'X-Request-Id' => 'rid-2');
 is $r->code, 200, 'chat 200';
 like $r->content,
-    qr/^\{"id":"chatcmpl-rid-2","object":"chat.completion","created":\d+,"model":"test-model","choices":\[\{"index":0,"message":\{"role":"assistant","reasoning_content":null,"content":"[^"]*","tool_calls":\[\]\},"logprobs":null,"finish_reason":"length","stop_reason":null\}\],"usage":\{"prompt_tokens":\d+,"total_tokens":\d+,"completion_tokens":3,"prompt_tokens_details":null\},"prompt_logprobs":null,"kv_transfer_params":null\}$/,
+    qr/^\{"id":"chatcmpl-rid-2","object":"chat.completion","created":\d+,"model":"test-model","choices":\[\{"index":0,"message":\{"role":"assistant","content":"[^"]*","reasoning":null\},"logprobs":null,"finish_reason":"length","stop_reason":null\}\],"usage":\{"prompt_tokens":\d+,"total_tokens":\d+,"completion_tokens":3,"prompt_tokens_details":null\},"prompt_logprobs":null,"kv_transfer_params":null\}$/,
     'chat body shaped (and ordered) as vLLM';
 like $d->{choices}[0]{message}{content}, qr/^( [a-z]+){3}$/, 'chat text';
 (undef, $d2) = post('/v1/chat/completions', {messages => $msgs, max_tokens => 3,

@@ -63,10 +63,11 @@ for my $b (@bad) {
     my $r = $e->post_json($path, $body);
     is $r->code, 400, "$name -> 400";
     my $d = eval { $J->decode($r->content) };
-    ok $d && $d->{object} eq 'error' && $d->{type} eq 'BadRequestError'
-        && $d->{code} == 400 && exists $d->{param},
+    my $e = $d && ref $d->{error} eq 'HASH' ? $d->{error} : undef;
+    ok $e && $e->{type} eq 'BadRequestError'
+        && $e->{code} == 400 && exists $e->{param},
         "$name: vLLM error shape" or diag $r->content;
-    like $d && $d->{message}, $rx, "$name: message";
+    like $e && $e->{message}, $rx, "$name: message";
 }
 
 # errors are recorded and counted; nothing is left running

@@ -23,7 +23,7 @@ sub is_error_body {
     my ($r, $code, $name) = @_;
     is $r->code, $code, "$name: status $code";
     my $d = eval { $J->decode($r->content) } || {};
-    ok $d->{object} eq 'error' && $d->{code} == $code, "$name: error JSON"
+    ok $d->{error} && $d->{error}{code} == $code, "$name: error JSON"
         or diag $r->content;
 }
 

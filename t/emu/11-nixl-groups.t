@@ -56,7 +56,7 @@ my ($r, $pr) = prefill($p, 'g1');
 is $r->code, 200, 'prefill 200';
 my $kv = $pr->{kv_transfer_params};
 like $r->content,
-    qr/"kv_transfer_params":\{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":\[\[[\d,]+\],\[\d+\],\[\d+\]\],"remote_engine_id":"[^"]+","remote_request_id":"cmpl-g1-0","remote_host":"127\.0\.0\.2","remote_port":\d+,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":101,"remote_blocks_expiry_time":null,"transfer_mode":"pull"\}\}$/,
+    qr/"kv_transfer_params":\{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":\[\[[\d,]+\],\[\d+\],\[\d+\]\],"remote_engine_id":"[^"]+","remote_request_id":"cmpl-g1-0","remote_host":"127\.0\.0\.2","remote_port":\d+,"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":101,"remote_blocks_expiry_time":null,"remote_registration_generation":0,"transfer_mode":"pull"\}\}$/,
     'fields named and ordered as vLLM request_finished';
 my $g = $kv->{remote_block_ids};
 is scalar @$g, 3, 'one block list per KV cache group';

@@ -55,6 +55,19 @@ my @bad = (
       . '"peers":[{"id":"b","ctrl":"127.0.0.1:2","keys":["'
       . ("ab" x 32) . '","' . ("cd" x 32) . '","' . ("ef" x 32) . '"]}]}',
       qr/peer b: at most 2 keys/, "three keys for one link" ],
+    # one key for two links: a node holding it could claim the other's id
+    [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+      . '"peers":[{"id":"b","ctrl":"127.0.0.1:2","key":"' . ("ab" x 32)
+      . '"},{"id":"c","ctrl":"127.0.0.1:3","key":"' . ("ab" x 32) . '"}]}',
+      qr/peers b and c share the key \w+: each link needs its own key (?#
+         )\(either node could claim to be the other\)/,
+      "one key for two peers" ],
+    [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
+      . '"peers":[{"id":"b","ctrl":"127.0.0.1:2","keys":["' . ("01" x 32)
+      . '","' . ("cd" x 32) . '"]},{"id":"c","ctrl":"127.0.0.1:3",'
+      . '"keys":["' . ("ef" x 32) . '","' . ("cd" x 32) . '"]}]}',
+      qr/peers b and c share the key \w+/,
+      "two peers' next keys equal" ],
     [ '{"node_id":"a","role":"router","listen":"127.0.0.1:1",'
       . '"peers":[{"id":"b","ctrl":"127.0.0.1:2","key_file":"'
       . "$dir/no-such.key" . '"}]}',
@@ -94,9 +107,14 @@ my @bad = (
 );
 for my $b (@bad) {
     write_file("$dir/bad.json", $b->[0]);
-    my $out = `$bin run --config $dir/bad.json 2>&1`;
+    chmod 0600, "$dir/bad.json";
+    # timeout: a config "run" wrongly accepts would run for ever
+    my $out = `timeout 10 $bin run --config $dir/bad.json 2>&1`;
     is($? >> 8, 2, "$b->[2]: exit status 2");
     like($out, $b->[1], "$b->[2]: message");
+    $out = `$bin check --config $dir/bad.json 2>&1`;
+    ok($? >> 8 != 0 && $out =~ $b->[1], "$b->[2]: check refuses it too")
+        or diag($out);
 }
 my $out = `$bin run --config $dir/missing.json 2>&1`;
 like($out, qr/missing\.json: No such file/, "missing config file named");

@@ -124,6 +124,7 @@ sub agent_config {
 
 # start_agent($cfg, wrap => [...], wait => 1, env => {K => V},
 #             keep_socket => 1 (the API socket file is not removed first),
+#             bin => path (another build's kv_agent than kv_bin()),
 #             pre_exec => sub { ... })   (pre_exec runs in the child, whose
 #                                         pid the agent keeps)
 sub start_agent {
@@ -157,7 +158,7 @@ sub start_agent {
         # KV_TEST_WRAP="valgrind --log-file=DIR/vg.%p ..." wraps every
         # agent a test starts (when it does not wrap it itself)
         my @wrap = @{ $o{wrap} // [split ' ', $ENV{KV_TEST_WRAP} // ""] };
-        my @cmd = (@wrap, kv_bin(), "run", "--config", $cfgfile);
+        my @cmd = (@wrap, $o{bin} // kv_bin(), "run", "--config", $cfgfile);
         exec @cmd or die "exec: $!";
     }
     my $a = { pid => $pid, name => $name, cfg => $cfg, log => $log,

@@ -124,6 +124,25 @@ is(slurp("$dir/est.txt"), ($c1 + $c2 + 2 * 4 + 3) . "\n",
 ($rc, $err) = run_cmd("$nocfg --ids --estimate < '$dir/est-chat.json'", 20);
 is($rc, 2, '--estimate needs --count (exit 2)');
 
+# invalid UTF-8 in a request (the module passes the body's bytes on): a
+# string iterated as a list has as many items as its length says (stray
+# continuation bytes are one U+FFFD each), and slicing agrees; the list
+# was sized by lead bytes and written past its end (found by
+# tok_fuzz_jinja)
+spew("$dir/iter.jinja", '{% set c = messages[0].content %}{{ c | length }} '
+     . '{{ c | list | length }} {% for x in c %}[{{ x }}]{% endfor %} {{ c[2:4] }}');
+spew("$dir/iter-chat.json", '{"messages":[{"role":"user","content":"a'
+     . ("\x8e" x 40) . "\xe4\xb8b\xf0\x9f\x98\x80\"}]}");
+{
+    my $out = `$lcli --template '$dir/iter.jinja' --render < '$dir/iter-chat.json' 2>&1`;
+    my ($len, $items) = $out =~ /^"?(\d+) (\d+) /;
+    my $loop = () = $out =~ /\[[^\]]*\]/g;
+    is($len, 44, 'invalid UTF-8: a stray continuation byte is one code point');
+    is($items, $len, 'invalid UTF-8: a string as a list has as many items as its length');
+    is($loop, $len, 'invalid UTF-8: a for loop over it as many turns');
+    like($out, qr/ \x8e\x8e"?\n?$/, 'invalid UTF-8: slicing steps the same way');
+}
+
 # --template FILE: a template that does not parse names its line
 spew("$dir/bad.jinja", "{% if messages %}\n{{ messages[0].content }}\n");
 ($rc, $err) = run_cmd("$lcli --template '$dir/bad.jinja' --count < '$dir/one-chat.json'", 20);
@@ -160,7 +179,9 @@ my @bad = (
     ['{"messages":[{"role":"user","content":"hi"}],"continue_final_message":true}',
      qr/Cannot set both `continue_final_message` and `add_generation_prompt`/],
     ['{"messages":[{"role":"assistant","content":"x","tool_calls":[{"id":"a"}]}]}',
-     qr/messages\[0\]\.tool_calls\[0\]\.function: expected an object/],
+     qr/messages\[0\]\.tool_calls\[0\]: chat completions only support assistant tool_calls of type 'function'/],
+    ['{"messages":[{"role":"assistant","content":"x","tool_calls":[{"type":"x","function":{"name":"f"}}]}]}',
+     qr/messages\[0\]\.tool_calls\[0\]: chat completions only support/],
 );
 for my $b (@bad) {
     my ($body, $re) = @$b;

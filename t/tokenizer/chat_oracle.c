@@ -1,14 +1,16 @@
 /*
  * Renders each chat request of a JSONL file (stdin) with the library as
  * the gateway does and prints one JSON object per line:
- *   {"text": PROMPT, "count": N} or {"error": MESSAGE}
- * (plus "note" when non-text parts were left out).
+ *   {"text": PROMPT, "count": N, "ids": [...]} or {"error": MESSAGE}
+ * (plus "note" when non-text parts were left out); the ids and the count
+ * are the prompt's without added special tokens, as the gateway counts.
  *   chat_oracle tokenizer.json tokenizer_config.json [template.jinja]
  */
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdint.h>
 #include <cjson/cJSON.h>
 
 #include "dpd_tokenizer.h"
@@ -22,7 +24,9 @@ main(int argc, char **argv)
     size_t        cap = 0, len;
     ssize_t       n;
     int           tmpl = DPD_CHAT_AUTO, rc;
-    cJSON        *req, *o;
+    cJSON        *req, *o, *a;
+    uint32_t     *ids;
+    long          nids, k;
 
     if (argc < 3) {
         fprintf(stderr, "usage: chat_oracle tokenizer.json config.json "
@@ -60,6 +64,20 @@ main(int argc, char **argv)
                 cJSON_AddNumberToObject(o, "count",
                                         (double) dpd_tok_count(tok, text, len,
                                                                0));
+                nids = dpd_tok_encode(tok, text, len, 0, NULL, 0);
+                ids = malloc(sizeof(uint32_t) * (size_t) (nids > 0 ? nids : 1));
+                a = cJSON_AddArrayToObject(o, "ids");
+                if (ids == NULL || nids < 0
+                    || dpd_tok_encode(tok, text, len, 0, ids, (size_t) nids)
+                       != nids)
+                {
+                    fprintf(stderr, "chat_oracle: encode failed\n");
+                    return 2;
+                }
+                for (k = 0; k < nids; k++) {
+                    cJSON_AddItemToArray(a, cJSON_CreateNumber(ids[k]));
+                }
+                free(ids);
                 if (rc == 2) {
                     cJSON_AddStringToObject(o, "note", err);
                 }

@@ -1,10 +1,13 @@
 // Reference chat rendering: @huggingface/jinja runs a model's chat template
 // on each chat request of a JSONL file, after the preparation vLLM does
-// (vllm/entrypoints/chat_utils.py: text parts joined with "\n" or, when
-// the template loops over content, kept as parts; tool call arguments
-// parsed, "" or invalid -> {}; tools as model_dump(); documents,
-// add_generation_prompt, continue_final_message, the special tokens,
-// chat_template_kwargs).  The second, independent oracle beside
+// (vllm/renderers/chat_utils/ at be90fe165bb8: text parts joined with
+// "\n", empty ones left out, or, when the template loops over content, kept
+// as parts; the Claude Code billing header line dropped from system text;
+// tool call arguments parsed, whatever is then no object -> {}; protocol.py
+// at 002032ee2b18: reasoning_content as reasoning; tools as model_dump();
+// the special tokens, chat_template_kwargs, then the request's
+// add_generation_prompt, documents, reasoning_effort over them;
+// continue_final_message cut as transformers 4.57 cuts it).  The second, independent oracle beside
 // jinja-render.py (Python's Jinja2, what vLLM runs).
 //   node jinja-render.js TEMPLATE_SOURCE [tokenizer_config.json] < requests.jsonl
 // TEMPLATE_SOURCE is a tokenizer_config.json (its chat_template and special
@@ -115,16 +118,32 @@ const TEXT = { text: 'text', input_text: 'text', output_text: 'text', refusal: '
 const MEDIA = ['image_url', 'input_image', 'image_embeds', 'audio_url', 'input_audio',
                'audio_embeds', 'video_url', 'image_pil'];
 
+const BILLING = 'x-anthropic-billing-header';
+
+function stripBilling(content) {
+    const out = [];
+    for (const p of content) {
+        const t = typeof p === 'string' ? p
+            : p && typeof p === 'object' && p.type === 'text' ? p.text : null;
+        if (!(typeof t === 'string' && t.startsWith(BILLING))) { out.push(p); continue; }
+        const nl = t.indexOf('\n');
+        const rest = nl < 0 ? '' : t.slice(nl + 1);
+        if (rest) out.push(typeof p === 'string' ? rest : Object.assign({}, p, { text: rest }));
+    }
+    return out;
+}
+
 function prepareMessage(m, fmt) {
     let content = m.content;
     if (content === null || content === undefined) content = [];
     else if (typeof content === 'string') content = [{ type: 'text', text: content }];
+    if (m.role === 'system') content = stripBilling(content);
     const texts = [];
     for (const p of content) {
-        if (typeof p === 'string') { texts.push(p); continue; }
+        if (typeof p === 'string') { if (p || fmt === 'openai') texts.push(p); continue; }
         if (TEXT[p.type]) {
             const x = p[TEXT[p.type]];
-            if (x !== null && x !== undefined) texts.push(x);
+            if (x !== null && x !== undefined && (x || fmt === 'openai')) texts.push(x);
         } else if (!MEDIA.includes(p.type) && p.type !== undefined) {
             throw new Error(`Unsupported chat content part type: '${p.type}'`);
         }
@@ -134,12 +153,17 @@ function prepareMessage(m, fmt) {
     if (m.role === 'assistant') {
         if (Array.isArray(m.tool_calls) && m.tool_calls.length) {
             o.tool_calls = m.tool_calls.map((c) => {
+                if (!c || typeof c !== 'object' || Array.isArray(c))
+                    throw new Error('assistant tool_calls entries must be objects.');
+                if ((c.type !== undefined && c.type !== 'function') || !c.function
+                    || typeof c.function !== 'object' || Array.isArray(c.function))
+                    throw new Error("chat completions only support assistant tool_calls of type 'function'.");
                 const f = Object.assign({}, c.function);
-                if (typeof f.arguments === 'string') {
-                    try { f.arguments = JSON.parse(f.arguments); } catch (e) { f.arguments = {}; }
-                } else if (typeof f.arguments !== 'object' || f.arguments === null) {
-                    f.arguments = {};
+                let a = f.arguments;
+                if (a && typeof a === 'string') {
+                    try { a = JSON.parse(a); } catch (e) { a = null; }
                 }
+                f.arguments = a && typeof a === 'object' && !Array.isArray(a) ? a : {};
                 return Object.assign({}, c, { function: f });
             });
         }
@@ -172,19 +196,28 @@ function strip(s, f) {
     return f === 'l' ? s.slice(a) : f === 'r' ? s.slice(0, b) : s.slice(a, b);
 }
 
-function continueFinal(text, msgs) {
-    let fin = msgs[msgs.length - 1].content;
-    if (Array.isArray(fin)) {
-        const t = [...fin].reverse().find((b) => 'text' in b);
+// transformers 4.57: the tag after the final text (its last text block)
+const TAG = 'CONTINUE_FINAL_MESSAGE_TAG ';
+
+function tagFinal(msgs) {
+    const last = msgs[msgs.length - 1];
+    if (Array.isArray(last.content)) {
+        const t = [...last.content].reverse().find((b) => 'text' in b);
         if (!t) throw new Error('continue_final_message is set but we could not find any text to continue in the final message!');
-        fin = t.text;
+        const fin = t.text;
+        t.text = fin + TAG;
+        return fin;
     }
-    const st = strip(fin);
-    const loc = text.lastIndexOf(st);
-    if (loc < 0) throw new Error('continue_final_message is set but the final message does not appear in the chat after applying the chat template! This can happen if the chat template deletes portions of the final message. Please verify the chat template and final message in your chat to ensure they are compatible.');
-    const ls = strip(fin, 'l');
-    if (text.slice(loc, loc + ls.length) === fin) return text.slice(0, loc + ls.length);
-    return text.slice(0, loc + st.length);
+    const fin = last.content;
+    last.content = fin + TAG;
+    return fin;
+}
+
+function continueFinal(text, fin) {
+    if (!text.includes(strip(fin)) || !text.includes(TAG.trim())) throw new Error('continue_final_message is set but the final message does not appear in the chat after applying the chat template! This can happen if the chat template deletes portions of the final message. Please verify the chat template and final message in your chat to ensure they are compatible.');
+    const loc = text.lastIndexOf(TAG.trim());
+    if (text.slice(loc, loc + TAG.length) === TAG) return text.slice(0, loc);
+    return strip(text.slice(0, loc), 'r');
 }
 
 function specials(cfg) {
@@ -210,18 +243,36 @@ const out = lines.map((l) => {
     let req = JSON.parse(l);
     if (Array.isArray(req)) req = { messages: req };
     try {
+        for (const m of req.messages) {
+            if (!m || typeof m !== 'object') continue;
+            const rc = m.reasoning_content;
+            delete m.reasoning_content;
+            if (rc !== undefined && rc !== null && (m.reasoning === undefined || m.reasoning === null))
+                m.reasoning = rc;
+        }
         const messages = req.messages.map((m) => prepareMessage(m, fmt));
         const agp = req.add_generation_prompt === undefined ? true : req.add_generation_prompt;
         const cfm = !!req.continue_final_message;
         if (agp && cfm) throw new Error('Cannot set both `continue_final_message` and `add_generation_prompt` to True.');
+        const user = req.chat_template_kwargs || {};
         const vars = Object.assign({}, specials(cfg), {
-            add_generation_prompt: agp, continue_final_message: cfm,
-            tools: req.tools ? req.tools.map(dumpTool) : null,
-            documents: req.documents === undefined ? null : req.documents,
-        }, req.chat_template_kwargs || {});
+            tools: req.tools ? req.tools.map(dumpTool) : null, documents: null,
+        });
+        for (const k of Object.keys(user)) {
+            const v = user[k];
+            if (k === 'messages' || k === 'continue_final_message' || v === null || v === 'auto') continue;
+            vars[k] = v;
+        }
+        vars.add_generation_prompt = agp;
+        if (req.documents !== undefined && req.documents !== null) vars.documents = req.documents;
+        if (typeof req.reasoning_effort === 'string') {
+            vars.reasoning_effort = req.reasoning_effort;
+            if (!('enable_thinking' in user)) vars.enable_thinking = req.reasoning_effort !== 'none';
+        }
         vars.messages = messages;
+        const fin = cfm ? tagFinal(messages) : null;
         let text = tmpl.render(vars);
-        if (vars.continue_final_message) text = continueFinal(text, messages);
+        if (cfm) text = continueFinal(text, fin);
         return JSON.stringify({ text });
     } catch (e) {
         return JSON.stringify({ error: String(e.message || e) });

@@ -4,9 +4,14 @@ apply_chat_template sets it up (ImmutableSandboxedEnvironment,
 trim_blocks, lstrip_blocks, loopcontrols, the generation tag, tojson as
 json.dumps(ensure_ascii=False), raise_exception, strftime_now), on
 requests prepared as vLLM's OpenAI server prepares them
-(vllm/entrypoints/chat_utils.py: content parts, the content format,
-tool call arguments; serving_chat: tools as model_dump(), documents,
-add_generation_prompt, continue_final_message, chat_template_kwargs).
+(vllm/renderers/chat_utils/parse_chat_message_content.py and
+parse_chat_message.py at be90fe165bb8: content parts, the content format,
+the Claude Code billing header, tool call arguments;
+vllm/entrypoints/openai/chat_completion/protocol.py at 002032ee2b18:
+reasoning_content, the request's add_generation_prompt,
+continue_final_message, documents and reasoning_effort over
+chat_template_kwargs; tools as model_dump()), continue_final_message cut
+as transformers 4.57 cuts it (the tag appended to the final text).
 
     jinja-render.py TEMPLATE_SOURCE < requests.jsonl > out.jsonl
 
@@ -122,6 +127,23 @@ MEDIA = {"image_url", "input_image", "image_embeds", "audio_url", "input_audio",
          "audio_embeds", "video_url", "image_pil"}
 
 
+BILLING = "x-anthropic-billing-header"
+
+
+def strip_billing(content):
+    out = []
+    for p in content:
+        t = p if isinstance(p, str) else p.get("text") \
+            if isinstance(p, dict) and p.get("type") == "text" else None
+        if not (isinstance(t, str) and t.startswith(BILLING)):
+            out.append(p)
+            continue
+        rest = t.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(p, str) else {**p, "text": rest})
+    return out
+
+
 def prepare_message(m, fmt):
     role = m["role"]
     content = m.get("content")
@@ -129,15 +151,19 @@ def prepare_message(m, fmt):
         content = []
     elif isinstance(content, str):
         content = [{"type": "text", "text": content}]
+    if role == "system":
+        content = strip_billing(content)
     parts = []
     for p in content:
         if isinstance(p, str):
-            parts.append(p)
+            if p or fmt == "openai":
+                parts.append(p)
             continue
         t = p.get("type")
         if t in TEXT_FIELDS:
             x = p.get(TEXT_FIELDS[t])
-            if x is not None:
+            # a falsy part is not appended (the string format)
+            if x is not None and (x or fmt == "openai"):
                 parts.append(x)
         elif t in MEDIA or t is None:
             pass            # not counted by the gateway (a text-only model)
@@ -177,14 +203,19 @@ def postprocess(msgs):
                 m.pop("tool_calls")
                 continue
             for c in calls:
-                a = c["function"].get("arguments")
-                if isinstance(a, str):
+                if not isinstance(c, dict):
+                    raise ValueError("assistant tool_calls entries must be objects.")
+                fn = c.get("function")
+                if c.get("type", "function") != "function" or not isinstance(fn, dict):
+                    raise ValueError("chat completions only support assistant "
+                                     "tool_calls of type 'function'.")
+                a = fn.get("arguments")
+                if a and isinstance(a, str):
                     try:
-                        c["function"]["arguments"] = json.loads(a)
+                        a = json.loads(a)
                     except json.JSONDecodeError:
-                        c["function"]["arguments"] = {}
-                elif not isinstance(a, (dict, list)):
-                    c["function"]["arguments"] = {}
+                        a = None
+                fn["arguments"] = a if isinstance(a, dict) else {}
 
 
 def dump_tool(t):
@@ -201,27 +232,37 @@ def dump_tool(t):
     return out
 
 
-def continue_final(rendered, chat):
+TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tag_final(chat):
+    """transformers 4.57's render_jinja_template: the tag after the final
+    message's text (its last text block); returns that text"""
     final = chat[-1]["content"]
     if isinstance(final, (list, tuple)):
         for block in reversed(final):
             if "text" in block:
                 final = block["text"]
-                break
-        else:
-            raise ValueError("continue_final_message is set but we could not "
-                             "find any text to continue in the final message!")
-    if final.strip() not in rendered:
+                block["text"] = final + TAG
+                return final
+        raise ValueError("continue_final_message is set but we could not "
+                         "find any text to continue in the final message!")
+    chat[-1]["content"] = final + TAG
+    return final
+
+
+def continue_final(rendered, final):
+    if final.strip() not in rendered or TAG.strip() not in rendered:
         raise ValueError("continue_final_message is set but the final message "
                          "does not appear in the chat after applying the chat "
                          "template! This can happen if the chat template "
                          "deletes portions of the final message. Please verify "
                          "the chat template and final message in your chat to "
                          "ensure they are compatible.")
-    loc = rendered.rindex(final.strip())
-    if rendered[loc:loc + len(final.lstrip())] == final:
-        return rendered[:loc + len(final.lstrip())]
-    return rendered[:loc + len(final.strip())]
+    loc = rendered.rindex(TAG.strip())
+    if rendered[loc:loc + len(TAG)] == TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()
 
 
 def special_tokens(cfg):
@@ -243,6 +284,12 @@ def special_tokens(cfg):
 def render(env, tmpl, fmt, specials, req):
     if isinstance(req, list):
         req = {"messages": req}
+    req = json.loads(json.dumps(req))
+    for m in req["messages"]:
+        # the deprecated name, renamed when the request is parsed
+        rc = m.pop("reasoning_content", None) if isinstance(m, dict) else None
+        if rc is not None and m.get("reasoning") is None:
+            m["reasoning"] = rc
     msgs = [prepare_message(m, fmt) for m in req["messages"]]
     postprocess(msgs)
     agp = req.get("add_generation_prompt", True)
@@ -250,18 +297,27 @@ def render(env, tmpl, fmt, specials, req):
     if agp and cfm:
         raise ValueError("Cannot set both `continue_final_message` and "
                          "`add_generation_prompt` to True.")
-    kw = dict(add_generation_prompt=agp, continue_final_message=cfm,
-              tools=None if req.get("tools") is None
-              else [dump_tool(t) for t in req["tools"]],
-              documents=req.get("documents"))
-    kw.update({k: v for k, v in (req.get("chat_template_kwargs") or {}).items()
-               if k != "messages"})
+    user = req.get("chat_template_kwargs") or {}
+    effort = req.get("reasoning_effort")
+    extra = dict(add_generation_prompt=agp, documents=req.get("documents"),
+                 reasoning_effort=effort)
+    if effort is not None and "enable_thinking" not in user:
+        extra["enable_thinking"] = effort != "none"
+    # merge_kwargs(): None and "auto" override nothing; the request over
+    # the kwargs over the tools; continue_final_message is
+    # apply_chat_template's own argument, no template variable
+    kw = dict(tools=None if req.get("tools") is None
+              else [dump_tool(t) for t in req["tools"]], documents=None)
+    kw.update({k: v for k, v in user.items()
+               if k not in ("messages", "continue_final_message")
+               and v is not None and v != "auto"})
+    kw.update({k: v for k, v in extra.items() if v is not None})
     variables = dict(specials)
     variables.update(kw)
-    text = tmpl.render(messages=msgs, **{k: v for k, v in variables.items()
-                                         if k != "messages"})
-    if variables.get("continue_final_message"):
-        text = continue_final(text, msgs)
+    final = tag_final(msgs) if cfm else None
+    text = tmpl.render(messages=msgs, **variables)
+    if cfm:
+        text = continue_final(text, final)
     return text
 
 

@@ -119,6 +119,11 @@ sub start {
         push @cmd, '--kv-agent-socket',
                    ref $ka ? $ka->socket_path : $ka;
     }
+    # prefix caching (on in vLLM v1 and in the emulator) only when a test
+    # asks for it: the protocol tests expect a prompt seen before to be
+    # recomputed when its transfer fails
+    push @cmd, $o{prefix_caching} ? '--enable-prefix-caching'
+                                  : '--no-enable-prefix-caching';
     push @cmd, '-v' if $o{verbose} || $ENV{DPD_EMU_VERBOSE};
     push @cmd, @{ $o{args} || [] };
 
@@ -544,6 +549,11 @@ or if it exits), and returns an instance object.  Options:
   time_scale prefill_tps decode_step_ms max_num_batched_tokens max_num_seqs
   kv_blocks block_size chat_template kv_hold_timeout default_max_tokens
   max_model_len engine_id     the emulator flags of the same name
+  prefix_caching  true: --enable-prefix-caching (vLLM's and the
+              emulator's default); without it tests run the emulator with
+              --no-enable-prefix-caching, so a prompt seen before is only
+              reused through a transfer
+  python      the interpreter (default python3; the venv's for pyzmq)
   args        array ref of extra raw flags, e.g. ['--fail-status', 503]
   verbose     one log line per HTTP request in the log (also with
               $DPD_EMU_VERBOSE=1)

@@ -1,0 +1,26 @@
+/*
+ * prefix_events.h - the KV-events sink that feeds the prefix index
+ * (prefix_events.c).
+ */
+
+#ifndef KV_PREFIX_EVENTS_H
+#define KV_PREFIX_EVENTS_H
+
+#include "kv_events.h"
+#include "prefix_index.h"
+
+#define KV_PFX_FEED_MAX_BLOCKS  KV_EV_MAX_BLOCKS
+
+typedef struct {
+    kv_pfx_t  *ix;
+    int        node_of[KV_EVS_MAX_SOURCES];  /* source -> index node */
+    uint64_t  *ids;                          /* KV_PFX_FEED_MAX_BLOCKS */
+    uint64_t   unkeyable;   /* blocks whose keys we cannot reproduce */
+} kv_pfx_feed_t;
+
+/* Index nodes for every source of c; sink set to feed ix.  0 / -1. */
+int  kv_pfx_feed_init(kv_pfx_feed_t *f, kv_pfx_t *ix, const kv_evs_conf_t *c,
+    kv_ev_sink_t *sink);
+void kv_pfx_feed_free(kv_pfx_feed_t *f);
+
+#endif /* KV_PREFIX_EVENTS_H */

@@ -1,0 +1,670 @@
+/*
+ * prefix_index.c - the single writer of the KV-events prefix index
+ * (dpd_prefix_index.h; see prefix_index.h for what feeds it).
+ *
+ * The file: created once at start (temporary name, O_EXCL, rename), then
+ * written in place under the per-record seqlocks; nginx workers pread()
+ * it and never map it.  The agent keeps its own map from (node, engine
+ * block id) to the gateway key in process memory: readers never need it.
+ *
+ * Slots: open addressing, home = key & (nslots - 1), at most max_probe
+ * slots probed.  Key 0 ends a probe, so a slot's key is never reset to 0;
+ * a slot whose masks are both 0 is a tombstone, reused for the same key
+ * or, when a key is inserted and no earlier slot of its probe holds it,
+ * for another one (a reader probing for the old key then misses, which
+ * is what a tombstone means anyway).
+ *
+ * Duplicates: vLLM may hold two physical blocks with the same content on
+ * one node; the map has one entry per engine id, the slot one bit per
+ * node, so removing one of the two clears the bit while the other still
+ * lives.  That costs a missed hit (a recompute), never a wrong answer.
+ */
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kv.h"
+#include "dpd_prefix.h"
+#include "prefix_index.h"
+
+#define PFX_PROBE      32              /* slots probed per key */
+#define PFX_MAP_EMPTY  0
+#define PFX_MAP_USED   1
+#define PFX_MAP_TOMB   2
+
+typedef struct {
+    uint64_t  eid;                     /* engine block id */
+    uint64_t  key;                     /* gateway key */
+    uint16_t  node;
+    uint8_t   state;                   /* PFX_MAP_* */
+    uint8_t   lower;                   /* stored in a lower tier */
+    uint32_t  pad;
+} pfx_map_ent_t;
+
+typedef struct {
+    uint64_t  seed;                    /* dpd_prefix_seed(model, "") */
+    char      model[128];
+    size_t    model_len;
+    uint64_t  gpu_blocks;
+    uint64_t  lower_blocks;
+} pfx_node_t;
+
+struct kv_pfx {
+    char               path[KV_PATH_LEN];
+    void              *map;            /* the file */
+    size_t             size;
+    dpd_pfx_header_t  *hdr;
+    dpd_pfx_node_t    *nodes;
+    dpd_pfx_slot_t    *slots;
+    uint64_t           smask;          /* nslots - 1 */
+    uint32_t           nnodes;
+    pfx_node_t         node[DPD_PFX_MAX_NODES];
+
+    pfx_map_ent_t     *ents;           /* the id map */
+    uint64_t           emask;          /* table size - 1 */
+    uint64_t           cap;            /* live entries allowed */
+    uint64_t           live;
+    uint64_t           tombs;
+
+    kv_pfx_stats_t     st;
+    kv_loglim_t        lim;
+};
+
+
+/* ---- seqlock (the state table's discipline) ------------------------- */
+
+static void
+seq_begin(uint32_t *seq)
+{
+    __atomic_store_n(seq, *seq + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+
+static void
+seq_end(uint32_t *seq)
+{
+    __atomic_store_n(seq, *seq + 1, __ATOMIC_RELEASE);
+}
+
+
+uint64_t
+kv_pfx_bytes_id(const void *p, size_t n)
+{
+    uint64_t  h;
+
+    h = dpd_prefix_hash_str(p, n);
+    return h ? h : 1;
+}
+
+
+/* ---- the id map ------------------------------------------------------- */
+
+static uint64_t
+map_home(uint64_t eid, uint16_t node, int lower)
+{
+    return dpd_prefix_fmix(eid ^ ((uint64_t) node << 56) ^ node
+                           ^ ((uint64_t) !!lower << 48));
+}
+
+
+static pfx_map_ent_t *
+map_find(kv_pfx_t *x, int node, uint64_t eid, int lower)
+{
+    uint64_t        i, n;
+    pfx_map_ent_t  *e;
+
+    i = map_home(eid, (uint16_t) node, lower);
+    for (n = 0; n <= x->emask; n++, i++) {
+        e = &x->ents[i & x->emask];
+        if (e->state == PFX_MAP_EMPTY) {
+            return NULL;
+        }
+        if (e->state == PFX_MAP_USED && e->eid == eid && e->node == node
+            && e->lower == !!lower)
+        {
+            return e;
+        }
+    }
+    return NULL;
+}
+
+
+/* Rebuilds the table without tombstones (they only lengthen probes). */
+static void
+map_rehash(kv_pfx_t *x)
+{
+    uint64_t        i, j, size;
+    pfx_map_ent_t  *old, *e;
+
+    size = x->emask + 1;
+    old = malloc(size * sizeof(*old));
+    if (old == NULL) {
+        return;                        /* keep the tombstones */
+    }
+    memcpy(old, x->ents, size * sizeof(*old));
+    memset(x->ents, 0, size * sizeof(*old));
+    for (i = 0; i < size; i++) {
+        if (old[i].state != PFX_MAP_USED) {
+            continue;
+        }
+        j = map_home(old[i].eid, old[i].node, old[i].lower);
+        for (;; j++) {
+            e = &x->ents[j & x->emask];
+            if (e->state == PFX_MAP_EMPTY) {
+                *e = old[i];
+                break;
+            }
+        }
+    }
+    free(old);
+    x->tombs = 0;
+}
+
+
+/*
+ * The entry for (node, eid, tier), made when absent; NULL: the map is
+ * full.  The tier is part of the name: a block offloaded to CPU keeps
+ * its GPU copy's hash, and both live until each is removed.
+ */
+static pfx_map_ent_t *
+map_put(kv_pfx_t *x, int node, uint64_t eid, int lower)
+{
+    uint64_t        i, n;
+    pfx_map_ent_t  *e, *tomb;
+
+    e = map_find(x, node, eid, lower);
+    if (e != NULL) {
+        return e;
+    }
+    if (x->live >= x->cap) {
+        return NULL;
+    }
+    if (x->tombs > (x->emask + 1) / 4) {
+        map_rehash(x);
+    }
+    tomb = NULL;
+    i = map_home(eid, (uint16_t) node, lower);
+    for (n = 0; n <= x->emask; n++, i++) {
+        e = &x->ents[i & x->emask];
+        if (e->state == PFX_MAP_TOMB && tomb == NULL) {
+            tomb = e;
+        } else if (e->state == PFX_MAP_EMPTY) {
+            break;
+        }
+    }
+    if (tomb != NULL) {
+        e = tomb;
+        x->tombs--;
+    }
+    memset(e, 0, sizeof(*e));
+    e->state = PFX_MAP_USED;
+    e->eid = eid;
+    e->node = (uint16_t) node;
+    e->lower = !!lower;
+    x->live++;
+    return e;
+}
+
+
+static void
+map_del(kv_pfx_t *x, pfx_map_ent_t *e)
+{
+    e->state = PFX_MAP_TOMB;
+    x->live--;
+    x->tombs++;
+}
+
+
+/* ---- slots ------------------------------------------------------------ */
+
+/*
+ * Sets (on) or clears node bit "bit" of key's slot, in the GPU or the
+ * lower-tier mask.  0, or -1 when setting found no slot in the probe.
+ */
+static int
+slot_update(kv_pfx_t *x, uint64_t key, uint64_t bit, int lower, int on)
+{
+    uint64_t         p, free_i;
+    int              have_free;
+    dpd_pfx_slot_t  *s;
+
+    have_free = 0;
+    free_i = 0;
+
+    for (p = 0; p < x->hdr->max_probe; p++) {
+        s = &x->slots[(key + p) & x->smask];
+        if (s->key == key) {
+            goto found;
+        }
+        if (s->key == 0) {
+            if (!have_free) {
+                have_free = 1;
+                free_i = (key + p) & x->smask;
+            }
+            break;
+        }
+        if (!have_free && s->gpu_mask == 0 && s->lower_mask == 0) {
+            have_free = 1;
+            free_i = (key + p) & x->smask;
+        }
+    }
+    if (!on) {
+        return 0;                      /* not there: nothing to clear */
+    }
+    if (!have_free) {
+        return -1;
+    }
+    s = &x->slots[free_i];
+    seq_begin(&s->seq);
+    s->key = key;
+    s->gpu_mask = lower ? 0 : bit;
+    s->lower_mask = lower ? bit : 0;
+    seq_end(&s->seq);
+    return 0;
+
+found:
+    seq_begin(&s->seq);
+    if (lower) {
+        s->lower_mask = on ? (s->lower_mask | bit) : (s->lower_mask & ~bit);
+    } else {
+        s->gpu_mask = on ? (s->gpu_mask | bit) : (s->gpu_mask & ~bit);
+    }
+    seq_end(&s->seq);
+    return 0;
+}
+
+
+static void
+node_publish(kv_pfx_t *x, int node)
+{
+    dpd_pfx_node_t  *r;
+
+    r = &x->nodes[node];
+    seq_begin(&r->seq);
+    r->blocks = x->node[node].gpu_blocks;
+    r->lower_blocks = x->node[node].lower_blocks;
+    r->updated_ms = kv_wall_ms();
+    seq_end(&r->seq);
+    x->hdr->updated_ms = r->updated_ms;
+}
+
+
+/* ---- the file --------------------------------------------------------- */
+
+kv_pfx_t *
+kv_pfx_open(const char *path, uint64_t nslots, uint32_t max_nodes,
+    uint32_t block_size, uint64_t map_cap)
+{
+    int                fd, tries;
+    char               tmp[KV_PATH_LEN + 32];
+    void              *m;
+    uint64_t           rnd, size, nodes_off, slots_off, esize;
+    kv_pfx_t          *x;
+    dpd_pfx_header_t  *h;
+
+    if (nslots == 0 || (nslots & (nslots - 1)) != 0
+        || nslots > (UINT64_C(1) << 30)
+        || max_nodes == 0 || max_nodes > DPD_PFX_MAX_NODES
+        || block_size == 0 || block_size > DPD_PREFIX_MAX_BLOCK
+        || map_cap == 0 || map_cap > (UINT64_C(1) << 30)
+        || strlen(path) >= KV_PATH_LEN)
+    {
+        kv_err("prefix index: bad parameters (%llu slots, %u nodes, block "
+               "%u, map %llu)", (unsigned long long) nslots, max_nodes,
+               block_size, (unsigned long long) map_cap);
+        return NULL;
+    }
+
+    x = calloc(1, sizeof(*x));
+    if (x == NULL) {
+        return NULL;
+    }
+    for (esize = 2; esize < map_cap * 2; esize <<= 1) { /* load <= 1/2 */ }
+    x->ents = calloc(esize, sizeof(pfx_map_ent_t));
+    if (x->ents == NULL) {
+        kv_err("prefix index: cannot allocate the id map (%llu entries)",
+               (unsigned long long) esize);
+        free(x);
+        return NULL;
+    }
+    x->emask = esize - 1;
+    x->cap = map_cap;
+    snprintf(x->path, sizeof(x->path), "%s", path);
+
+    nodes_off = sizeof(dpd_pfx_header_t);
+    slots_off = nodes_off + (uint64_t) max_nodes * sizeof(dpd_pfx_node_t);
+    size = slots_off + nslots * sizeof(dpd_pfx_slot_t);
+
+    for (tries = 0; ; tries++) {
+        if (getrandom(&rnd, sizeof(rnd), 0) != sizeof(rnd)) {
+            rnd = kv_wall_ms() ^ ((uint64_t) getpid() << 40) ^ tries;
+        }
+        snprintf(tmp, sizeof(tmp), "%s.tmp.%016llx", path,
+                 (unsigned long long) rnd);
+        fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                  0644);
+        if (fd >= 0 || errno != EEXIST || tries >= 8) {
+            break;
+        }
+    }
+    if (fd < 0) {
+        kv_err("prefix index: cannot create %s: %s", tmp, strerror(errno));
+        goto fail;
+    }
+    if (fchmod(fd, 0644) != 0 || ftruncate(fd, size) != 0) {
+        kv_err("prefix index: cannot size %s: %s", tmp, strerror(errno));
+        goto fail_fd;
+    }
+    m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        kv_err("prefix index: cannot map %s: %s", tmp, strerror(errno));
+        goto fail_fd;
+    }
+    h = m;
+    h->version = DPD_PFX_VERSION;
+    h->header_size = sizeof(dpd_pfx_header_t);
+    h->node_size = sizeof(dpd_pfx_node_t);
+    h->slot_size = sizeof(dpd_pfx_slot_t);
+    h->max_nodes = max_nodes;
+    h->max_probe = PFX_PROBE;
+    h->nslots = nslots;
+    h->nodes_off = nodes_off;
+    h->slots_off = slots_off;
+    h->file_size = size;
+    if (getrandom(&h->generation, sizeof(h->generation), 0)
+        != sizeof(h->generation))
+    {
+        h->generation = kv_wall_ms() ^ ((uint64_t) getpid() << 32) ^ rnd;
+    }
+    h->key_version = DPD_PFX_KEY_VERSION;
+    h->block_size = block_size;
+    h->writer_pid = (uint32_t) getpid();
+    h->writer_alive = 1;
+    h->updated_ms = kv_wall_ms();
+    /* magic last: a reader of the temporary file never sees a valid
+     * header over unset fields */
+    __atomic_store_n(&h->magic, DPD_PFX_MAGIC, __ATOMIC_RELEASE);
+    if (rename(tmp, path) != 0) {
+        kv_err("prefix index: cannot install %s: %s", path, strerror(errno));
+        munmap(m, size);
+        goto fail_fd;
+    }
+    close(fd);
+
+    x->map = m;
+    x->size = size;
+    x->hdr = h;
+    x->nodes = (dpd_pfx_node_t *) ((char *) m + nodes_off);
+    x->slots = (dpd_pfx_slot_t *) ((char *) m + slots_off);
+    x->smask = nslots - 1;
+    kv_info("prefix index: %s ready (%llu slots, %u nodes, block %u, "
+            "%llu bytes, id map %llu)", path, (unsigned long long) nslots,
+            max_nodes, block_size, (unsigned long long) size,
+            (unsigned long long) map_cap);
+    return x;
+
+fail_fd:
+    close(fd);
+    unlink(tmp);
+fail:
+    free(x->ents);
+    free(x);
+    return NULL;
+}
+
+
+void
+kv_pfx_close(kv_pfx_t *x, int clean)
+{
+    if (x == NULL) {
+        return;
+    }
+    if (x->map != NULL) {
+        if (clean) {
+            __atomic_store_n(&x->hdr->writer_alive, 0, __ATOMIC_RELEASE);
+        }
+        munmap(x->map, x->size);
+    }
+    free(x->ents);
+    free(x);
+}
+
+
+int
+kv_pfx_node(kv_pfx_t *x, const char *id, const char *http_addr,
+    const char *model)
+{
+    int              i;
+    dpd_pfx_node_t  *r;
+
+    if (x->nnodes >= x->hdr->max_nodes
+        || strlen(id) >= DPD_PFX_ID_LEN
+        || strlen(http_addr) >= DPD_PFX_ADDR_LEN
+        || strlen(model) >= sizeof(x->node[0].model))
+    {
+        return -1;
+    }
+    i = (int) x->nnodes++;
+    snprintf(x->node[i].model, sizeof(x->node[i].model), "%s", model);
+    x->node[i].model_len = strlen(model);
+
+    r = &x->nodes[i];
+    seq_begin(&r->seq);
+    snprintf(r->id, sizeof(r->id), "%s", id);
+    snprintf(r->http_addr, sizeof(r->http_addr), "%s", http_addr);
+    r->flags = DPD_PFX_NODE_USED | DPD_PFX_NODE_READY;
+    r->updated_ms = kv_wall_ms();
+    seq_end(&r->seq);
+    return i;
+}
+
+
+void
+kv_pfx_node_clear(kv_pfx_t *x, int node)
+{
+    uint64_t         i, bit;
+    dpd_pfx_node_t  *r;
+    dpd_pfx_slot_t  *s;
+
+    if (node < 0 || (uint32_t) node >= x->nnodes) {
+        return;
+    }
+    bit = UINT64_C(1) << node;
+    r = &x->nodes[node];
+
+    /* not READY while its bits go: readers ignore it meanwhile */
+    seq_begin(&r->seq);
+    r->flags &= ~DPD_PFX_NODE_READY;
+    r->epoch++;
+    seq_end(&r->seq);
+
+    for (i = 0; i <= x->smask; i++) {
+        s = &x->slots[i];
+        if ((s->gpu_mask | s->lower_mask) & bit) {
+            seq_begin(&s->seq);
+            s->gpu_mask &= ~bit;
+            s->lower_mask &= ~bit;
+            seq_end(&s->seq);
+        }
+    }
+    for (i = 0; i <= x->emask; i++) {
+        if (x->ents[i].state == PFX_MAP_USED && x->ents[i].node == node) {
+            map_del(x, &x->ents[i]);
+        }
+    }
+    x->node[node].gpu_blocks = 0;
+    x->node[node].lower_blocks = 0;
+    x->st.cleared++;
+
+    seq_begin(&r->seq);
+    r->flags |= DPD_PFX_NODE_READY;
+    r->blocks = 0;
+    r->lower_blocks = 0;
+    r->updated_ms = kv_wall_ms();
+    seq_end(&r->seq);
+}
+
+
+void
+kv_pfx_stored(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev)
+{
+    if (node < 0 || (uint32_t) node >= x->nnodes) {
+        return;
+    }
+    kv_pfx_stored_seeded(x, node, ev, x->node[node].model,
+                         x->node[node].model_len);
+}
+
+
+void
+kv_pfx_stored_seeded(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev,
+    const char *model, size_t model_len)
+{
+    size_t          k, B;
+    uint64_t        parent, key, bit;
+    pfx_node_t     *nd;
+    pfx_map_ent_t  *e;
+
+    if (node < 0 || (uint32_t) node >= x->nnodes || ev->nblocks == 0) {
+        return;
+    }
+    nd = &x->node[node];
+    B = ev->block_size;
+
+    if (B != x->hdr->block_size || ev->ntokens != ev->nblocks * B) {
+        x->st.bad_size += ev->nblocks;
+        if (kv_log_limit(&x->lim)) {
+            kv_warn("prefix index: node %d: BlockStored with block size "
+                    "%zu and %zu tokens for %zu blocks (the index keys "
+                    "blocks of %u): not indexed", node, B, ev->ntokens,
+                    ev->nblocks, x->hdr->block_size);
+        }
+        return;
+    }
+
+    if (ev->has_parent) {
+        e = map_find(x, node, ev->parent_id, ev->lower_tier);
+        if (e == NULL && ev->lower_tier) {
+            /* a lower tier's block may chain on a GPU parent */
+            e = map_find(x, node, ev->parent_id, 0);
+        }
+        if (e == NULL) {
+            /* its parent was stored before we listened, or dropped: its
+             * keys cannot be computed; a later prompt recomputes them */
+            x->st.orphans += ev->nblocks;
+            return;
+        }
+        parent = e->key;
+    } else {
+        parent = dpd_prefix_salted(dpd_prefix_seed(model, model_len,
+                                                   ev->lora, ev->lora_len),
+                                   ev->salt, ev->salt_len);
+    }
+
+    bit = UINT64_C(1) << node;
+
+    for (k = 0; k < ev->nblocks; k++) {
+        key = dpd_prefix_block_key(parent, ev->tokens + k * B, B);
+        parent = key;
+
+        e = map_put(x, node, ev->ids[k], ev->lower_tier);
+        if (e == NULL) {
+            x->st.full += ev->nblocks - k;
+            if (kv_log_limit(&x->lim)) {
+                kv_warn("prefix index: id map full (%llu entries): blocks "
+                        "not indexed", (unsigned long long) x->cap);
+            }
+            break;
+        }
+        if (e->key != 0 && e->key != key) {
+            /* the engine reused the id for other content: the old bit */
+            (void) slot_update(x, e->key, bit, e->lower, 0);
+            if (e->lower) {
+                nd->lower_blocks--;
+            } else {
+                nd->gpu_blocks--;
+            }
+            e->key = 0;
+        }
+        if (e->key == key) {
+            continue;                  /* stored twice: already indexed */
+        }
+        if (slot_update(x, key, bit, ev->lower_tier, 1) != 0) {
+            map_del(x, e);
+            x->st.full++;
+            if (kv_log_limit(&x->lim)) {
+                kv_warn("prefix index: no free slot in %u probes (%llu "
+                        "slots): block not indexed", x->hdr->max_probe,
+                        (unsigned long long) x->smask + 1);
+            }
+            continue;
+        }
+        e->key = key;
+        if (e->lower) {
+            nd->lower_blocks++;
+        } else {
+            nd->gpu_blocks++;
+        }
+        x->st.stored++;
+    }
+    node_publish(x, node);
+}
+
+
+void
+kv_pfx_removed(kv_pfx_t *x, int node, const uint64_t *ids, size_t n,
+    int lower_tier)
+{
+    size_t          k;
+    uint64_t        bit;
+    pfx_map_ent_t  *e;
+
+    if (node < 0 || (uint32_t) node >= x->nnodes) {
+        return;
+    }
+    bit = UINT64_C(1) << node;
+
+    for (k = 0; k < n; k++) {
+        e = map_find(x, node, ids[k], lower_tier);
+        if (e == NULL) {
+            /* never stored, or stored before we listened */
+            x->st.unknown_removed++;
+            continue;
+        }
+        if (e->key != 0) {
+            (void) slot_update(x, e->key, bit, e->lower, 0);
+            if (e->lower) {
+                x->node[node].lower_blocks--;
+            } else {
+                x->node[node].gpu_blocks--;
+            }
+            x->st.removed++;
+        }
+        map_del(x, e);
+    }
+    node_publish(x, node);
+}
+
+
+const kv_pfx_stats_t *
+kv_pfx_stats(const kv_pfx_t *x)
+{
+    return &x->st;
+}
+
+
+uint64_t
+kv_pfx_node_blocks(const kv_pfx_t *x, int node)
+{
+    if (node < 0 || (uint32_t) node >= x->nnodes) {
+        return 0;
+    }
+    return x->node[node].gpu_blocks;
+}
