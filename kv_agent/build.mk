@@ -8,7 +8,7 @@
 # exist under $(CUDA_HOME); nothing else changes without it.
 KVA_DIR    := kv_agent
 KVA_OBJDIR := $(BUILD)/obj/kv_agent
-KVA_SRCS   := util.c layout.c config.c auth.c state.c status.c fabric.c \
+KVA_SRCS   := util.c layout.c config.c config_env.c auth.c state.c status.c fabric.c \
               topo.c copy.c stage.c ring.c \
               bench.c pool.c ctrl.c xfer.c api.c loop.c main.c \
               lmcache_notify.c prefix_index.c \

@@ -801,7 +801,7 @@ kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
     char *buf;
     long n;
     cJSON *root;
-    int rc;
+    int rc, used;
 
     defaults(c);
     err[0] = '\0';
@@ -834,7 +834,12 @@ kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
         free(buf);
         return -1;
     }
-    rc = parse_root(c, root, err, elen);
+    /* ${VAR} from the pod's environment (config_env.c) before any key
+     * reads a value, so each is validated as its literal would be */
+    rc = kv_config_expand(root, &used, err, elen);
+    if (rc == 0) {
+        rc = parse_root(c, root, err, elen);
+    }
     cJSON_Delete(root);
     explicit_bzero(buf, n);
     free(buf);

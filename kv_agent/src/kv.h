@@ -217,6 +217,10 @@ enum { KV_STAGE_AUTO = 0, KV_STAGE_HOST_TEST = 1, KV_STAGE_OFF = 2 };
 
 int kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen);
 uint32_t kv_role_parse(const char *s);
+/* config_env.c: ${VAR} substitution; the config as `check` shows it */
+struct cJSON;
+int kv_config_expand(struct cJSON *root, int *used, char *err, size_t elen);
+int kv_config_print_expanded(const char *path, FILE *out);
 
 /* ---- authentication (auth.c) ------------------------------------------ */
 

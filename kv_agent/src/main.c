@@ -64,6 +64,13 @@ check_main(int argc, char **argv)
                c->evs.src[i].replay);
     }
     printf("state table: %s\n", c->state_path);
+    /* only a config that used ${VAR}: a static one prints as before */
+    if (kv_config_print_expanded(argv[1], stdout) != 0) {
+        fprintf(stderr, "kv_agent: config: %s: cannot print it\n", argv[1]);
+        kv_auth_forget(c);
+        free(c);
+        return 2;
+    }
     kv_auth_forget(c);
     free(c);
     return 0;
