@@ -83,6 +83,34 @@ add_identity(kv_ctx_t *ctx, cJSON *j)
 }
 
 
+/* The vLLM address the peer announces (its "http", "${POD_IP}:8000" in a
+ * pod): host:port of printable bytes, else none.  Only called once the
+ * hello's proof verified; it names where nginx finds that node, never who
+ * the node is (the id is the link's, bound by the key). */
+static void
+learn_http(kv_peer_t *pe, cJSON *j)
+{
+    cJSON *jv = cJSON_GetObjectItemCaseSensitive(j, "http");
+    char host[KV_ADDR_LEN];
+    const char *s;
+    int port;
+
+    pe->http_seen[0] = '\0';
+    if (!cJSON_IsString(jv) || strlen(jv->valuestring) >= KV_ADDR_LEN) {
+        return;
+    }
+    for (s = jv->valuestring; *s; s++) {
+        if ((unsigned char) *s <= 0x20 || (unsigned char) *s >= 0x7f) {
+            return;
+        }
+    }
+    if (kv_parse_hostport(jv->valuestring, host, sizeof(host), &port) != 0) {
+        return;
+    }
+    strcpy(pe->http_seen, jv->valuestring);
+}
+
+
 /* The peer's incarnation (a random number per process) and, on this
  * host, a pidfd of its process: an aborted push's blocks are freed when
  * that process is gone (xfer.c). */
@@ -93,6 +121,8 @@ learn_identity(kv_ctx_t *ctx, kv_peer_t *pe, cJSON *j)
     cJSON *jp = cJSON_GetObjectItemCaseSensitive(j, "pid");
     cJSON *jh = cJSON_GetObjectItemCaseSensitive(j, "host");
     uint64_t inst;
+
+    learn_http(pe, j);
 
     if (!cJSON_IsString(ji)
         || (inst = strtoull(ji->valuestring, NULL, 10)) == 0
@@ -674,7 +704,8 @@ kv_ctrl_update_node(kv_ctx_t *ctx, int peer)
     if (pe->last_hb_ms) {
         r->last_heartbeat_ms = pe->last_hb_ms;
     }
-    snprintf(r->http_addr, sizeof(r->http_addr), "%s", pe->conf.http);
+    snprintf(r->http_addr, sizeof(r->http_addr), "%s",
+             pe->conf.http[0] ? pe->conf.http : pe->http_seen);
     kv_state_node_end(&ctx->st, r);
 }
 
@@ -931,6 +962,7 @@ out_challenge(kv_ctx_t *ctx, int peer, cJSON *j)
     cJSON_AddStringToObject(h, "key_id", pe->conf.kid[0]);
     kv_hex_encode(proof, KV_MAC_LEN, hex);
     cJSON_AddStringToObject(h, "proof", hex);
+    cJSON_AddStringToObject(h, "http", ctx->cfg.http);
     add_identity(ctx, h);
     kv_ctrl_send(ctx, peer, h);
 }

@@ -443,6 +443,9 @@ typedef struct {
     int            old_pidfd;
     int            pid, old_pid;      /* without pidfd_open: the pid and */
     uint64_t       pid_start, old_pid_start;  /* its /proc start time */
+    /* the vLLM address it announced in its authenticated hello(_ok): its
+     * state record's when our config gives it no "http" (a pod's IP) */
+    char           http_seen[KV_ADDR_LEN];
 } kv_peer_t;
 
 /* A slot of a receiver's ring granted to one of our pushes: chunk `chunk`
