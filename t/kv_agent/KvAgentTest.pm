@@ -125,12 +125,14 @@ sub agent_config {
 # start_agent($cfg, wrap => [...], wait => 1, env => {K => V},
 #             keep_socket => 1 (the API socket file is not removed first),
 #             bin => path (another build's kv_agent than kv_bin()),
+#             name => file names' stem (default: the node id, which may be
+#                     "${POD_NAME}" in a config shared by replicas),
 #             pre_exec => sub { ... })   (pre_exec runs in the child, whose
 #                                         pid the agent keeps)
 sub start_agent {
     my ($cfg, %o) = @_;
     my $dir = kv_tmpdir();
-    my $name = $cfg->{node_id};
+    my $name = $o{name} // $cfg->{node_id};
     my $cfgfile = "$dir/$name.json";
     open my $fh, '>', $cfgfile or die "$cfgfile: $!";
     print $fh json_enc($cfg);
