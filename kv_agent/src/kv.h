@@ -250,6 +250,9 @@ typedef struct {
     dpd_req_rec_t      *reqs;
 } kv_state_t;
 
+/* the table's directory as kv_state_open() wants it (`check` asks too,
+ * with warn 0: its refusals, not run's advice) */
+int  kv_state_dir_check(const char *path, int warn);
 int  kv_state_open(kv_state_t *s, const char *path, const char *self_id,
     uint32_t max_nodes, uint32_t max_reqs);
 void kv_state_close(kv_state_t *s, int clean);

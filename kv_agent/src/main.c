@@ -32,6 +32,14 @@ check_main(int argc, char **argv)
         free(c);
         return 2;
     }
+    /* what `run` refuses before it opens anything: the table's directory
+     * (missing, or writable by others and not sticky); the message is
+     * run's own */
+    if (kv_state_dir_check(c->state_path, 0) != 0) {
+        kv_auth_forget(c);
+        free(c);
+        return 1;
+    }
     printf("node %s (%s), %s%s%s, control %s, %d peer(s)\n",
            c->node_id, dpd_state_role_name(c->role),
            c->has_pool ? "provider " : "no fabric (no pool)",

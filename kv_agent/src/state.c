@@ -76,8 +76,8 @@ inspect_old(const char *path)
  * directory writable by others without the sticky bit is refused; a
  * sticky shared one (/dev/shm, the default) is accepted with a warning.
  */
-static int
-dir_check(const char *path)
+int
+kv_state_dir_check(const char *path, int warn)
 {
     char dir[512], *slash;
     struct stat sb;
@@ -102,6 +102,9 @@ dir_check(const char *path)
                "only the agent writes", dir,
                (sb.st_mode & S_IWOTH) ? "everyone" : "its group");
         return -1;
+    }
+    if (!warn) {
+        return 0;
     }
     if (sb.st_mode & S_IWOTH) {
         kv_warn("state: directory %s is shared (world-writable, sticky); a "
@@ -136,7 +139,7 @@ kv_state_open(kv_state_t *s, const char *path, const char *self_id,
                                    * sizeof(dpd_node_rec_t));
     size = reqs_off + (uint64_t) max_reqs * sizeof(dpd_req_rec_t);
 
-    if (dir_check(path) != 0) {
+    if (kv_state_dir_check(path, 1) != 0) {
         return -1;
     }
     /* a fresh file, never one someone placed there: O_EXCL with a name

@@ -132,6 +132,26 @@ for my $b (@bad) {
         or diag("check: $cout");
 }
 
+# --- what run refused that check let pass (found by the audit of run's
+# start): the state table's directory, missing or writable by others and
+# not sticky (a "${POD_NAME}.state" under a path the pod does not have)
+mkdir "$dir/open";
+chmod 0777, "$dir/open";
+for my $c ([ "$dir/none/\${POD_NAME}.state",
+             qr/error: state: directory \S+\/none of \S+: No such file/,
+             "missing state directory" ],
+           [ "$dir/open/t.state",
+             qr/error: state: directory \S+\/open is writable by everyone (?#
+                )and not sticky/, "state directory others may write" ]) {
+    write_file("$dir/d.json", '{"node_id":"${POD_NAME}",' . $base
+        . ',"state_path":"' . $c->[0] . '"}');
+    my ($rc, $out) = agent('run', "$dir/d.json", { POD_NAME => 'n-0' });
+    ok($rc == 1 && $out =~ $c->[1], "$c->[2]: run refuses") or diag($out);
+    my ($crc, $cout) = agent('check', "$dir/d.json", { POD_NAME => 'n-0' });
+    ok($crc == 1 && $cout =~ $c->[1] && $cout !~ /^node /m,
+       "$c->[2]: check refuses, same message") or diag($cout);
+}
+
 # --- a running agent: the state table's record carries the expanded http ---
 {
     my $port = kv_port(61);
