@@ -78,6 +78,28 @@ write_file("$dir/s.json", '{"node_id":"a",' . $base . '}');
        "a key from the environment: accepted, redacted") or diag($out);
 }
 
+# a StatefulSet's per-link key file named by the pod (README's scheme)
+{
+    mkdir "$dir/keys";
+    write_file("$dir/keys/dpd-prefill-0+dpd-decode-1.key", ("6b" x 32) . "\n");
+    write_file("$dir/p.json", '{"node_id":"${POD_NAME}",' . $base
+        . ',"peers":[{"id":"dpd-decode-1","role":"decode","ctrl":'
+        . '"dpd-decode-1.hl.${POD_NAMESPACE}.svc.cluster.local:7100",'
+        . '"key_file":"${KEYS}/${POD_NAME}+dpd-decode-1.key"}]}');
+    my $env = { POD_NAME => 'dpd-prefill-0', POD_NAMESPACE => 'ns1',
+                KEYS => "$dir/keys" };
+    my ($rc, $out) = agent('check', "$dir/p.json", $env);
+    ok($rc == 0 && $out =~ /peer dpd-decode-1 \(decode\) at (?#
+       )dpd-decode-1\.hl\.ns1\.svc\.cluster\.local:7100, key [0-9a-f]{16}/,
+       "key_file and ctrl named from the pod's name and namespace")
+        or diag($out);
+    $env->{POD_NAME} = 'dpd-prefill-1';
+    ($rc, $out) = agent('check', "$dir/p.json", $env);
+    ok($rc == 2 && $out =~ /dpd-prefill-1\+dpd-decode-1\.key/,
+       "another pod without that link's key file: refused, file named")
+        or diag($out);
+}
+
 # --- refusals: run and check, same status, same message ---------------------
 my @bad = (
     [ '{"node_id":"${POD_NAME}",' . $base . '}', {},
