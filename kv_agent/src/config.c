@@ -843,7 +843,9 @@ kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
     cJSON_Delete(root);
     explicit_bzero(buf, n);
     free(buf);
-    if (rc == 0 && c->inline_keys && stat(path, &sb) == 0
+    /* keys that came from the environment are not in the file */
+    if (rc == 0 && c->inline_keys && (used & KV_ENV_LITERAL_SECRET)
+        && stat(path, &sb) == 0
         && (sb.st_mode & S_IROTH))
     {
         kv_warn("config: %s holds keys and is readable by every user "

@@ -125,9 +125,19 @@ syntax:
 }
 
 
+/* Names whose values are secrets: never printed by `check`. */
 static int
-env_walk(cJSON *node, const char *where, int depth, char *buf, int *used,
-    char *err, size_t elen)
+secret_key(const char *k)
+{
+    return k && (strcmp(k, "key") == 0 || strcmp(k, "keys") == 0
+                 || strstr(k, "secret") || strstr(k, "token")
+                 || strstr(k, "password"));
+}
+
+
+static int
+env_walk(cJSON *node, const char *where, int depth, int secret, char *buf,
+    int *used, char *err, size_t elen)
 {
     char path[256];
     cJSON *e;
@@ -145,8 +155,11 @@ env_walk(cJSON *node, const char *where, int depth, char *buf, int *used,
         {
             return -1;
         }
+        if (secret && !u) {
+            *used |= KV_ENV_LITERAL_SECRET;
+        }
         if (u) {
-            *used = 1;
+            *used |= KV_ENV_USED;
             s = cJSON_malloc(strlen(buf) + 1);
             if (s == NULL) {
                 snprintf(err, elen, "%s: out of memory", where);
@@ -166,7 +179,10 @@ env_walk(cJSON *node, const char *where, int depth, char *buf, int *used,
         } else {
             snprintf(path, sizeof(path), "%s[%d]", where, i);
         }
-        if (env_walk(e, path, depth + 1, buf, used, err, elen) != 0) {
+        if (env_walk(e, path, depth + 1,
+                     secret || (cJSON_IsObject(node) && secret_key(e->string)),
+                     buf, used, err, elen) != 0)
+        {
             return -1;
         }
         i++;
@@ -187,20 +203,10 @@ kv_config_expand(cJSON *root, int *used, char *err, size_t elen)
         snprintf(err, elen, "out of memory");
         return -1;
     }
-    rc = env_walk(root, "", 0, buf, used, err, elen);
+    rc = env_walk(root, "", 0, 0, buf, used, err, elen);
     explicit_bzero(buf, KV_ENV_MAX + 1);       /* may have held a key */
     free(buf);
     return rc;
-}
-
-
-/* Names whose values are secrets: never printed by `check`. */
-static int
-secret_key(const char *k)
-{
-    return k && (strcmp(k, "key") == 0 || strcmp(k, "keys") == 0
-                 || strstr(k, "secret") || strstr(k, "token")
-                 || strstr(k, "password"));
 }
 
 
@@ -282,7 +288,7 @@ kv_config_print_expanded(const char *path, FILE *out)
         cJSON_Delete(root);
         return -1;
     }
-    if (used) {
+    if (used & KV_ENV_USED) {
         redact(root);
         text = cJSON_Print(root);
         if (text) {

@@ -219,6 +219,8 @@ int kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen);
 uint32_t kv_role_parse(const char *s);
 /* config_env.c: ${VAR} substitution; the config as `check` shows it */
 struct cJSON;
+#define KV_ENV_USED            1   /* *used: some value was substituted */
+#define KV_ENV_LITERAL_SECRET  2   /* a key is written in the file itself */
 int kv_config_expand(struct cJSON *root, int *used, char *err, size_t elen);
 int kv_config_print_expanded(const char *path, FILE *out);
 

@@ -76,6 +76,19 @@ write_file("$dir/s.json", '{"node_id":"a",' . $base . '}');
     my ($rc, $out) = agent('check', "$dir/k.json", { LINK_KEY => $key });
     ok($rc == 0 && $out =~ /"key":\s*"<redacted>"/ && $out !~ /$key/,
        "a key from the environment: accepted, redacted") or diag($out);
+    # the file holds no key: no "readable by every user" warning
+    chmod 0644, "$dir/k.json";
+    ($rc, $out) = agent('check', "$dir/k.json", { LINK_KEY => $key });
+    ok($rc == 0 && $out !~ /holds keys/,
+       "a key from the environment: a readable config is not warned about")
+        or diag($out);
+    write_file("$dir/k2.json", '{"node_id":"${N:-a}",' . $base . ',"peers":'
+        . '[{"id":"b","ctrl":"127.0.0.1:2","key":"' . $key . '"}]}');
+    chmod 0644, "$dir/k2.json";
+    ($rc, $out) = agent('check', "$dir/k2.json");
+    ok($rc == 0 && $out =~ /holds keys and is readable by every user/
+       && $out !~ /$key/, "a literal key in a readable config: warned, "
+       . "and redacted in the expanded print") or diag($out);
 }
 
 # a StatefulSet's per-link key file named by the pod (README's scheme)
