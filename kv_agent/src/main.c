@@ -63,6 +63,11 @@ check_main(int argc, char **argv)
                c->evs.src[i].topic, c->evs.src[i].replay[0] ? ", replay " : "",
                c->evs.src[i].replay);
     }
+    if (c->pfx.path[0]) {
+        printf("prefix index: %s (%llu slots, block %d, %llu engine ids)\n",
+               c->pfx.path, (unsigned long long) c->pfx.slots, c->pfx.block,
+               (unsigned long long) c->pfx.map_entries);
+    }
     printf("state table: %s\n", c->state_path);
     kv_auth_forget(c);
     free(c);
