@@ -100,5 +100,16 @@ $(KVA_FUZZ): $(KVA_DIR)/fuzz/kv_fuzz_events.c $(KVA_DIR)/src/kv_events.c \
 	$(FUZZ_CC) $(FUZZ_FLAGS) -I$(KVA_DIR)/src $< $(KVA_DIR)/src/kv_events.c \
 	    -o $@
 
+# the prefix index writer behind it (prefix_events.c, prefix_index.c)
+KVA_FUZZ_PFX := $(BUILD)/fuzz/kv_fuzz_prefix
+KVA_FUZZ_PFX_SRCS := $(addprefix $(KVA_DIR)/src/,kv_events.c prefix_events.c \
+                       prefix_index.c util.c)
+
+$(KVA_FUZZ_PFX): $(KVA_DIR)/fuzz/kv_fuzz_prefix.c $(KVA_FUZZ_PFX_SRCS) \
+		$(KVA_HDRS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_FLAGS) $(CSTD) -I$(KVA_DIR)/include -I$(KVA_DIR)/src \
+	    $< $(KVA_FUZZ_PFX_SRCS) -o $@ -lcjson
+
 # (run by the fuzz recipe in tokenizer/build.mk)
-fuzz: $(KVA_FUZZ)
+fuzz: $(KVA_FUZZ) $(KVA_FUZZ_PFX)
