@@ -11,7 +11,7 @@ KVA_OBJDIR := $(BUILD)/obj/kv_agent
 KVA_SRCS   := util.c layout.c config.c config_env.c auth.c state.c status.c fabric.c \
               topo.c copy.c stage.c ring.c \
               bench.c pool.c ctrl.c xfer.c api.c loop.c main.c \
-              lmcache_notify.c prefix_index.c \
+              lmcache_notify.c prefix_index.c prefix_events.c \
               kv_events.c kv_events_sub.c kv_events_dump.c
 KVA_OBJS   := $(addprefix $(KVA_OBJDIR)/,$(KVA_SRCS:.c=.o))
 KVA_CLI_OBJS := $(KVA_OBJDIR)/client.o
@@ -100,5 +100,16 @@ $(KVA_FUZZ): $(KVA_DIR)/fuzz/kv_fuzz_events.c $(KVA_DIR)/src/kv_events.c \
 	$(FUZZ_CC) $(FUZZ_FLAGS) -I$(KVA_DIR)/src $< $(KVA_DIR)/src/kv_events.c \
 	    -o $@
 
+# the prefix index writer behind it (prefix_events.c, prefix_index.c)
+KVA_FUZZ_PFX := $(BUILD)/fuzz/kv_fuzz_prefix
+KVA_FUZZ_PFX_SRCS := $(addprefix $(KVA_DIR)/src/,kv_events.c prefix_events.c \
+                       prefix_index.c util.c)
+
+$(KVA_FUZZ_PFX): $(KVA_DIR)/fuzz/kv_fuzz_prefix.c $(KVA_FUZZ_PFX_SRCS) \
+		$(KVA_HDRS)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_FLAGS) $(CSTD) -I$(KVA_DIR)/include -I$(KVA_DIR)/src \
+	    $< $(KVA_FUZZ_PFX_SRCS) -o $@ -lcjson
+
 # (run by the fuzz recipe in tokenizer/build.mk)
-fuzz: $(KVA_FUZZ)
+fuzz: $(KVA_FUZZ) $(KVA_FUZZ_PFX)

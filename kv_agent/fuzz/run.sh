@@ -2,6 +2,8 @@
 # Run kv_agent's libFuzzer targets for a bounded time each and say what
 # they found.   run.sh BUILD_DIR SECONDS
 #   kv_fuzz_events  the vLLM KV-event decoder (kv_agent/src/kv_events.c)
+#   kv_fuzz_prefix  the prefix index writer behind it (prefix_events.c,
+#                   prefix_index.c)
 # Seeds: kv_agent/fuzz/corpus (committed, built with msgspec by
 # t/kv_agent/kvevents.py); the grown corpus stays in
 # BUILD/fuzz/corpus-TARGET; findings go to fuzz-artifacts/ (gitignored)
@@ -11,7 +13,7 @@ BUILD=${1:-build}
 SECS=${2:-60}
 HERE=$(cd "$(dirname "$0")" && pwd)
 fail=0
-for t in kv_fuzz_events; do
+for t in kv_fuzz_events kv_fuzz_prefix; do
   dir=$BUILD/fuzz/corpus-$t
   mkdir -p "$dir" fuzz-artifacts
   echo "fuzz: $t for ${SECS}s"

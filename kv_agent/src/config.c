@@ -12,6 +12,8 @@
 #include <cjson/cJSON.h>
 
 #include "kv.h"
+#include "dpd_prefix.h"
+#include "dpd_prefix_index.h"
 
 
 uint32_t
@@ -575,6 +577,71 @@ parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
 }
 
 
+/* "prefix_index": {"path", "slots", "block", "map_entries"}: where the
+ * router writes what the "kv_events" sources hold (prefix_index.c) */
+static int
+parse_prefix_index(kv_config_t *c, cJSON *o, char *err, size_t elen)
+{
+    static const char *const keys[] = {
+        "path", "slots", "block", "map_entries", NULL
+    };
+    int             i;
+    kv_pfx_conf_t  *p = &c->pfx;
+
+    if (!cJSON_IsObject(o)) {
+        snprintf(err, elen, "\"prefix_index\" must be an object "
+                 "({\"path\", \"slots\", \"block\", \"map_entries\"})");
+        return -1;
+    }
+    if (c->evs.nsrc == 0) {
+        snprintf(err, elen, "\"prefix_index\" needs \"kv_events\" sources "
+                 "(the index holds what their engines cache)");
+        return -1;
+    }
+    snprintf(p->path, sizeof(p->path), "%s", DPD_PFX_DEFAULT_PATH);
+    p->slots = UINT64_C(1) << 20;
+    p->map_entries = 0;
+    p->block = DPD_PREFIX_DEFAULT_BLOCK;
+    if (only_keys(o, "prefix_index", keys, err, elen)
+        || get_str(o, "path", p->path, sizeof(p->path), 0, err, elen)
+        || get_u64(o, "slots", &p->slots, 1024, UINT64_C(1) << 28, err,
+                   elen)
+        || get_int(o, "block", &p->block, 1, DPD_PREFIX_MAX_BLOCK, err, elen)
+        || get_u64(o, "map_entries", &p->map_entries, 0,
+                   UINT64_C(1) << 28, err, elen))
+    {
+        return -1;
+    }
+    if ((p->slots & (p->slots - 1)) != 0) {
+        snprintf(err, elen, "\"prefix_index\": \"slots\" must be a power "
+                 "of two (%llu is not)", (unsigned long long) p->slots);
+        return -1;
+    }
+    if (p->path[0] != '/') {
+        snprintf(err, elen, "\"prefix_index\": \"path\" must be absolute");
+        return -1;
+    }
+    if (strcmp(p->path, c->state_path) == 0) {
+        snprintf(err, elen, "\"prefix_index\": \"path\" is the state "
+                 "table's");
+        return -1;
+    }
+    for (i = 0; i < c->evs.nsrc; i++) {
+        if (c->evs.src[i].model[0] == '\0') {
+            snprintf(err, elen, "kv_events %s: \"model\" is needed with "
+                     "\"prefix_index\" (the name requests use for the "
+                     "model: it seeds the block keys as nginx does)",
+                     c->evs.src[i].node);
+            return -1;
+        }
+    }
+    if (p->map_entries == 0) {
+        p->map_entries = p->slots / 2;  /* the slots' load bound */
+    }
+    return 0;
+}
+
+
 static int
 parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
 {
@@ -582,7 +649,7 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
         "node_id", "role", "http", "provider", "allow_fallback", "rails",
         "listen", "token", "peers", "api_socket", "state_path", "state",
         "pool", "timeouts", "transfer", "api", "ctrl", "log_level",
-        "lmcache_notify", "kv_events", NULL
+        "lmcache_notify", "kv_events", "prefix_index", NULL
     };
     static const char *const ctrl_keys[] = {
         "hello_timeout_ms", "max_unauthenticated", "max_peer_connects",
@@ -644,6 +711,10 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
     }
     o = cJSON_GetObjectItemCaseSensitive(root, "kv_events");
     if (o && parse_kv_events(c, o, err, elen) != 0) {
+        return -1;
+    }
+    o = cJSON_GetObjectItemCaseSensitive(root, "prefix_index");
+    if (o && parse_prefix_index(c, o, err, elen) != 0) {
         return -1;
     }
     if (cJSON_GetObjectItemCaseSensitive(root, "token") != NULL) {

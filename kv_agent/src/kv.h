@@ -157,6 +157,15 @@ typedef struct {
     int               nsrc;
 } kv_evs_conf_t;
 
+/* "prefix_index": the KV-events prefix index nginx reads for
+ * "dpd_prefix_cache events" (prefix_index.c, prefix_events.c) */
+typedef struct {
+    char      path[KV_PATH_LEN];       /* "" = off */
+    uint64_t  slots;                   /* a power of two */
+    uint64_t  map_entries;             /* engine ids remembered */
+    int       block;                   /* tokens a block: the engines' */
+} kv_pfx_conf_t;
+
 typedef struct {
     char     id[KV_ID_LEN];
     char     ctrl[KV_ADDR_LEN];    /* host:port of its control listener */
@@ -211,6 +220,7 @@ typedef struct {
     int            inline_keys;        /* keys written in the config file */
     kv_lmc_conf_t  lmc;                /* lmcache_notify */
     kv_evs_conf_t  evs;                /* kv_events */
+    kv_pfx_conf_t  pfx;                /* prefix_index */
 } kv_config_t;
 
 enum { KV_STAGE_AUTO = 0, KV_STAGE_HOST_TEST = 1, KV_STAGE_OFF = 2 };
@@ -759,6 +769,8 @@ struct kv_ctx {
     int          copy_backoff_us;      /* polling a slow copy's event */
     struct kv_lmc *lmc;                /* lmcache_notify.c, or NULL */
     struct kv_evs *evs;                /* kv_events_sub.c, or NULL */
+    struct kv_pfx *pfx;                /* prefix_index.c, or NULL */
+    struct kv_pfx_feed *pfx_feed;      /* prefix_events.c: evs -> pfx */
 };
 
 /* ---- LMCache notices (lmcache_notify.c) -------------------------------- */

@@ -19,6 +19,7 @@
 #include <cjson/cJSON.h>
 
 #include "kv.h"
+#include "prefix_events.h"
 
 #define KV_IDLE_POLL_MS     5      /* CQ without a wait fd, idle */
 #define KV_SPIN_US          1000   /* busy-poll this long after an event */
@@ -416,6 +417,58 @@ evs_log_cleared(void *data, const kv_ev_origin_t *o, kv_ev_clear_t why)
 }
 
 
+/* The prefix index the "kv_events" sources feed ("prefix_index"): the
+ * subscriber's sink becomes its writer. */
+static int
+kv_prefix_open(kv_ctx_t *ctx, kv_ev_sink_t *sink)
+{
+    const kv_pfx_conf_t *c = &ctx->cfg.pfx;
+
+    ctx->pfx = kv_pfx_open(c->path, c->slots, DPD_PFX_MAX_NODES,
+                           (uint32_t) c->block, c->map_entries);
+    if (ctx->pfx == NULL) {
+        return -1;
+    }
+    ctx->pfx_feed = calloc(1, sizeof(*ctx->pfx_feed));
+    if (ctx->pfx_feed == NULL
+        || kv_pfx_feed_init(ctx->pfx_feed, ctx->pfx, &ctx->cfg.evs, sink)
+           != 0)
+    {
+        return -1;                     /* kv_prefix_close() frees */
+    }
+    return 0;
+}
+
+
+static void
+kv_prefix_close(kv_ctx_t *ctx)
+{
+    const kv_pfx_stats_t *st;
+
+    if (ctx->pfx != NULL) {
+        st = kv_pfx_stats(ctx->pfx);
+        kv_info("prefix index: %llu blocks indexed, %llu removed, %llu "
+                "node clears, %llu orphans, %llu unkeyable, %llu over "
+                "capacity, %llu of another block size",
+                (unsigned long long) st->stored,
+                (unsigned long long) st->removed,
+                (unsigned long long) st->cleared,
+                (unsigned long long) st->orphans,
+                (unsigned long long) (ctx->pfx_feed
+                                      ? ctx->pfx_feed->unkeyable : 0),
+                (unsigned long long) st->full,
+                (unsigned long long) st->bad_size);
+    }
+    if (ctx->pfx_feed != NULL) {
+        kv_pfx_feed_free(ctx->pfx_feed);
+        free(ctx->pfx_feed);
+        ctx->pfx_feed = NULL;
+    }
+    kv_pfx_close(ctx->pfx, 1);
+    ctx->pfx = NULL;
+}
+
+
 void
 kv_events_sink(kv_ctx_t *ctx, kv_ev_sink_t *sink)
 {
@@ -564,6 +617,7 @@ shutdown_ctx(kv_ctx_t *ctx)
     kv_lmc_close(ctx);
     kv_evs_close(ctx->evs);
     ctx->evs = NULL;
+    kv_prefix_close(ctx);
     if (ctx->st.map) {
         kv_ctrl_update_self(ctx);
         kv_state_close(&ctx->st, 1);
@@ -708,6 +762,9 @@ kv_run_main(int argc, char **argv)
     if (ctx->cfg.evs.nsrc > 0) {
         kv_ev_sink_t sink;
         kv_events_sink(ctx, &sink);
+        if (ctx->cfg.pfx.path[0] && kv_prefix_open(ctx, &sink) != 0) {
+            goto out;
+        }
         ctx->evs = kv_evs_open(&ctx->cfg.evs, &sink, NULL);
         if (ctx->evs == NULL) {
             goto out;

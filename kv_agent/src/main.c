@@ -71,6 +71,11 @@ check_main(int argc, char **argv)
                c->evs.src[i].topic, c->evs.src[i].replay[0] ? ", replay " : "",
                c->evs.src[i].replay);
     }
+    if (c->pfx.path[0]) {
+        printf("prefix index: %s (%llu slots, block %d, %llu engine ids)\n",
+               c->pfx.path, (unsigned long long) c->pfx.slots, c->pfx.block,
+               (unsigned long long) c->pfx.map_entries);
+    }
     printf("state table: %s\n", c->state_path);
     /* only a config that used ${VAR}: a static one prints as before */
     if (kv_config_print_expanded(argv[1], stdout) != 0) {
