@@ -76,6 +76,7 @@ typedef struct {
     ngx_http_dpd_prefix_node_t       nodes[NGX_HTTP_DPD_PREFIX_MAX_NODES];
     ngx_http_dpd_prefix_entry_t    **buckets;
     ngx_uint_t                       mask;       /* buckets - 1 */
+    uint64_t                         seed;       /* secret, per zone */
     ngx_uint_t                       entries;
     ngx_uint_t                       failed;     /* prompts cut short */
 } ngx_http_dpd_prefix_sh_t;
@@ -85,6 +86,19 @@ typedef struct {
     ngx_http_dpd_prefix_sh_t        *sh;
     ngx_slab_pool_t                 *shpool;
 } ngx_http_dpd_prefix_zone_t;
+
+
+/*
+ * The bucket of a key.  The key function is public (dpd_prefix.h) and a
+ * prompt may be token ids, so a client can choose blocks whose keys share
+ * any bits it likes; buckets taken from the key's own bits would let it
+ * pile a prompt into one chain and make every insert and lookup walk it
+ * under the zone mutex (quadratic, all workers waiting).  A secret seed
+ * drawn when the zone is made, through the avalanche, leaves nothing to
+ * aim at.
+ */
+#define ngx_http_dpd_prefix_bucket(sh, key)                                   \
+    (&(sh)->buckets[dpd_prefix_fmix((key) ^ (sh)->seed) & (sh)->mask])
 
 
 struct ngx_http_dpd_prefix_reader_s {
@@ -561,6 +575,33 @@ ngx_http_dpd_prefix_merge_prefill(ngx_conf_t *cf,
 }
 
 
+/* 64 random bits: the kernel's, else what nginx seeded random() with */
+
+static uint64_t
+ngx_http_dpd_prefix_secret(void)
+{
+    ssize_t   n;
+    ngx_fd_t  fd;
+    uint64_t  v;
+
+    v = 0;
+    fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+
+    if (fd != -1) {
+        n = read(fd, &v, sizeof(v));
+        (void) close(fd);
+
+        if (n == (ssize_t) sizeof(v)) {
+            return v;
+        }
+    }
+
+    return ((uint64_t) ngx_random() << 33) ^ ((uint64_t) ngx_random() << 11)
+           ^ (uint64_t) ngx_random() ^ (uint64_t) ngx_pid
+           ^ ((uint64_t) ngx_current_msec << 20);
+}
+
+
 static ngx_int_t
 ngx_http_dpd_prefix_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 {
@@ -612,6 +653,7 @@ ngx_http_dpd_prefix_init_zone(ngx_shm_zone_t *shm_zone, void *data)
     }
 
     z->sh->mask = n - 1;
+    z->sh->seed = ngx_http_dpd_prefix_secret();
 
     n = sizeof(" in dpd_prefix_cache zone \"\"") + shm_zone->shm.name.len;
 
@@ -975,7 +1017,9 @@ ngx_http_dpd_prefix_free_entry(ngx_http_dpd_prefix_zone_t *z,
 {
     ngx_http_dpd_prefix_entry_t  **pp;
 
-    for (pp = &z->sh->buckets[e->key & z->sh->mask]; *pp; pp = &(*pp)->next)
+    for (pp = ngx_http_dpd_prefix_bucket(z->sh, e->key);
+         *pp;
+         pp = &(*pp)->next)
     {
         if (*pp == e) {
             *pp = e->next;
@@ -1116,7 +1160,7 @@ ngx_http_dpd_prefix_zone_lookup(ngx_http_dpd_prefix_conf_t *pc,
     for (k = 0; k < nkeys && alive; k++) {
         held = 0;
 
-        for (e = sh->buckets[keys[k] & sh->mask]; e; e = e->next) {
+        for (e = *ngx_http_dpd_prefix_bucket(sh, keys[k]); e; e = e->next) {
             if (e->key == keys[k]
                 && of_node[e->node] >= 0
                 && (ngx_msec_int_t) (now - e->time)
@@ -1184,7 +1228,7 @@ ngx_http_dpd_prefix_zone_insert(ngx_http_dpd_prefix_conf_t *pc,
 
     for (k = nkeys; k-- > 0; /* void */) {
 
-        b = &sh->buckets[keys[k] & sh->mask];
+        b = ngx_http_dpd_prefix_bucket(sh, keys[k]);
 
         for (e = *b; e; e = e->next) {
             if (e->key == keys[k] && e->node == (ngx_uint_t) node) {
@@ -1239,8 +1283,8 @@ ngx_http_dpd_prefix_zone_insert(ngx_http_dpd_prefix_conf_t *pc,
         e->key = keys[k];
         e->node = node;
         e->time = now;
-        e->next = sh->buckets[keys[k] & sh->mask];
-        sh->buckets[keys[k] & sh->mask] = e;
+        e->next = *b;
+        *b = e;
         ngx_queue_insert_head(&sh->nodes[node].lru, &e->queue);
         sh->nodes[node].count++;
         sh->entries++;
