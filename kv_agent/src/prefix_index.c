@@ -466,18 +466,34 @@ kv_pfx_node(kv_pfx_t *x, const char *id, const char *http_addr,
 }
 
 
-void
+uint64_t
 kv_pfx_node_clear(kv_pfx_t *x, int node)
 {
-    uint64_t         i, bit;
+    uint64_t         i, bit, held;
     dpd_pfx_node_t  *r;
     dpd_pfx_slot_t  *s;
 
     if (node < 0 || (uint32_t) node >= x->nnodes) {
-        return;
+        return 0;
     }
     bit = UINT64_C(1) << node;
     r = &x->nodes[node];
+    held = x->node[node].gpu_blocks + x->node[node].lower_blocks;
+    x->st.cleared++;
+
+    /*
+     * Nothing held, nothing to scan: the node's live map entries are
+     * exactly its counted blocks and only they set its slot bits.  A
+     * batch may carry 65536 AllBlocksCleared (a restart storm as many
+     * messages): a full scan each (~1.7 ms for the default 1M slots)
+     * would hold the loop for minutes.
+     */
+    if (held == 0) {
+        seq_begin(&r->seq);
+        r->epoch++;
+        seq_end(&r->seq);
+        return 0;
+    }
 
     /* not READY while its bits go: readers ignore it meanwhile */
     seq_begin(&r->seq);
@@ -501,7 +517,6 @@ kv_pfx_node_clear(kv_pfx_t *x, int node)
     }
     x->node[node].gpu_blocks = 0;
     x->node[node].lower_blocks = 0;
-    x->st.cleared++;
 
     seq_begin(&r->seq);
     r->flags |= DPD_PFX_NODE_READY;
@@ -509,6 +524,7 @@ kv_pfx_node_clear(kv_pfx_t *x, int node)
     r->lower_blocks = 0;
     r->updated_ms = kv_wall_ms();
     seq_end(&r->seq);
+    return held;
 }
 
 
