@@ -160,6 +160,30 @@ int main(int argc, char **argv)
 }
 _C_
 
+# TEST 12: a decode pool of more than 64 peers (the candidate bound):
+# the cache must not confine every request to the first 64
+{
+    # one wildcard listener, 66 peer addresses 127.0.0.1 .. 127.0.0.66
+    my $port = $base + 100;
+    $ENV{TEST_NGINX_BIG_PORT} = $port;
+    $ENV{TEST_NGINX_BIG_SERVERS} = join '', map {
+        "server 127.0.0.$_:$port;\n        " } 1 .. 66;
+}
+
+sub init_12 {
+    my %seen;
+    for my $i (0 .. 66 * 3 - 1) {
+        my ($c, $addr) = post('/v1/completions',
+                              ids(runs => [[200 + $i, 32]]));
+        $seen{$addr}++ if $c == 200;
+    }
+    my @last = grep { $seen{"127.0.0.$_"} } 65, 66;
+    is scalar(keys %seen), 66, 'all 66 decoders got requests ('
+        . scalar(keys %seen) . ')';
+    is scalar(@last), 2, 'the 65th and 66th among them';
+}
+
+
 sub init_11 {
     my $dir = File::Temp::tempdir(CLEANUP => 1);
     my $cc = $ENV{CC} || 'cc';
@@ -768,6 +792,36 @@ main::init_10();
     location = /ok { return 200 "ok\n"; }
 --- init
 main::init_11();
+--- no_error_log
+[error]
+[alert]
+[crit]
+
+
+
+=== TEST 12: more than 64 decoders: none left out of the choice
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+    upstream pool {
+        dpd_balance;
+        zone pool 256k;
+        $TEST_NGINX_BIG_SERVERS
+    }
+    server {
+        listen $TEST_NGINX_BIG_PORT;
+        location / { return 200 "$server_addr\n"; }
+    }
+--- config
+    location /v1/ {
+        dpd on;
+        dpd_threshold 1000000;
+        dpd_decode_upstream pool;
+        dpd_prefix_cache approximate;
+        proxy_pass http://pool;
+    }
+    location = /ok { return 200 "ok\n"; }
+--- init
+main::init_12();
 --- no_error_log
 [error]
 [alert]
