@@ -169,6 +169,9 @@ static ngx_str_t  ngx_http_dpd_prefix_default_zone =
  * twice a request and always start on the same peer of two) */
 static ngx_uint_t  ngx_http_dpd_prefix_rotate[2];
 
+/* per worker: the last "pool too large" warning */
+static time_t      ngx_http_dpd_prefix_big_warn;
+
 
 /* ------------------------------------------------------------------ */
 /* configuration                                                       */
@@ -708,8 +711,27 @@ ngx_http_dpd_prefix_score(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         max = peers->number + (peers->next ? peers->next->number : 0);
     }
 
+    if (max > NGX_HTTP_DPD_PREFIX_MAX_CANDS) {
+        /*
+         * The scores fit 64 peers (a mask bit each, 64 nodes a zone or
+         * index); scoring the first 64 of a larger pool would starve the
+         * rest.  dpd_balance chooses, as with the cache off.
+         */
+        if (ngx_time() - ngx_http_dpd_prefix_big_warn
+            >= NGX_HTTP_DPD_PREFIX_WARN_EVERY)
+        {
+            ngx_http_dpd_prefix_big_warn = ngx_time();
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "dpd prefix: upstream \"%V\" has %ui peers, more "
+                          "than the %d dpd_prefix_cache scores: routing "
+                          "without the cache", &us->host, max,
+                          NGX_HTTP_DPD_PREFIX_MAX_CANDS);
+        }
+
+        return NGX_DECLINED;
+    }
+
     max = ngx_max(max, 2);
-    max = ngx_min(max, NGX_HTTP_DPD_PREFIX_MAX_CANDS);
 
     cand = ngx_palloc(r->pool, max * sizeof(ngx_http_dpd_balancer_cand_t));
     if (cand == NULL) {
