@@ -49,6 +49,7 @@
 #define NGX_HTTP_DPD_PREFIX_WARN_EVERY    60      /* seconds */
 #define NGX_HTTP_DPD_PREFIX_PROBE_CHUNK   4       /* slots per pread */
 #define NGX_HTTP_DPD_PREFIX_MEMO          160     /* probed blocks kept */
+#define NGX_HTTP_DPD_PREFIX_LOCK_STEP     2048    /* keys per mutex hold */
 
 
 typedef struct ngx_http_dpd_prefix_entry_s  ngx_http_dpd_prefix_entry_t;
@@ -76,6 +77,7 @@ typedef struct {
     ngx_http_dpd_prefix_node_t       nodes[NGX_HTTP_DPD_PREFIX_MAX_NODES];
     ngx_http_dpd_prefix_entry_t    **buckets;
     ngx_uint_t                       mask;       /* buckets - 1 */
+    uint64_t                         seed;       /* secret, per zone */
     ngx_uint_t                       entries;
     ngx_uint_t                       failed;     /* prompts cut short */
 } ngx_http_dpd_prefix_sh_t;
@@ -85,6 +87,19 @@ typedef struct {
     ngx_http_dpd_prefix_sh_t        *sh;
     ngx_slab_pool_t                 *shpool;
 } ngx_http_dpd_prefix_zone_t;
+
+
+/*
+ * The bucket of a key.  The key function is public (dpd_prefix.h) and a
+ * prompt may be token ids, so a client can choose blocks whose keys share
+ * any bits it likes; buckets taken from the key's own bits would let it
+ * pile a prompt into one chain and make every insert and lookup walk it
+ * under the zone mutex (quadratic, all workers waiting).  A secret seed
+ * drawn when the zone is made, through the avalanche, leaves nothing to
+ * aim at.
+ */
+#define ngx_http_dpd_prefix_bucket(sh, key)                                   \
+    (&(sh)->buckets[dpd_prefix_fmix((key) ^ (sh)->seed) & (sh)->mask])
 
 
 struct ngx_http_dpd_prefix_reader_s {
@@ -153,6 +168,9 @@ static ngx_str_t  ngx_http_dpd_prefix_default_zone =
  * decode choices and one for the prefill choices (a shared one would step
  * twice a request and always start on the same peer of two) */
 static ngx_uint_t  ngx_http_dpd_prefix_rotate[2];
+
+/* per worker: the last "pool too large" warning */
+static time_t      ngx_http_dpd_prefix_big_warn;
 
 
 /* ------------------------------------------------------------------ */
@@ -561,6 +579,33 @@ ngx_http_dpd_prefix_merge_prefill(ngx_conf_t *cf,
 }
 
 
+/* 64 random bits: the kernel's, else what nginx seeded random() with */
+
+static uint64_t
+ngx_http_dpd_prefix_secret(void)
+{
+    ssize_t   n;
+    ngx_fd_t  fd;
+    uint64_t  v;
+
+    v = 0;
+    fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+
+    if (fd != -1) {
+        n = read(fd, &v, sizeof(v));
+        (void) close(fd);
+
+        if (n == (ssize_t) sizeof(v)) {
+            return v;
+        }
+    }
+
+    return ((uint64_t) ngx_random() << 33) ^ ((uint64_t) ngx_random() << 11)
+           ^ (uint64_t) ngx_random() ^ (uint64_t) ngx_pid
+           ^ ((uint64_t) ngx_current_msec << 20);
+}
+
+
 static ngx_int_t
 ngx_http_dpd_prefix_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 {
@@ -612,6 +657,7 @@ ngx_http_dpd_prefix_init_zone(ngx_shm_zone_t *shm_zone, void *data)
     }
 
     z->sh->mask = n - 1;
+    z->sh->seed = ngx_http_dpd_prefix_secret();
 
     n = sizeof(" in dpd_prefix_cache zone \"\"") + shm_zone->shm.name.len;
 
@@ -665,8 +711,27 @@ ngx_http_dpd_prefix_score(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         max = peers->number + (peers->next ? peers->next->number : 0);
     }
 
+    if (max > NGX_HTTP_DPD_PREFIX_MAX_CANDS) {
+        /*
+         * The scores fit 64 peers (a mask bit each, 64 nodes a zone or
+         * index); scoring the first 64 of a larger pool would starve the
+         * rest.  dpd_balance chooses, as with the cache off.
+         */
+        if (ngx_time() - ngx_http_dpd_prefix_big_warn
+            >= NGX_HTTP_DPD_PREFIX_WARN_EVERY)
+        {
+            ngx_http_dpd_prefix_big_warn = ngx_time();
+            ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
+                          "dpd prefix: upstream \"%V\" has %ui peers, more "
+                          "than the %d dpd_prefix_cache scores: routing "
+                          "without the cache", &us->host, max,
+                          NGX_HTTP_DPD_PREFIX_MAX_CANDS);
+        }
+
+        return NGX_DECLINED;
+    }
+
     max = ngx_max(max, 2);
-    max = ngx_min(max, NGX_HTTP_DPD_PREFIX_MAX_CANDS);
 
     cand = ngx_palloc(r->pool, max * sizeof(ngx_http_dpd_balancer_cand_t));
     if (cand == NULL) {
@@ -975,7 +1040,9 @@ ngx_http_dpd_prefix_free_entry(ngx_http_dpd_prefix_zone_t *z,
 {
     ngx_http_dpd_prefix_entry_t  **pp;
 
-    for (pp = &z->sh->buckets[e->key & z->sh->mask]; *pp; pp = &(*pp)->next)
+    for (pp = ngx_http_dpd_prefix_bucket(z->sh, e->key);
+         *pp;
+         pp = &(*pp)->next)
     {
         if (*pp == e) {
             *pp = e->next;
@@ -1114,9 +1181,36 @@ ngx_http_dpd_prefix_zone_lookup(ngx_http_dpd_prefix_conf_t *pc,
     }
 
     for (k = 0; k < nkeys && alive; k++) {
+
+        if (k && k % NGX_HTTP_DPD_PREFIX_LOCK_STEP == 0) {
+            /* a long prompt lets the other workers in now and then (a
+             * 1M-token prompt: ~7 ms in one hold); a node dropped or
+             * reused meanwhile ends its run here */
+            ngx_shmtx_unlock(&z->shpool->mutex);
+            ngx_shmtx_lock(&z->shpool->mutex);
+
+            ngx_memset(of_node, -1, sizeof(of_node));
+
+            for (i = 0; i < ncand; i++) {
+                if (!(alive & ((uint64_t) 1 << i))) {
+                    continue;
+                }
+
+                node = ngx_http_dpd_prefix_node(sh, &cand[i].name, pool, 0);
+
+                if (node < 0) {
+                    alive &= ~((uint64_t) 1 << i);
+                    blocks[i] = k;
+                    continue;
+                }
+
+                of_node[node] = (int8_t) i;
+            }
+        }
+
         held = 0;
 
-        for (e = sh->buckets[keys[k] & sh->mask]; e; e = e->next) {
+        for (e = *ngx_http_dpd_prefix_bucket(sh, keys[k]); e; e = e->next) {
             if (e->key == keys[k]
                 && of_node[e->node] >= 0
                 && (ngx_msec_int_t) (now - e->time)
@@ -1184,7 +1278,22 @@ ngx_http_dpd_prefix_zone_insert(ngx_http_dpd_prefix_conf_t *pc,
 
     for (k = nkeys; k-- > 0; /* void */) {
 
-        b = &sh->buckets[keys[k] & sh->mask];
+        if ((nkeys - k) % NGX_HTTP_DPD_PREFIX_LOCK_STEP == 0) {
+            /* let the other workers in (a 1M-token prompt: ~22 ms in one
+             * hold); stop if another worker dropped the node meanwhile */
+            ngx_shmtx_unlock(&z->shpool->mutex);
+            ngx_shmtx_lock(&z->shpool->mutex);
+
+            if (!sh->nodes[node].used
+                || sh->nodes[node].len != name->len
+                || ngx_memcmp(sh->nodes[node].name, name->data, name->len)
+                   != 0)
+            {
+                break;
+            }
+        }
+
+        b = ngx_http_dpd_prefix_bucket(sh, keys[k]);
 
         for (e = *b; e; e = e->next) {
             if (e->key == keys[k] && e->node == (ngx_uint_t) node) {
@@ -1239,8 +1348,8 @@ ngx_http_dpd_prefix_zone_insert(ngx_http_dpd_prefix_conf_t *pc,
         e->key = keys[k];
         e->node = node;
         e->time = now;
-        e->next = sh->buckets[keys[k] & sh->mask];
-        sh->buckets[keys[k] & sh->mask] = e;
+        e->next = *b;
+        *b = e;
         ngx_queue_insert_head(&sh->nodes[node].lru, &e->queue);
         sh->nodes[node].count++;
         sh->entries++;

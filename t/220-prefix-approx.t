@@ -16,6 +16,10 @@ use JSON::PP ();
 use LWP::UserAgent ();
 use HTTP::Request ();
 use POSIX ();
+use Time::HiRes ();
+use File::Temp ();
+use File::Spec ();
+use File::Basename ();
 
 my ($tj, $tc) = DPD::Emu->tokenizer_files('llama3');
 plan(skip_all => 'Llama 3 tokenizer fixture not installed (make deps)')
@@ -121,6 +125,99 @@ _EOC_
 });
 
 # the checks of each block (its --- init), run with nginx up
+
+# TEST 11: keys aimed at one bucket of the zone's hash table.  The key
+# function is public (dpd_prefix.h) and a completions prompt may be token
+# ids, so a client can pick ids whose keys share their low bits; with the
+# bucket taken from those bits every insert and lookup walks one chain
+# under the zone mutex (quadratic in the prompt, all workers stalled).
+# The generator is compiled here from the real header.
+our $COLLIDE_C = <<'_C_';
+#include <stdio.h>
+#include <stdlib.h>
+#include "dpd_prefix.h"
+int main(int argc, char **argv)
+{
+    size_t    nb, k, j;
+    uint64_t  mask, parent, key;
+    uint32_t  ids[16];
+    if (argc != 3) return 2;
+    nb = strtoul(argv[1], NULL, 10);
+    mask = strtoull(argv[2], NULL, 0);
+    parent = dpd_prefix_salted(dpd_prefix_seed("m", 1, "", 0), "", 0);
+    printf("[");
+    for (k = 0; k < nb; k++) {
+        for (j = 0; j < 16; j++) ids[j] = 1000 + (uint32_t) ((k * 7 + j) % 20000);
+        for (ids[15] = 1000; ; ids[15]++) {
+            key = dpd_prefix_block_key(parent, ids, 16);
+            if ((key & mask) == 0) break;
+        }
+        parent = key;
+        for (j = 0; j < 16; j++) printf("%s%u", (k || j) ? "," : "", ids[j]);
+    }
+    printf("]\n");
+    return 0;
+}
+_C_
+
+# TEST 12: a decode pool of more than 64 peers (the candidate bound):
+# the cache must not confine every request to the first 64
+{
+    # one wildcard listener, 66 peer addresses 127.0.0.1 .. 127.0.0.66
+    my $port = $base + 100;
+    $ENV{TEST_NGINX_BIG_PORT} = $port;
+    $ENV{TEST_NGINX_BIG_SERVERS} = join '', map {
+        "server 127.0.0.$_:$port;\n        " } 1 .. 66;
+}
+
+sub init_12 {
+    my %seen;
+    for my $i (0 .. 66 * 3 - 1) {
+        my ($c, $addr) = post('/v1/completions',
+                              ids(runs => [[200 + $i, 32]]));
+        $seen{$addr}++ if $c == 200;
+    }
+    my @last = grep { $seen{"127.0.0.$_"} } 65, 66;
+    is scalar(keys %seen), 66, 'all 66 decoders got requests ('
+        . scalar(keys %seen) . ')';
+    is scalar(@last), 2, 'the 65th and 66th among them';
+}
+
+
+sub init_11 {
+    my $dir = File::Temp::tempdir(CLEANUP => 1);
+    my $cc = $ENV{CC} || 'cc';
+    open my $fh, '>', "$dir/collide.c" or die "collide.c: $!";
+    print $fh $COLLIDE_C;
+    close $fh;
+    my $inc = File::Spec->rel2abs(File::Basename::dirname(__FILE__)
+                                  . "/../kv_agent/include");
+    system("$cc -O2 -I$inc -o $dir/collide $dir/collide.c") == 0
+        or die "cannot build the generator";
+    # a 1m zone: 4096 buckets (mask 4095), ~15000 entries; 10000 blocks
+    my $ids = `$dir/collide 10000 4095`;
+    die "generator failed" unless $? == 0 && $ids =~ /^\[/;
+    my $aimed = '{"model":"m","max_tokens":1,"prompt":' . $ids . '}';
+    my $plain = ids(runs => [map { [1000 + ($_ % 20000), 16] }
+                             0 .. 9999]);
+    my $time = sub {
+        my $t0 = Time::HiRes::time();
+        my ($c, undef, $k) = post('/v1/completions', $_[0]);
+        return ($c, $k, Time::HiRes::time() - $t0);
+    };
+    my ($c, $k, $tp) = $time->($plain);
+    ($c, $k, $tp) = $time->($plain);
+    is $c, 200, 'a plain 160k-token prompt twice: answered';
+    my $ta;
+    ($c, $k, $ta) = $time->($aimed);
+    ($c, $k, $ta) = $time->($aimed);
+    is $c, 200, 'the aimed prompt twice: answered';
+    cmp_ok $k, '>', 0, "the aimed prompt is remembered ($k tokens)";
+    cmp_ok $ta, '<', 3 * $tp + 0.1,
+        sprintf('aimed keys cost about what plain ones do (%.3f s vs '
+                . '%.3f s)', $ta, $tp);
+}
+
 
 sub init_10 {
     # two prefillers: a conversation's long turns go to the one holding
@@ -678,3 +775,54 @@ main::init_10();
 --- no_error_log
 [error]
 [alert]
+
+
+
+=== TEST 11: keys aimed at one bucket do not make the zone quadratic
+--- config
+    client_body_buffer_size 4m;
+    location /v1/ {
+        dpd on;
+        dpd_threshold 1000000;
+        dpd_decode_upstream pool;
+        dpd_prefix_cache approximate zone=aim:1m;
+        add_header X-Cached $dpd_cached_tokens always;
+        proxy_pass http://pool;
+    }
+    location = /ok { return 200 "ok\n"; }
+--- init
+main::init_11();
+--- no_error_log
+[error]
+[alert]
+[crit]
+
+
+
+=== TEST 12: more than 64 decoders: none left out of the choice
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+    upstream pool {
+        dpd_balance;
+        zone pool 256k;
+        $TEST_NGINX_BIG_SERVERS
+    }
+    server {
+        listen $TEST_NGINX_BIG_PORT;
+        location / { return 200 "$server_addr\n"; }
+    }
+--- config
+    location /v1/ {
+        dpd on;
+        dpd_threshold 1000000;
+        dpd_decode_upstream pool;
+        dpd_prefix_cache approximate;
+        proxy_pass http://pool;
+    }
+    location = /ok { return 200 "ok\n"; }
+--- init
+main::init_12();
+--- no_error_log
+[error]
+[alert]
+[crit]

@@ -306,15 +306,19 @@ feed_removed(void *data, const kv_ev_origin_t *o, const kv_ev_removed_t *ev)
 static void
 feed_cleared(void *data, const kv_ev_origin_t *o, kv_ev_clear_t why)
 {
+    uint64_t        held;
     kv_pfx_feed_t  *f;
 
     f = data;
     if (o->idx >= KV_EVS_MAX_SOURCES) {
         return;
     }
-    kv_info("prefix index: node %s cleared (%s)", o->node,
-            kv_ev_clear_name(why));
-    kv_pfx_node_clear(f->ix, f->node_of[o->idx]);
+    held = kv_pfx_node_clear(f->ix, f->node_of[o->idx]);
+    if (held) {
+        /* only when something went: a storm of clears is one line */
+        kv_info("prefix index: node %s cleared (%s): %llu blocks dropped",
+                o->node, kv_ev_clear_name(why), (unsigned long long) held);
+    }
 }
 
 

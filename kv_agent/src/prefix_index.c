@@ -37,6 +37,7 @@
 #define PFX_MAP_EMPTY  0
 #define PFX_MAP_USED   1
 #define PFX_MAP_TOMB   2
+#define PFX_RECENT     4096            /* ids a node's clear can visit */
 
 typedef struct {
     uint64_t  eid;                     /* engine block id */
@@ -48,11 +49,21 @@ typedef struct {
 } pfx_map_ent_t;
 
 typedef struct {
+    uint64_t  eid;
+    uint8_t   lower;
+} pfx_recent_t;
+
+typedef struct {
     uint64_t  seed;                    /* dpd_prefix_seed(model, "") */
     char      model[128];
     size_t    model_len;
     uint64_t  gpu_blocks;
     uint64_t  lower_blocks;
+    /* the ids stored since the last clear, while they fit: a clear then
+     * visits them instead of scanning the whole table and map */
+    pfx_recent_t  *recent;
+    uint32_t       nrecent;
+    int            overflow;
 } pfx_node_t;
 
 struct kv_pfx {
@@ -423,6 +434,8 @@ fail:
 void
 kv_pfx_close(kv_pfx_t *x, int clean)
 {
+    uint32_t  i;
+
     if (x == NULL) {
         return;
     }
@@ -431,6 +444,9 @@ kv_pfx_close(kv_pfx_t *x, int clean)
             __atomic_store_n(&x->hdr->writer_alive, 0, __ATOMIC_RELEASE);
         }
         munmap(x->map, x->size);
+    }
+    for (i = 0; i < x->nnodes; i++) {
+        free(x->node[i].recent);
     }
     free(x->ents);
     free(x);
@@ -451,6 +467,10 @@ kv_pfx_node(kv_pfx_t *x, const char *id, const char *http_addr,
     {
         return -1;
     }
+    x->node[x->nnodes].recent = calloc(PFX_RECENT, sizeof(pfx_recent_t));
+    if (x->node[x->nnodes].recent == NULL) {
+        return -1;
+    }
     i = (int) x->nnodes++;
     snprintf(x->node[i].model, sizeof(x->node[i].model), "%s", model);
     x->node[i].model_len = strlen(model);
@@ -466,18 +486,39 @@ kv_pfx_node(kv_pfx_t *x, const char *id, const char *http_addr,
 }
 
 
-void
+uint64_t
 kv_pfx_node_clear(kv_pfx_t *x, int node)
 {
-    uint64_t         i, bit;
+    uint64_t         i, bit, held;
+    pfx_node_t      *nd;
+    pfx_map_ent_t   *e;
     dpd_pfx_node_t  *r;
     dpd_pfx_slot_t  *s;
 
     if (node < 0 || (uint32_t) node >= x->nnodes) {
-        return;
+        return 0;
     }
     bit = UINT64_C(1) << node;
     r = &x->nodes[node];
+    nd = &x->node[node];
+    held = nd->gpu_blocks + nd->lower_blocks;
+    x->st.cleared++;
+
+    /*
+     * Nothing held, nothing to scan: the node's live map entries are
+     * exactly its counted blocks and only they set its slot bits.  A
+     * batch may carry 65536 AllBlocksCleared (a restart storm as many
+     * messages): a full scan each (~1.7 ms for the default 1M slots)
+     * would hold the loop for minutes.
+     */
+    if (held == 0) {
+        nd->nrecent = 0;               /* all of them removed since */
+        nd->overflow = 0;
+        seq_begin(&r->seq);
+        r->epoch++;
+        seq_end(&r->seq);
+        return 0;
+    }
 
     /* not READY while its bits go: readers ignore it meanwhile */
     seq_begin(&r->seq);
@@ -485,23 +526,42 @@ kv_pfx_node_clear(kv_pfx_t *x, int node)
     r->epoch++;
     seq_end(&r->seq);
 
-    for (i = 0; i <= x->smask; i++) {
-        s = &x->slots[i];
-        if ((s->gpu_mask | s->lower_mask) & bit) {
-            seq_begin(&s->seq);
-            s->gpu_mask &= ~bit;
-            s->lower_mask &= ~bit;
-            seq_end(&s->seq);
+    if (!nd->overflow) {
+        /* every live entry of the node is among its recent ids: a store
+         * and a clear, repeated, cost what they carry, not a scan */
+        for (i = 0; i < nd->nrecent; i++) {
+            e = map_find(x, node, nd->recent[i].eid, nd->recent[i].lower);
+            if (e == NULL) {
+                continue;              /* removed since, or a repeat */
+            }
+            if (e->key != 0) {
+                (void) slot_update(x, e->key, bit, e->lower, 0);
+            }
+            map_del(x, e);
+        }
+
+    } else {
+        for (i = 0; i <= x->smask; i++) {
+            s = &x->slots[i];
+            if ((s->gpu_mask | s->lower_mask) & bit) {
+                seq_begin(&s->seq);
+                s->gpu_mask &= ~bit;
+                s->lower_mask &= ~bit;
+                seq_end(&s->seq);
+            }
+        }
+        for (i = 0; i <= x->emask; i++) {
+            if (x->ents[i].state == PFX_MAP_USED
+                && x->ents[i].node == node)
+            {
+                map_del(x, &x->ents[i]);
+            }
         }
     }
-    for (i = 0; i <= x->emask; i++) {
-        if (x->ents[i].state == PFX_MAP_USED && x->ents[i].node == node) {
-            map_del(x, &x->ents[i]);
-        }
-    }
+    nd->nrecent = 0;
+    nd->overflow = 0;
     x->node[node].gpu_blocks = 0;
     x->node[node].lower_blocks = 0;
-    x->st.cleared++;
 
     seq_begin(&r->seq);
     r->flags |= DPD_PFX_NODE_READY;
@@ -509,6 +569,7 @@ kv_pfx_node_clear(kv_pfx_t *x, int node)
     r->lower_blocks = 0;
     r->updated_ms = kv_wall_ms();
     seq_end(&r->seq);
+    return held;
 }
 
 
@@ -613,6 +674,13 @@ kv_pfx_stored_seeded(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev,
             nd->gpu_blocks++;
         }
         x->st.stored++;
+        if (nd->nrecent < PFX_RECENT) {
+            nd->recent[nd->nrecent].eid = ev->ids[k];
+            nd->recent[nd->nrecent].lower = (uint8_t) !!ev->lower_tier;
+            nd->nrecent++;
+        } else {
+            nd->overflow = 1;
+        }
     }
     node_publish(x, node);
 }

@@ -71,7 +71,8 @@ void kv_pfx_close(kv_pfx_t *x, int clean);
  * keys (the name requests use for it: what the module seeds with). */
 int  kv_pfx_node(kv_pfx_t *x, const char *id, const char *http_addr,
     const char *model);
-void kv_pfx_node_clear(kv_pfx_t *x, int node);
+/* drops all a node holds; the blocks it held (0: nothing, no scan) */
+uint64_t kv_pfx_node_clear(kv_pfx_t *x, int node);
 
 void kv_pfx_stored(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev);
 /* the same, block 0 seeded with another model name (an adapter's) */
