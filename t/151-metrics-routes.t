@@ -70,6 +70,20 @@ sub post {
 
 sub scrape { $UA->get(url('/metrics'))->content }
 
+# a request is counted in its log phase, which may come a moment after the
+# client has the response: scrape until $ok->(series) or 5 s passed
+sub settled {
+    my ($ok) = @_;
+    my ($text, $s);
+    for (1 .. 50) {
+        $text = scrape();
+        $s = series($text);
+        last if $ok->($s);
+        select undef, undef, undef, 0.1;
+    }
+    return wantarray ? ($text, $s) : $s;
+}
+
 # series name and labels => value, from Prometheus text
 sub series {
     my ($text) = @_;
@@ -153,8 +167,9 @@ sub init_1 {
     @r = post(body(model => 'alpha ', runs => [[400, 10]]));
     is "@r", '200 direct', '"alpha " (not alpha): observe, direct';
 
-    my $text = scrape();
-    my $s = series($text);
+    my ($text, $s) = settled(sub {
+        $_[0]{'dpd_request_duration_seconds_count{route="direct",model="other"}'}
+        == 3 });
 
     if (my $f = $ENV{DPD_METRICS_DUMP}) {     # to read the scrape
         open my $o, '>', $f or die "$f: $!";
@@ -203,13 +218,13 @@ sub init_1 {
        'ttft > 0 and <= the duration';
 
     # the model label takes the configured names and "other" only
-    my %models = map { /model="([^"]*)"/ ? ($1 => 1) : () } keys %$s;
-    is join(',', sort keys %models), 'alpha,beta,other',
-        'model label values: the dpd_model names and other';
+    my %models = map { /model="((?:[^"\\]|\\.)*)"/ ? ($1 => 1) : () } keys %$s;
+    is join(',', sort keys %models), 'alpha,beta,other,q\\"uote',
+        'model label values: the dpd_model names (escaped) and other';
     unlike $text, qr/evil|injected/, 'the client\'s string is nowhere';
-    my %before = map { /model="([^"]*)"/ ? ($1 => 1) : () }
+    my %before = map { /model="((?:[^"\\]|\\.)*)"/ ? ($1 => 1) : () }
                  keys %{ series($before) };
-    is join(',', sort keys %before), 'alpha,beta,other',
+    is join(',', sort keys %before), 'alpha,beta,other,q\\"uote',
         'the same label values before any request';
 
     check_histograms($text, 'after the routes');
@@ -232,8 +247,10 @@ sub init_1 {
     }
     is $out, 1, 'a slow request in flight: 1 outstanding on the pool';
     waitpid $pid, 0;
-    is series(scrape())->{'dpd_pool_outstanding_requests{pool="pool"}'},
-        0, '... 0 once it ended';
+    is settled(sub {
+           !$_[0]{'dpd_pool_outstanding_requests{pool="pool"}'} })
+       ->{'dpd_pool_outstanding_requests{pool="pool"}'},
+       0, '... 0 once it ended';
 
     check_dashboard($text);
 }
@@ -304,14 +321,76 @@ sub check_dashboard {
 sub init_2 {
     # more dpd_model names than the zone has slots: the rest is "other"
     my $s = series(scrape());
-    my %models = map { /model="([^"]*)"/ ? ($1 => 1) : () } keys %$s;
+    my %models = map { /model="((?:[^"\\]|\\.)*)"/ ? ($1 => 1) : () } keys %$s;
     is scalar(keys %models), 16, '15 names and other';
     ok $models{m1} && $models{m15} && !$models{m16}, 'm1..m15, not m16';
     my @r = post(body(model => 'm16', runs => [[100, 5]]));
     is "@r", '200 direct', 'm16 answered';
-    $s = series(scrape());
+    $s = settled(sub {
+        $_[0]{'dpd_request_duration_seconds_count{route="direct",model="other"}'}
+    });
     is $s->{'dpd_request_duration_seconds_count{route="direct",model="other"}'},
         1, 'm16 counted as other';
+}
+
+sub init_3 {
+    # a reload keeps the counters and each name's slot; a new name gets a
+    # free slot, a removed one keeps its series until a restart
+    my $dur = 'dpd_request_duration_seconds_count';
+    my @r = post(body(model => 'a', runs => [[100, 5]]));
+    is "@r", '200 direct', 'a answered';
+    my $s = settled(sub { $_[0]{qq($dur) . '{route="direct",model="a"}'} });
+    is $s->{qq($dur) . '{route="direct",model="a"}'}, 1, 'a counted';
+
+    my $conf = $Test::Nginx::Util::ConfFile;
+    open my $in, '<', $conf or die "$conf: $!";
+    my $text = do { local $/; <$in> };
+    close $in;
+    $text =~ s/dpd_model b \@m;/dpd_model c \@m;/ or die 'no "dpd_model b"';
+    open my $out, '>', $conf or die "$conf: $!";
+    print $out $text;
+    close $out;
+    open my $pf, '<', $Test::Nginx::Util::PidFile or die "pid: $!";
+    my $pid = <$pf>;
+    chomp $pid;
+    # the workers now: after the reload they stop accepting and exit
+    my @old;
+    for my $p (map { m{/proc/(\d+)$} ? $1 : () } glob '/proc/[0-9]*') {
+        open my $st, '<', "/proc/$p/stat" or next;
+        my $line = <$st> // '';
+        push @old, $p if $line =~ /^\d+ \(.*\) \S (\d+) / && $1 == $pid;
+    }
+    ok @old >= 1, 'the workers before the reload: ' . scalar(@old);
+    kill 'HUP', $pid or die "HUP $pid: $!";
+    for (1 .. 100) {
+        last unless grep { kill 0, $_ } @old;
+        select undef, undef, undef, 0.1;
+    }
+    # new connections only: a kept-alive one may still be an old worker's
+    $UA = LWP::UserAgent->new(timeout => 60, keep_alive => 0);
+
+    for (1 .. 100) {
+        $s = series(scrape());
+        last if exists $s->{qq($dur) . '{route="direct",model="c"}'};
+        select undef, undef, undef, 0.1;
+    }
+    ok exists $s->{qq($dur) . '{route="direct",model="c"}'},
+       'after the reload: c has a slot';
+    is $s->{qq($dur) . '{route="direct",model="a"}'}, 1,
+       'a kept its count';
+    is $s->{qq($dur) . '{route="direct",model="b"}'}, 0,
+       'b (removed) keeps its series';
+    @r = post(body(model => 'c', runs => [[100, 5]]));
+    is "@r", '200 direct', 'c answered';
+    @r = post(body(model => 'b', runs => [[100, 5]]));
+    is "@r", '200 direct', 'b (now "*") answered';
+    $s = settled(sub {
+        $_[0]{qq($dur) . '{route="direct",model="other"}'}
+        && $_[0]{qq($dur) . '{route="direct",model="c"}'} });
+    is $s->{qq($dur) . '{route="direct",model="c"}'}, 1, 'c counted';
+    is $s->{qq($dur) . '{route="direct",model="b"}'}, 0,
+       'b no more: its request is other';
+    is $s->{qq($dur) . '{route="direct",model="other"}'}, 1, '... here';
 }
 
 add_block_preprocessor(sub {
@@ -368,6 +447,7 @@ __DATA__
         dpd on;
         dpd_model alpha @alpha;
         dpd_model beta @beta;
+        dpd_model 'q"uote' @other;
         dpd_model * @other;
     }
     location @alpha {
@@ -441,3 +521,32 @@ main::init_1();
 main::init_2();
 --- error_log
 more than 15 model names since the start, "m16" is counted as model="other"
+
+
+
+=== TEST 3: a reload keeps the counts and the names' slots
+--- http_config
+    dpd_tokenizer $TEST_NGINX_LLAMA3;
+    server {
+        listen 127.0.0.1:$TEST_NGINX_B1;
+        location / { return 200 "ok\n"; }
+    }
+--- config
+    add_header X-Route $dpd_route always;
+    location /v1/ {
+        dpd on;
+        dpd_model a @m;
+        dpd_model b @m;
+        dpd_model * @m;
+    }
+    location @m {
+        dpd on;
+        proxy_pass http://127.0.0.1:$TEST_NGINX_B1;
+    }
+    location = /ok { return 200 "ok\n"; }
+    location = /metrics { dpd_metrics; }
+--- init
+main::init_3();
+--- no_error_log
+[alert]
+[crit]
