@@ -128,8 +128,8 @@ static const ngx_http_dpd_hist_def_t  ngx_http_dpd_hist_defs[] = {
         1000000, 2500000, 5000000, 10000000, 30000000, 60000000 } },
 
     { "dpd_kv_wait_seconds",
-      "kv_agent: time from the prefill reply until the state table said "
-      "ready or failed, or dpd_kv_wait passed.",
+      "kv_agent, lmcache: time from the prefill reply until the KV was "
+      "said ready or failed, or dpd_kv_wait passed.",
       1000000, 13,
       { "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1",
         "0.25", "0.5", "1", "2.5", "5", "10" },
@@ -874,8 +874,8 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
             m->counters[NGX_HTTP_DPD_M_PREFIX_IMBALANCED]);
 
     p = ngx_sprintf(p,
-            "# HELP dpd_kv_wait_total kv_agent handoffs, by how the wait "
-            "for the KV ended.\n"
+            "# HELP dpd_kv_wait_total kv_agent and lmcache handoffs, by how "
+            "the wait for the KV ended.\n"
             "# TYPE dpd_kv_wait_total counter\n");
 
     for (i = 0; i < NGX_HTTP_DPD_KVW_N; i++) {
