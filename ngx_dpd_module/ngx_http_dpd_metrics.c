@@ -148,7 +148,7 @@ static const ngx_http_dpd_hist_def_t  ngx_http_dpd_ttft_def =
 
     { "dpd_ttft_seconds",
       "Time to first token: from the gateway's first look at the request "
-      "to the first byte of a streamed 2xx response, by route and model.",
+      "to the first byte of a streamed 200 response, by route and model.",
       1000000, 15,
       { "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5",
         "1", "2.5", "5", "10", "30", "60", "120", "300" },
