@@ -785,7 +785,7 @@ ngx_http_dpd_balancer_move(ngx_http_request_t *r,
 
     if (ctx && ctx->route == NGX_HTTP_DPD_ROUTE_DISAGGREGATED) {
         ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
-        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
+        ngx_http_dpd_metrics_fallback(r, NGX_HTTP_DPD_FB_DECODE_MOVED);
     }
 
     if (pin->moved_handler == NULL) {

@@ -7,6 +7,12 @@
  * survives reloads (same name, size and tag), so counters keep counting.
  * Histogram sums are kept as integers in the unit times a fixed scale
  * (seconds in microseconds), so atomic adds suffice.
+ *
+ * Label sets are bounded by construction: routes, causes and protocols are
+ * fixed lists; "model" takes the dpd_model names of the configuration
+ * (slots in the zone, given at configuration time, kept across reloads),
+ * anything else is "other", never the client's string; "pool" is the name
+ * of an upstream{} with dpd_balance, read at scrape time.
  */
 
 
@@ -15,9 +21,13 @@
 #include <ngx_http.h>
 
 #include "ngx_http_dpd_module.h"
+#include "ngx_http_dpd_balancer.h"
 
 
-#define NGX_HTTP_DPD_METRICS_MAGIC  0x64706431   /* "dpd1" */
+#define NGX_HTTP_DPD_METRICS_MAGIC  0x64706432   /* "dpd2" */
+
+/* label "protocol" of dpd_kv_transfer_seconds: NGX_HTTP_DPD_PROTO_* - 1 */
+#define NGX_HTTP_DPD_METRICS_PROTOS  3
 
 
 typedef struct {
@@ -34,7 +44,20 @@ typedef struct {
     ngx_atomic_t        errors[NGX_HTTP_DPD_E_N];
     ngx_atomic_t        counters[NGX_HTTP_DPD_M_N];
     ngx_atomic_t        kv_wait[NGX_HTTP_DPD_KVW_N];
+    ngx_atomic_t        fallbacks[NGX_HTTP_DPD_FB_N];
+    ngx_atomic_t        observe[2];             /* direct, disaggregated */
     ngx_http_dpd_hist_t hist[NGX_HTTP_DPD_H_N];
+
+    /* by route (NGX_HTTP_DPD_LR_*) and model slot */
+    ngx_http_dpd_hist_t ttft[NGX_HTTP_DPD_LR_N][NGX_HTTP_DPD_METRICS_MODELS];
+    ngx_http_dpd_hist_t e2e[NGX_HTTP_DPD_LR_N][NGX_HTTP_DPD_METRICS_MODELS];
+    ngx_http_dpd_hist_t kv_transfer[NGX_HTTP_DPD_METRICS_PROTOS];
+
+    /* the model label of each slot (0: "other", no name); written by the
+     * master at configuration time only, a slot never changes its name */
+    ngx_atomic_t        model_len[NGX_HTTP_DPD_METRICS_MODELS];
+    u_char              model[NGX_HTTP_DPD_METRICS_MODELS]
+                             [NGX_HTTP_DPD_MODEL_LEN];
 } ngx_http_dpd_metrics_t;
 
 
@@ -54,6 +77,25 @@ static ngx_http_dpd_metrics_t *ngx_http_dpd_metrics_get(
     ngx_http_request_t *r);
 static u_char *ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m,
     u_char *p);
+static u_char *ngx_http_dpd_metrics_render_latency(ngx_http_dpd_metrics_t *m,
+    u_char *p);
+static u_char *ngx_http_dpd_metrics_render_pools(ngx_http_request_t *r,
+    u_char *p, u_char *last);
+static size_t ngx_http_dpd_metrics_pools_size(ngx_http_request_t *r);
+static void ngx_http_dpd_metrics_hist_add(ngx_http_dpd_hist_t *h,
+    const ngx_http_dpd_hist_def_t *def, double value);
+static u_char *ngx_http_dpd_metrics_hist_lines(u_char *p,
+    const ngx_http_dpd_hist_def_t *def, ngx_http_dpd_hist_t *h,
+    u_char *lab, size_t len);
+static u_char *ngx_http_dpd_metrics_escape(u_char *p, u_char *s, size_t len);
+static void ngx_http_dpd_metrics_models(ngx_log_t *log,
+    ngx_http_dpd_main_conf_t *dmcf, ngx_http_dpd_metrics_t *m);
+static ngx_int_t ngx_http_dpd_metrics_body_filter(ngx_http_request_t *r,
+    ngx_chain_t *in);
+static ngx_uint_t ngx_http_dpd_metrics_nixl(ngx_http_request_t *r);
+
+
+static ngx_http_output_body_filter_pt  ngx_http_next_body_filter;
 
 
 static ngx_str_t  ngx_http_dpd_metrics_zone_name = ngx_string("dpd_metrics");
@@ -86,13 +128,71 @@ static const ngx_http_dpd_hist_def_t  ngx_http_dpd_hist_defs[] = {
         1000000, 2500000, 5000000, 10000000, 30000000, 60000000 } },
 
     { "dpd_kv_wait_seconds",
-      "kv_agent: time from the prefill reply until the state table said "
-      "ready or failed, or dpd_kv_wait passed.",
+      "kv_agent, lmcache: time from the prefill reply until the KV was "
+      "said ready or failed, or dpd_kv_wait passed.",
       1000000, 13,
       { "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1",
         "0.25", "0.5", "1", "2.5", "5", "10" },
       { 1000, 2500, 5000, 10000, 25000, 50000, 100000,
         250000, 500000, 1000000, 2500000, 5000000, 10000000 } }
+};
+
+
+/*
+ * The labelled histograms.  Buckets for LLM serving: a short prompt's
+ * first token in milliseconds, a long prompt queued behind others in
+ * minutes; a whole request (generation included) up to 20 minutes.
+ */
+
+static const ngx_http_dpd_hist_def_t  ngx_http_dpd_ttft_def =
+
+    { "dpd_ttft_seconds",
+      "Time to first token: from the gateway's first look at the request "
+      "to the first byte of a streamed 200 response, by route and model.",
+      1000000, 15,
+      { "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5",
+        "1", "2.5", "5", "10", "30", "60", "120", "300" },
+      { 5000, 10000, 25000, 50000, 100000, 250000, 500000,
+        1000000, 2500000, 5000000, 10000000, 30000000, 60000000,
+        120000000, 300000000 } };
+
+static const ngx_http_dpd_hist_def_t  ngx_http_dpd_e2e_def =
+
+    { "dpd_request_duration_seconds",
+      "End-to-end latency of routed requests, from the gateway's first "
+      "look at the request to its log phase, by route and model.",
+      1000000, 15,
+      { "0.05", "0.1", "0.25", "0.5", "1", "2.5", "5",
+        "10", "20", "30", "60", "120", "300", "600", "1200" },
+      { 50000, 100000, 250000, 500000, 1000000, 2500000, 5000000,
+        10000000, 20000000, 30000000, 60000000, 120000000, 300000000,
+        600000000, 1200000000 } };
+
+static const ngx_http_dpd_hist_def_t  ngx_http_dpd_kv_transfer_def =
+
+    { "dpd_kv_transfer_seconds",
+      "KV hand-off time of disaggregated requests: lmcache and kv_agent "
+      "the wait until the KV was ready on the decoder; nixl (the decoder "
+      "pulls) the decode leg's first-byte latency, KV pull + first token.",
+      1000000, 14,
+      { "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1",
+        "0.25", "0.5", "1", "2.5", "5", "10", "30" },
+      { 1000, 2500, 5000, 10000, 25000, 50000, 100000,
+        250000, 500000, 1000000, 2500000, 5000000, 10000000,
+        30000000 } };
+
+
+static const char  *ngx_http_dpd_lroute_labels[NGX_HTTP_DPD_LR_N] = {
+    "direct", "direct_cached", "disaggregated", "fallback"
+};
+
+static const char  *ngx_http_dpd_proto_labels[NGX_HTTP_DPD_METRICS_PROTOS] = {
+    "nixl", "lmcache", "kv_agent"
+};
+
+static const char  *ngx_http_dpd_fallback_labels[NGX_HTTP_DPD_FB_N] = {
+    "prefill_5xx", "prefill_timeout", "prefill_connect", "prefill_bad_reply",
+    "no_decoder", "no_node", "no_kv_params", "decode_moved", "other"
 };
 
 
@@ -144,33 +244,50 @@ ngx_http_dpd_metrics_init_zone_conf(ngx_conf_t *cf,
         return NGX_ERROR;
     }
 
+    /* the configuration: its model names get their slots at zone init */
+
     dmcf->metrics_zone->init = ngx_http_dpd_metrics_init_zone;
-    dmcf->metrics_zone->data = NULL;
+    dmcf->metrics_zone->data = dmcf;
+
+    /* the first body byte of a response: time to first token */
+
+    ngx_http_next_body_filter = ngx_http_top_body_filter;
+    ngx_http_top_body_filter = ngx_http_dpd_metrics_body_filter;
 
     return NGX_OK;
 }
 
 
+/*
+ * shm_zone->data is this cycle's main conf, data the old cycle's (on a
+ * reload): its counters are ours when the layout is the same.
+ */
+
 static ngx_int_t
 ngx_http_dpd_metrics_init_zone(ngx_shm_zone_t *shm_zone, void *data)
 {
+    ngx_http_dpd_main_conf_t *dmcf = shm_zone->data;
+    ngx_http_dpd_main_conf_t *odmcf = data;
+
     ngx_slab_pool_t         *shpool;
-    ngx_http_dpd_metrics_t  *m, *old = data;
+    ngx_http_dpd_metrics_t  *m, *old;
+
+    old = odmcf ? odmcf->metrics : NULL;
 
     if (old
         && old->magic == NGX_HTTP_DPD_METRICS_MAGIC
         && old->size == sizeof(ngx_http_dpd_metrics_t))
     {
         /* reload: keep counting where the old cycle left off */
-        shm_zone->data = old;
-        return NGX_OK;
+        m = old;
+        goto done;
     }
 
     shpool = (ngx_slab_pool_t *) shm_zone->shm.addr;
 
     if (shm_zone->shm.exists) {
-        shm_zone->data = shpool->data;
-        return NGX_OK;
+        m = shpool->data;
+        goto done;
     }
 
     m = ngx_slab_calloc(shpool, sizeof(ngx_http_dpd_metrics_t));
@@ -182,9 +299,97 @@ ngx_http_dpd_metrics_init_zone(ngx_shm_zone_t *shm_zone, void *data)
     m->size = sizeof(ngx_http_dpd_metrics_t);
 
     shpool->data = m;
-    shm_zone->data = m;
+
+done:
+
+    dmcf->metrics = m;
+
+    ngx_http_dpd_metrics_models(shm_zone->shm.log, dmcf, m);
 
     return NGX_OK;
+}
+
+
+/*
+ * Each dpd_model NAME (not "*") gets the slot that already carries its
+ * name (a reload), else a free one; when all are taken, "other".  Slots
+ * are never emptied while the zone lives, so a series keeps its meaning.
+ */
+
+static void
+ngx_http_dpd_metrics_models(ngx_log_t *log, ngx_http_dpd_main_conf_t *dmcf,
+    ngx_http_dpd_metrics_t *m)
+{
+    ngx_uint_t                 i, k, s, free;
+    ngx_http_dpd_model_t      *e;
+    ngx_http_dpd_loc_conf_t  **lp;
+
+    lp = dmcf->model_locs.elts;
+
+    for (i = 0; i < dmcf->model_locs.nelts; i++) {
+
+        e = lp[i]->models->elts;
+
+        for (k = 0; k < lp[i]->models->nelts; k++) {
+
+            e[k].metrics_slot = 0;
+
+            if (k == lp[i]->model_default) {
+                continue;
+            }
+
+            if (e[k].name.len > NGX_HTTP_DPD_MODEL_LEN) {
+                ngx_log_error(NGX_LOG_WARN, log, 0,
+                              "dpd_metrics: model name \"%V\" longer than "
+                              "%d bytes, counted as model=\"other\"",
+                              &e[k].name, NGX_HTTP_DPD_MODEL_LEN);
+                continue;
+            }
+
+            free = 0;
+
+            for (s = 1; s < NGX_HTTP_DPD_METRICS_MODELS; s++) {
+
+                if (m->model_len[s] == 0) {
+                    if (free == 0) {
+                        free = s;
+                    }
+
+                    continue;
+                }
+
+                if (m->model_len[s] == e[k].name.len
+                    && ngx_memcmp(m->model[s], e[k].name.data,
+                                  e[k].name.len) == 0)
+                {
+                    break;
+                }
+            }
+
+            if (s < NGX_HTTP_DPD_METRICS_MODELS) {
+                e[k].metrics_slot = s;
+                continue;
+            }
+
+            if (free == 0) {
+                ngx_log_error(NGX_LOG_WARN, log, 0,
+                              "dpd_metrics: more than %d model names since "
+                              "the start, \"%V\" is counted as "
+                              "model=\"other\"",
+                              NGX_HTTP_DPD_METRICS_MODELS - 1, &e[k].name);
+                continue;
+            }
+
+            /* the name before its length: a scrape in an old worker sees
+             * the slot empty or whole */
+
+            ngx_memcpy(m->model[free], e[k].name.data, e[k].name.len);
+            ngx_memory_barrier();
+            m->model_len[free] = e[k].name.len;
+
+            e[k].metrics_slot = free;
+        }
+    }
 }
 
 
@@ -199,11 +404,11 @@ ngx_http_dpd_metrics_get(ngx_http_request_t *r)
 
     dmcf = ngx_http_get_module_main_conf(r, ngx_http_dpd_module);
 
-    if (dmcf == NULL || dmcf->metrics_zone == NULL) {
+    if (dmcf == NULL) {
         return NULL;
     }
 
-    return dmcf->metrics_zone->data;
+    return dmcf->metrics;
 }
 
 
@@ -259,11 +464,7 @@ void
 ngx_http_dpd_metrics_observe(ngx_http_request_t *r, ngx_uint_t histogram,
     double value)
 {
-    uint64_t                        v;
-    ngx_uint_t                      i;
-    ngx_http_dpd_hist_t            *h;
-    ngx_http_dpd_metrics_t         *m;
-    const ngx_http_dpd_hist_def_t  *def;
+    ngx_http_dpd_metrics_t  *m;
 
     m = ngx_http_dpd_metrics_get(r);
 
@@ -271,8 +472,17 @@ ngx_http_dpd_metrics_observe(ngx_http_request_t *r, ngx_uint_t histogram,
         return;
     }
 
-    def = &ngx_http_dpd_hist_defs[histogram];
-    h = &m->hist[histogram];
+    ngx_http_dpd_metrics_hist_add(&m->hist[histogram],
+                                  &ngx_http_dpd_hist_defs[histogram], value);
+}
+
+
+static void
+ngx_http_dpd_metrics_hist_add(ngx_http_dpd_hist_t *h,
+    const ngx_http_dpd_hist_def_t *def, double value)
+{
+    uint64_t    v;
+    ngx_uint_t  i;
 
     if (!(value > 0)) {             /* negative or NaN */
         value = 0;
@@ -302,7 +512,8 @@ void
 ngx_http_dpd_metrics_log_request(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx)
 {
-    ngx_uint_t               status, cls, route, reason;
+    uint64_t                 now;
+    ngx_uint_t               status, cls, route, reason, lr, slot;
     ngx_http_dpd_metrics_t  *m;
 
     m = ngx_http_dpd_metrics_get(r);
@@ -364,6 +575,56 @@ ngx_http_dpd_metrics_log_request(ngx_http_request_t *r,
             ngx_http_dpd_metrics_observe(r, NGX_HTTP_DPD_H_DECISION_SECONDS,
                                          (double) ctx->decision_usec / 1e6);
         }
+
+        /*
+         * latency by what was done: observe mode sends every request
+         * direct (its decisions are counted apart), and a direct route
+         * the prefix cache chose for the cached blocks is its own
+         */
+
+        lr = NGX_HTTP_DPD_LR_N;
+
+        switch (ctx->route) {
+        case NGX_HTTP_DPD_ROUTE_DIRECT:
+        case NGX_HTTP_DPD_ROUTE_DISAGGREGATED:
+            if (ctx->observe) {
+                (void) ngx_atomic_fetch_add(&m->observe[
+                        ctx->route == NGX_HTTP_DPD_ROUTE_DISAGGREGATED], 1);
+            }
+
+            if (ctx->route == NGX_HTTP_DPD_ROUTE_DISAGGREGATED
+                && !ctx->observe)
+            {
+                lr = NGX_HTTP_DPD_LR_DISAGG;
+
+            } else if (ctx->prefix_reason == NGX_HTTP_DPD_PR_CACHED) {
+                lr = NGX_HTTP_DPD_LR_DIRECT_CACHED;
+
+            } else {
+                lr = NGX_HTTP_DPD_LR_DIRECT;
+            }
+
+            break;
+
+        case NGX_HTTP_DPD_ROUTE_FALLBACK:
+            lr = NGX_HTTP_DPD_LR_FALLBACK;
+            break;
+        }
+
+        if (lr != NGX_HTTP_DPD_LR_N) {
+            slot = ctx->model ? ctx->model->metrics_slot : 0;
+            now = ngx_http_dpd_now_usec();
+
+            ngx_http_dpd_metrics_hist_add(&m->e2e[lr][slot],
+                                          &ngx_http_dpd_e2e_def,
+                                 (double) (now - ctx->start_usec) / 1e6);
+
+            if (ctx->first_usec) {
+                ngx_http_dpd_metrics_hist_add(&m->ttft[lr][slot],
+                                              &ngx_http_dpd_ttft_def,
+                        (double) (ctx->first_usec - ctx->start_usec) / 1e6);
+            }
+        }
     }
 
     if (reason == NGX_HTTP_DPD_E_NONE
@@ -381,7 +642,7 @@ ngx_http_dpd_metrics_log_request(ngx_http_request_t *r,
 ngx_int_t
 ngx_http_dpd_metrics_handler(ngx_http_request_t *r)
 {
-    size_t                   size;
+    size_t                   size, n;
     u_char                  *p;
     ngx_int_t                rc;
     ngx_buf_t               *b;
@@ -402,13 +663,21 @@ ngx_http_dpd_metrics_handler(ngx_http_request_t *r)
         return NGX_HTTP_SERVICE_UNAVAILABLE;
     }
 
-    /* generous: every series line is well under 160 bytes */
+    /* generous: every unlabelled series line is well under 160 bytes, a
+     * labelled one under 160 + its escaped model name */
 
     size = 8192
            + 160 * (NGX_HTTP_DPD_MR_N * NGX_HTTP_DPD_STATUS_N
                     + NGX_HTTP_DPD_E_N + NGX_HTTP_DPD_M_N
-                    + NGX_HTTP_DPD_KVW_N
-                    + NGX_HTTP_DPD_H_N * (NGX_HTTP_DPD_HIST_BUCKETS + 4));
+                    + NGX_HTTP_DPD_KVW_N + NGX_HTTP_DPD_FB_N
+                    + (NGX_HTTP_DPD_H_N + NGX_HTTP_DPD_METRICS_PROTOS)
+                      * (NGX_HTTP_DPD_HIST_BUCKETS + 4))
+           + (160 + 2 * NGX_HTTP_DPD_MODEL_LEN)
+             * 2 * NGX_HTTP_DPD_LR_N * NGX_HTTP_DPD_METRICS_MODELS
+             * (NGX_HTTP_DPD_HIST_BUCKETS + 4);
+
+    n = size;
+    size += ngx_http_dpd_metrics_pools_size(r);
 
     b = ngx_create_temp_buf(r->pool, size);
     if (b == NULL) {
@@ -416,6 +685,19 @@ ngx_http_dpd_metrics_handler(ngx_http_request_t *r)
     }
 
     p = ngx_http_dpd_metrics_render(m, b->last);
+    p = ngx_http_dpd_metrics_render_latency(m, p);
+
+    if ((size_t) (p - b->start) > n) {
+        ngx_log_error(NGX_LOG_ALERT, r->connection->log, 0,
+                      "dpd_metrics: output larger than its buffer");
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
+    p = ngx_http_dpd_metrics_render_pools(r, p, b->end);
+    if (p == NULL) {
+        return NGX_HTTP_INTERNAL_SERVER_ERROR;
+    }
+
     b->last = p;
 
     r->headers_out.status = NGX_HTTP_OK;
@@ -456,7 +738,6 @@ ngx_http_dpd_metrics_sum(u_char *p, uint64_t sum, uint64_t scale)
 static u_char *
 ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
 {
-    uint64_t                        cum;
     ngx_uint_t                      i, j;
     ngx_http_dpd_hist_t            *h;
     const ngx_http_dpd_hist_def_t  *def;
@@ -493,20 +774,7 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
         p = ngx_sprintf(p, "# HELP %s %s\n# TYPE %s histogram\n",
                         def->name, def->help, def->name);
 
-        cum = 0;
-
-        for (j = 0; j < def->nbuckets; j++) {
-            cum += h->bucket[j];
-            p = ngx_sprintf(p, "%s_bucket{le=\"%s\"} %uL\n",
-                            def->name, def->le[j], cum);
-        }
-
-        cum += h->bucket[def->nbuckets];
-
-        p = ngx_sprintf(p, "%s_bucket{le=\"+Inf\"} %uL\n%s_sum ",
-                        def->name, cum, def->name);
-        p = ngx_http_dpd_metrics_sum(p, h->sum, def->scale);
-        p = ngx_sprintf(p, "\n%s_count %uL\n", def->name, cum);
+        p = ngx_http_dpd_metrics_hist_lines(p, def, h, NULL, 0);
     }
 
     p = ngx_sprintf(p,
@@ -528,9 +796,24 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
 
     p = ngx_sprintf(p,
             "# HELP dpd_fallbacks_total Disaggregated requests sent to a "
-            "decoder without KV.\n"
-            "# TYPE dpd_fallbacks_total counter\n"
-            "dpd_fallbacks_total %uA\n"
+            "decoder without KV, by cause.\n"
+            "# TYPE dpd_fallbacks_total counter\n");
+
+    for (i = 0; i < NGX_HTTP_DPD_FB_N; i++) {
+        p = ngx_sprintf(p, "dpd_fallbacks_total{cause=\"%s\"} %uA\n",
+                        ngx_http_dpd_fallback_labels[i], m->fallbacks[i]);
+    }
+
+    p = ngx_sprintf(p,
+            "# HELP dpd_observe_decisions_total Decisions made in observe "
+            "mode (no dpd_prefill_pass: every request went direct), by the "
+            "route decided.\n"
+            "# TYPE dpd_observe_decisions_total counter\n"
+            "dpd_observe_decisions_total{route=\"direct\"} %uA\n"
+            "dpd_observe_decisions_total{route=\"disaggregated\"} %uA\n",
+            m->observe[0], m->observe[1]);
+
+    p = ngx_sprintf(p,
             "# HELP dpd_kv_handoffs_total Decode requests after a prefill, "
             "by presence of kv_transfer_params.\n"
             "# TYPE dpd_kv_handoffs_total counter\n"
@@ -544,7 +827,6 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
             "byte bound alone (dpd_count bound), without a token count.\n"
             "# TYPE dpd_count_skipped_total counter\n"
             "dpd_count_skipped_total %uA\n",
-            m->counters[NGX_HTTP_DPD_M_FALLBACKS],
             m->counters[NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS],
             m->counters[NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS],
             m->counters[NGX_HTTP_DPD_M_KV_STRIPPED],
@@ -592,8 +874,8 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
             m->counters[NGX_HTTP_DPD_M_PREFIX_IMBALANCED]);
 
     p = ngx_sprintf(p,
-            "# HELP dpd_kv_wait_total kv_agent handoffs, by how the wait "
-            "for the KV ended.\n"
+            "# HELP dpd_kv_wait_total kv_agent and lmcache handoffs, by how "
+            "the wait for the KV ended.\n"
             "# TYPE dpd_kv_wait_total counter\n");
 
     for (i = 0; i < NGX_HTTP_DPD_KVW_N; i++) {
@@ -609,7 +891,9 @@ void
 ngx_http_dpd_metrics_kv_wait(ngx_http_request_t *r, ngx_uint_t outcome,
     ngx_msec_int_t msec)
 {
-    ngx_http_dpd_metrics_t  *m;
+    ngx_uint_t                proto;
+    ngx_http_dpd_metrics_t   *m;
+    ngx_http_dpd_loc_conf_t  *dlcf;
 
     m = ngx_http_dpd_metrics_get(r);
 
@@ -619,8 +903,397 @@ ngx_http_dpd_metrics_kv_wait(ngx_http_request_t *r, ngx_uint_t outcome,
 
     (void) ngx_atomic_fetch_add(&m->kv_wait[outcome], 1);
 
-    if (msec >= 0) {
-        ngx_http_dpd_metrics_observe(r, NGX_HTTP_DPD_H_KV_WAIT_SECONDS,
-                                     (double) msec / 1000);
+    if (msec < 0) {
+        return;
     }
+
+    ngx_http_dpd_metrics_observe(r, NGX_HTTP_DPD_H_KV_WAIT_SECONDS,
+                                 (double) msec / 1000);
+
+    if (outcome != NGX_HTTP_DPD_KVW_READY) {
+        return;
+    }
+
+    /* the KV landed: the protocol's transfer time (lmcache, kv_agent) */
+
+    dlcf = ngx_http_get_module_loc_conf(r, ngx_http_dpd_module);
+    proto = dlcf->prefill.protocol;
+
+    if (proto >= 1 && proto <= NGX_HTTP_DPD_METRICS_PROTOS) {
+        ngx_http_dpd_metrics_hist_add(&m->kv_transfer[proto - 1],
+                                      &ngx_http_dpd_kv_transfer_def,
+                                      (double) msec / 1000);
+    }
+}
+
+
+void
+ngx_http_dpd_metrics_fallback(ngx_http_request_t *r, ngx_uint_t cause)
+{
+    ngx_http_dpd_metrics_t  *m;
+
+    m = ngx_http_dpd_metrics_get(r);
+
+    if (m == NULL) {
+        return;
+    }
+
+    if (cause >= NGX_HTTP_DPD_FB_N) {
+        cause = NGX_HTTP_DPD_FB_OTHER;
+    }
+
+    (void) ngx_atomic_fetch_add(&m->fallbacks[cause], 1);
+}
+
+
+/*
+ * The first byte of the main request's response body (streamed 2xx):
+ * time to first token, and for nixl the decode leg's first-byte latency.
+ * A check of two fields per body buffer once it is known.
+ */
+
+static ngx_int_t
+ngx_http_dpd_metrics_body_filter(ngx_http_request_t *r, ngx_chain_t *in)
+{
+    uint64_t                 now;
+    ngx_chain_t             *cl;
+    ngx_http_dpd_ctx_t      *ctx;
+    ngx_http_dpd_metrics_t  *m;
+
+    if (in == NULL || r != r->main) {
+        return ngx_http_next_body_filter(r, in);
+    }
+
+    ctx = ngx_http_get_module_ctx(r, ngx_http_dpd_module);
+
+    if (ctx == NULL || ctx->first_usec || !ctx->stream
+        || r->headers_out.status != NGX_HTTP_OK)
+    {
+        return ngx_http_next_body_filter(r, in);
+    }
+
+    for (cl = in; cl; cl = cl->next) {
+        if (ngx_buf_size(cl->buf) > 0) {
+            break;
+        }
+    }
+
+    if (cl == NULL) {
+        return ngx_http_next_body_filter(r, in);
+    }
+
+    now = ngx_http_dpd_now_usec();
+    ctx->first_usec = now;
+
+    /*
+     * nixl: the decoder pulls the KV itself before its first token; from
+     * here that is the time from the decode body's hand-off to proxy_pass
+     * to the decoder's first byte (connect, the pull, the first step)
+     */
+
+    if (ctx->route == NGX_HTTP_DPD_ROUTE_DISAGGREGATED
+        && ctx->prefill.params
+        && ctx->decode_usec
+        && ctx->prefill.proto
+        && ngx_http_dpd_metrics_nixl(r))
+    {
+        m = ngx_http_dpd_metrics_get(r);
+
+        if (m) {
+            ngx_http_dpd_metrics_hist_add(
+                &m->kv_transfer[NGX_HTTP_DPD_PROTO_NIXL - 1],
+                &ngx_http_dpd_kv_transfer_def,
+                (double) (now - ctx->decode_usec) / 1e6);
+        }
+    }
+
+    return ngx_http_next_body_filter(r, in);
+}
+
+
+static ngx_uint_t
+ngx_http_dpd_metrics_nixl(ngx_http_request_t *r)
+{
+    ngx_http_dpd_loc_conf_t  *dlcf;
+
+    dlcf = ngx_http_get_module_loc_conf(r, ngx_http_dpd_module);
+
+    return dlcf->prefill.protocol == NGX_HTTP_DPD_PROTO_NIXL;
+}
+
+
+/* a histogram's lines; lab: its other labels ("route=\"direct\"") */
+
+static u_char *
+ngx_http_dpd_metrics_hist_lines(u_char *p, const ngx_http_dpd_hist_def_t *def,
+    ngx_http_dpd_hist_t *h, u_char *lab, size_t len)
+{
+    uint64_t    cum;
+    ngx_uint_t  j;
+
+    cum = 0;
+
+    for (j = 0; j < def->nbuckets; j++) {
+        cum += h->bucket[j];
+
+        if (len) {
+            p = ngx_sprintf(p, "%s_bucket{%*s,le=\"%s\"} %uL\n",
+                            def->name, len, lab, def->le[j], cum);
+
+        } else {
+            p = ngx_sprintf(p, "%s_bucket{le=\"%s\"} %uL\n",
+                            def->name, def->le[j], cum);
+        }
+    }
+
+    cum += h->bucket[def->nbuckets];
+
+    if (len) {
+        p = ngx_sprintf(p, "%s_bucket{%*s,le=\"+Inf\"} %uL\n%s_sum{%*s} ",
+                        def->name, len, lab, cum, def->name, len, lab);
+        p = ngx_http_dpd_metrics_sum(p, h->sum, def->scale);
+        return ngx_sprintf(p, "\n%s_count{%*s} %uL\n",
+                           def->name, len, lab, cum);
+    }
+
+    p = ngx_sprintf(p, "%s_bucket{le=\"+Inf\"} %uL\n%s_sum ",
+                    def->name, cum, def->name);
+    p = ngx_http_dpd_metrics_sum(p, h->sum, def->scale);
+
+    return ngx_sprintf(p, "\n%s_count %uL\n", def->name, cum);
+}
+
+
+/* a label value: backslash, double quote and newline escaped */
+
+static u_char *
+ngx_http_dpd_metrics_escape(u_char *p, u_char *s, size_t len)
+{
+    size_t  i;
+
+    for (i = 0; i < len; i++) {
+        switch (s[i]) {
+        case '\\':
+        case '"':
+            *p++ = '\\';
+            *p++ = s[i];
+            break;
+        case '\n':
+            *p++ = '\\';
+            *p++ = 'n';
+            break;
+        default:
+            *p++ = s[i];
+        }
+    }
+
+    return p;
+}
+
+
+/*
+ * The latency histograms by route and model: every route, and every
+ * model slot that has a name, "other" always.
+ */
+
+static u_char *
+ngx_http_dpd_metrics_render_latency(ngx_http_dpd_metrics_t *m, u_char *p)
+{
+    size_t                          len;
+    u_char                         *q;
+    ngx_uint_t                      i, k, s;
+    ngx_http_dpd_hist_t            *h;
+    const ngx_http_dpd_hist_def_t  *def;
+    u_char                          lab[64 + 2 * NGX_HTTP_DPD_MODEL_LEN];
+
+    for (k = 0; k < 2; k++) {
+        def = k ? &ngx_http_dpd_e2e_def : &ngx_http_dpd_ttft_def;
+
+        p = ngx_sprintf(p, "# HELP %s %s\n# TYPE %s histogram\n",
+                        def->name, def->help, def->name);
+
+        for (i = 0; i < NGX_HTTP_DPD_LR_N; i++) {
+            for (s = 0; s < NGX_HTTP_DPD_METRICS_MODELS; s++) {
+
+                len = m->model_len[s];
+
+                if (s && (len == 0 || len > NGX_HTTP_DPD_MODEL_LEN)) {
+                    continue;
+                }
+
+                q = ngx_sprintf(lab, "route=\"%s\",model=\"",
+                                ngx_http_dpd_lroute_labels[i]);
+
+                if (s == 0) {
+                    q = ngx_cpymem(q, "other", 5);
+
+                } else {
+                    q = ngx_http_dpd_metrics_escape(q, m->model[s], len);
+                }
+
+                *q++ = '"';
+
+                h = k ? &m->e2e[i][s] : &m->ttft[i][s];
+
+                p = ngx_http_dpd_metrics_hist_lines(p, def, h, lab, q - lab);
+            }
+        }
+    }
+
+    def = &ngx_http_dpd_kv_transfer_def;
+
+    p = ngx_sprintf(p, "# HELP %s %s\n# TYPE %s histogram\n",
+                    def->name, def->help, def->name);
+
+    for (i = 0; i < NGX_HTTP_DPD_METRICS_PROTOS; i++) {
+        q = ngx_sprintf(lab, "protocol=\"%s\"",
+                        ngx_http_dpd_proto_labels[i]);
+        p = ngx_http_dpd_metrics_hist_lines(p, def, &m->kv_transfer[i],
+                                            lab, q - lab);
+    }
+
+    return p;
+}
+
+
+/* the pools: upstream{} blocks with dpd_balance */
+
+static size_t
+ngx_http_dpd_metrics_pools_size(ngx_http_request_t *r)
+{
+    size_t                             size;
+    ngx_uint_t                         i;
+    ngx_http_upstream_srv_conf_t     **uscfp;
+    ngx_http_upstream_main_conf_t     *umcf;
+    ngx_http_dpd_balancer_srv_conf_t  *bscf;
+
+    umcf = ngx_http_get_module_main_conf(r, ngx_http_upstream_module);
+
+    size = 1024;
+
+    if (umcf == NULL) {
+        return size;
+    }
+
+    uscfp = umcf->upstreams.elts;
+
+    for (i = 0; i < umcf->upstreams.nelts; i++) {
+        bscf = ngx_http_dpd_balancer_srv_conf(uscfp[i]);
+
+        if (bscf && bscf->balance) {
+            size += 3 * (96 + 2 * uscfp[i]->host.len);
+        }
+    }
+
+    return size;
+}
+
+
+/*
+ * Gauges read now from the balancer: the outstanding requests of a pool's
+ * peers (across workers when the upstream has a zone, else this worker's)
+ * and how many peers may take a request (not down, failed or dead by the
+ * state table), of the peer list the balancer would use.
+ */
+
+static u_char *
+ngx_http_dpd_metrics_render_pools(ngx_http_request_t *r, u_char *p,
+    u_char *last)
+{
+    ngx_uint_t                         i, j, k, n, np, *v;
+    ngx_http_upstream_srv_conf_t     **uscfp, **pool;
+    ngx_http_upstream_rr_peers_t      *peers;
+    ngx_http_upstream_main_conf_t     *umcf;
+    ngx_http_dpd_balancer_cand_t      *cand;
+    ngx_http_dpd_balancer_srv_conf_t  *bscf;
+
+    static const char  *help[3] = {
+        "# HELP dpd_pool_peers Primary peers of the pool (an upstream{} "
+        "with dpd_balance).\n"
+        "# TYPE dpd_pool_peers gauge\n",
+        "# HELP dpd_pool_live_peers Peers of the pool that may take a "
+        "request now (not down, failed or dead by the state table).\n"
+        "# TYPE dpd_pool_live_peers gauge\n",
+        "# HELP dpd_pool_outstanding_requests Requests in flight on the "
+        "pool's peers (this worker's alone when the upstream has no "
+        "zone).\n"
+        "# TYPE dpd_pool_outstanding_requests gauge\n"
+    };
+
+    static const char  *series[3] = {
+        "dpd_pool_peers", "dpd_pool_live_peers",
+        "dpd_pool_outstanding_requests"
+    };
+
+    umcf = ngx_http_get_module_main_conf(r, ngx_http_upstream_module);
+
+    if (umcf == NULL || umcf->upstreams.nelts == 0) {
+        return p;
+    }
+
+    uscfp = umcf->upstreams.elts;
+
+    pool = ngx_palloc(r->pool, umcf->upstreams.nelts
+                               * (sizeof(void *) + 3 * sizeof(ngx_uint_t)));
+    cand = ngx_palloc(r->pool, NGX_HTTP_DPD_METRICS_POOL_PEERS
+                               * sizeof(ngx_http_dpd_balancer_cand_t));
+    if (pool == NULL || cand == NULL) {
+        return NULL;
+    }
+
+    v = (ngx_uint_t *) &pool[umcf->upstreams.nelts];
+    np = 0;
+
+    /* one look at each pool, as the balancer would choose now */
+
+    for (i = 0; i < umcf->upstreams.nelts; i++) {
+        bscf = ngx_http_dpd_balancer_srv_conf(uscfp[i]);
+
+        if (bscf == NULL || !bscf->balance || uscfp[i]->peer.data == NULL) {
+            continue;
+        }
+
+        if (ngx_http_dpd_balancer_candidates(r, uscfp[i], cand,
+                                             NGX_HTTP_DPD_METRICS_POOL_PEERS,
+                                             &n)
+            != NGX_OK)
+        {
+            continue;
+        }
+
+        peers = uscfp[i]->peer.data;
+
+        pool[np] = uscfp[i];
+        v[3 * np] = peers->number;
+        v[3 * np + 1] = 0;
+        v[3 * np + 2] = 0;
+
+        for (j = 0; j < n; j++) {
+            v[3 * np + 1] += cand[j].usable;
+            v[3 * np + 2] += cand[j].conns;
+        }
+
+        np++;
+    }
+
+    if (np == 0) {
+        return p;
+    }
+
+    for (k = 0; k < 3; k++) {
+        p = ngx_sprintf(p, "%s", help[k]);
+
+        for (j = 0; j < np; j++) {
+            if (last - p < (ssize_t) (96 + 2 * pool[j]->host.len)) {
+                return p;
+            }
+
+            p = ngx_sprintf(p, "%s{pool=\"", series[k]);
+            p = ngx_http_dpd_metrics_escape(p, pool[j]->host.data,
+                                            pool[j]->host.len);
+            p = ngx_sprintf(p, "\"} %ui\n", v[3 * j + k]);
+        }
+    }
+
+    return p;
 }

@@ -44,7 +44,6 @@ typedef enum {
     NGX_HTTP_DPD_M_PREFILL_FAIL_TIMEOUT,
     NGX_HTTP_DPD_M_PREFILL_FAIL_CONNECT,
     NGX_HTTP_DPD_M_PREFILL_FAIL_BAD_REPLY,
-    NGX_HTTP_DPD_M_FALLBACKS,            /* disaggregated -> decode only */
     NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS,    /* decode got kv_transfer_params */
     NGX_HTTP_DPD_M_KV_HANDOFF_NO_PARAMS, /* prefill reply had none */
     NGX_HTTP_DPD_M_KV_STRIPPED,          /* client kv_transfer_params cut */
@@ -90,6 +89,40 @@ typedef enum {
 } ngx_http_dpd_kv_wait_e;
 
 
+/* dpd_fallbacks_total{cause}: why a disaggregated request was decoded
+ * without transferred KV: ngx_http_dpd_metrics_fallback() */
+typedef enum {
+    NGX_HTTP_DPD_FB_PREFILL_5XX = 0,     /* prefill_5xx */
+    NGX_HTTP_DPD_FB_PREFILL_TIMEOUT,     /* prefill_timeout */
+    NGX_HTTP_DPD_FB_PREFILL_CONNECT,     /* prefill_connect */
+    NGX_HTTP_DPD_FB_PREFILL_BAD_REPLY,   /* prefill_bad_reply */
+    NGX_HTTP_DPD_FB_NO_DECODER,          /* no_decoder: none to pin */
+    NGX_HTTP_DPD_FB_NO_NODE,             /* no_node: kv_agent, no record */
+    NGX_HTTP_DPD_FB_NO_KV_PARAMS,        /* no_kv_params: nixl reply had
+                                            no kv_transfer_params */
+    NGX_HTTP_DPD_FB_DECODE_MOVED,        /* decode_moved: the pinned
+                                            decoder failed, another one
+                                            recomputed */
+    NGX_HTTP_DPD_FB_OTHER,               /* other */
+    NGX_HTTP_DPD_FB_N
+} ngx_http_dpd_fallback_e;
+
+
+/* route label of the latency histograms: what was done (observe mode:
+ * direct), the prefix cache's direct-because-cached apart */
+#define NGX_HTTP_DPD_LR_DIRECT         0
+#define NGX_HTTP_DPD_LR_DIRECT_CACHED  1
+#define NGX_HTTP_DPD_LR_DISAGG         2
+#define NGX_HTTP_DPD_LR_FALLBACK       3
+#define NGX_HTTP_DPD_LR_N              4
+
+/* model label values: slot 0 is "other", the rest dpd_model names */
+#define NGX_HTTP_DPD_METRICS_MODELS    16
+
+/* pools (dpd_balance upstreams) whose gauges a scrape shows */
+#define NGX_HTTP_DPD_METRICS_POOL_PEERS  256
+
+
 /* requests by route (label) and status class */
 #define NGX_HTTP_DPD_MR_REJECTED   0    /* rejected before a decision */
 #define NGX_HTTP_DPD_MR_DIRECT     1
@@ -110,6 +143,9 @@ void ngx_http_dpd_metrics_add(ngx_http_request_t *r, ngx_uint_t counter,
 void ngx_http_dpd_metrics_observe(ngx_http_request_t *r,
     ngx_uint_t histogram, double value);
 void ngx_http_dpd_metrics_error(ngx_http_request_t *r, ngx_uint_t reason);
+
+/* a request became route fallback, for this NGX_HTTP_DPD_FB_* cause */
+void ngx_http_dpd_metrics_fallback(ngx_http_request_t *r, ngx_uint_t cause);
 
 /* one kv_agent wait outcome; msec >= 0: a table wait that long ran (fed to
  * dpd_kv_wait_seconds), -1: no wait */

@@ -107,6 +107,8 @@ typedef struct {
     ngx_array_t                  tokenizers;   /* ngx_http_dpd_tokenizer_t *,
                                                   each loaded once */
     ngx_shm_zone_t              *metrics_zone;
+    void                        *metrics;      /* its counters, set when
+                                                  the zone is initialized */
     ngx_uint_t                   used;         /* any dpd directive seen */
     ngx_int_t                    request_id_index; /* $request_id */
     ngx_array_t                  model_locs;   /* ngx_http_dpd_loc_conf_t *
@@ -152,6 +154,8 @@ typedef struct {
     ngx_http_core_srv_conf_t    *cscf;          /* whose named locations */
     ngx_http_dpd_loc_conf_t     *target;        /* its settings (resolved at
                                                    postconfiguration) */
+    ngx_uint_t                   metrics_slot;  /* its "model" label in the
+                                                   metrics zone; 0: other */
 } ngx_http_dpd_model_t;
 
 
@@ -217,6 +221,10 @@ struct ngx_http_dpd_ctx_s {
     /* CLOCK_MONOTONIC microseconds */
     uint64_t                     start_usec;    /* phase handler entry */
     uint64_t                     decision_usec; /* read + parse + count */
+    uint64_t                     decode_usec;   /* decode body handed to
+                                                   proxy_pass (metrics) */
+    uint64_t                     first_usec;    /* first response body
+                                                   byte, 0: none yet */
 
     unsigned                     timed:1;       /* decision_usec is set */
     unsigned                     stream:1;      /* "stream": true */

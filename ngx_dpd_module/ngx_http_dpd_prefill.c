@@ -937,7 +937,7 @@ static ngx_int_t
 ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_prefill_conf_t *pcf, ngx_uint_t cause, const char *why)
 {
-    ngx_uint_t                   status, metric;
+    ngx_uint_t                   status, metric, fb;
     ngx_http_dpd_prefill_ctx_t  *p;
 
     p = &ctx->prefill;
@@ -946,18 +946,31 @@ ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     switch (cause) {
     case NGX_HTTP_DPD_CAUSE_5XX:
         metric = NGX_HTTP_DPD_M_PREFILL_FAIL_5XX;
+        fb = NGX_HTTP_DPD_FB_PREFILL_5XX;
         break;
     case NGX_HTTP_DPD_CAUSE_TIMEOUT:
         metric = NGX_HTTP_DPD_M_PREFILL_FAIL_TIMEOUT;
+        fb = NGX_HTTP_DPD_FB_PREFILL_TIMEOUT;
         break;
     case NGX_HTTP_DPD_CAUSE_CONNECT:
         metric = NGX_HTTP_DPD_M_PREFILL_FAIL_CONNECT;
+        fb = NGX_HTTP_DPD_FB_PREFILL_CONNECT;
         break;
     case NGX_HTTP_DPD_CAUSE_BAD_REPLY:
         metric = NGX_HTTP_DPD_M_PREFILL_FAIL_BAD_REPLY;
+        fb = NGX_HTTP_DPD_FB_PREFILL_BAD_REPLY;
+        break;
+    case NGX_HTTP_DPD_CAUSE_NO_DECODER:
+        metric = NGX_HTTP_DPD_M_N;
+        fb = NGX_HTTP_DPD_FB_NO_DECODER;
+        break;
+    case NGX_HTTP_DPD_CAUSE_NO_NODE:
+        metric = NGX_HTTP_DPD_M_N;
+        fb = NGX_HTTP_DPD_FB_NO_NODE;
         break;
     default:
         metric = NGX_HTTP_DPD_M_N;
+        fb = NGX_HTTP_DPD_FB_OTHER;
     }
 
     if (metric != NGX_HTTP_DPD_M_N) {
@@ -998,7 +1011,7 @@ ngx_http_dpd_prefill_fail(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                   ngx_http_dpd_log_cstr(r->pool, why ? why : ""));
 
     ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
-    ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
+    ngx_http_dpd_metrics_fallback(r, fb);
 
     if (ngx_http_dpd_plain_body(r, ctx) != NGX_OK) {
         return NGX_ERROR;
@@ -1028,7 +1041,7 @@ ngx_http_dpd_prefill_skip(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
     ngx_http_dpd_balancer_unpin(r);
 
     ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
-    ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
+    ngx_http_dpd_metrics_fallback(r, NGX_HTTP_DPD_FB_NO_NODE);
 
     if (ngx_http_dpd_plain_body(r, ctx) != NGX_OK) {
         return NGX_ERROR;
@@ -1615,6 +1628,9 @@ ngx_http_dpd_prefill_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         p->params = 1;
         ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_KV_HANDOFF_PARAMS);
 
+        /* the decode leg starts: nixl's KV pull is timed from here */
+        ctx->decode_usec = ngx_http_dpd_now_usec();
+
         ngx_log_debug4(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
                        "dpd %V: KV of \"%V\" handed to %V after %M ms",
                        &proto->name, &ctx->request_id, &p->decode_peer,
@@ -1630,7 +1646,7 @@ ngx_http_dpd_prefill_handoff(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         /* no KV reuse: reported as such, not as a disaggregated request */
 
         ctx->route = NGX_HTTP_DPD_ROUTE_FALLBACK;
-        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_FALLBACKS);
+        ngx_http_dpd_metrics_fallback(r, NGX_HTTP_DPD_FB_NO_KV_PARAMS);
 
         ngx_log_error(NGX_LOG_WARN, r->connection->log, 0,
                       "dpd: request \"%V\" decodes without KV transfer "

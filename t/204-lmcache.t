@@ -249,4 +249,4 @@ $_->clear_faults for @main::decode;
 Content-Type: application/json
 --- response_body_like eval
 ["cached_tokens",
- qr/dpd_prefill_requests_total 1\n.*dpd_fallbacks_total 0\n.*dpd_kv_handoffs_total\{transfer_params="yes"\} 0\ndpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="no_table"\} 1\n/s]
+ qr/dpd_prefill_requests_total 1\n.*(?:dpd_fallbacks_total\{cause="[a-z_0-9]+"\} 0\n){9}.*dpd_kv_handoffs_total\{transfer_params="yes"\} 0\ndpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="no_table"\} 1\n/s]

@@ -303,4 +303,4 @@ main::faults(status => 502);
 Content-Type: application/json
 --- response_body_like eval
 ["choices", "choices",
- qr/dpd_requests_total\{route="fallback",status="2xx"\} 2\n.*dpd_prefill_requests_total 2\n.*dpd_prefill_failures_total\{cause="status_5xx"\} 2\n.*dpd_fallbacks_total 2\n/s]
+ qr/dpd_requests_total\{route="fallback",status="2xx"\} 2\n.*dpd_prefill_requests_total 2\n.*dpd_prefill_failures_total\{cause="status_5xx"\} 2\n.*dpd_fallbacks_total\{cause="prefill_5xx"\} 2\n/s]

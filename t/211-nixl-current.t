@@ -322,7 +322,7 @@ decodes without KV transfer params (remote_port missing or out of range)
 --- more_headers
 Content-Type: application/json
 --- response_body_like eval
-["choices", qr/dpd_requests_total\{route="disaggregated",status="2xx"\} 0\n.*dpd_requests_total\{route="fallback",status="2xx"\} 1\n.*dpd_fallbacks_total 1\n/s]
+["choices", qr/dpd_requests_total\{route="disaggregated",status="2xx"\} 0\n.*dpd_requests_total\{route="fallback",status="2xx"\} 1\n.*dpd_fallbacks_total\{cause="no_kv_params"\} 1\n/s]
 
 
 

@@ -103,7 +103,7 @@ _EOC_
 # each block's nginx starts afresh: its metrics are its own requests'
 block_defaults(http_config => $http_config, config => $config, timeout => 30,
                request => "GET /metrics",
-               response_body_like => qr/dpd_kv_handoffs_total\{transfer_params="yes"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 1\n.*dpd_kv_wait_total\{outcome="timeout"\} 0\n/s);
+               response_body_like => qr/dpd_kv_handoffs_total\{transfer_params="yes"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 1\n.*dpd_kv_wait_total\{outcome="timeout"\} 0\n.*dpd_kv_transfer_seconds_count\{protocol="lmcache"\} 1\n/s);
 
 # A whole exchange with nginx (HTTP/1.0: the body ends with the connection)
 sub fetch {
@@ -338,7 +338,7 @@ $_->fault(lmc_notices => 1, role => 'prefill', count => 1) for @main::prefill;
 main::cmpl('/tp2/v1/completions', 'lmcn-tp2-one', max_tokens => 4);
 $_->clear_faults for @main::prefill;
 --- response_body_like eval
-qr/dpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 0\n.*dpd_kv_wait_total\{outcome="timeout"\} 1\n/s
+qr/dpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 0\n.*dpd_kv_wait_total\{outcome="timeout"\} 1\n.*dpd_kv_transfer_seconds_count\{protocol="lmcache"\} 0\n/s
 
 
 
@@ -349,7 +349,7 @@ $_->fault(lmc_notices => 1, lmc_dup => 2, role => 'prefill', count => 1)
 main::cmpl('/tp2/v1/completions', 'lmcn-tp2-dup', max_tokens => 4);
 $_->clear_faults for @main::prefill;
 --- response_body_like eval
-qr/dpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 0\n.*dpd_kv_wait_total\{outcome="timeout"\} 1\n/s
+qr/dpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 0\n.*dpd_kv_wait_total\{outcome="timeout"\} 1\n.*dpd_kv_transfer_seconds_count\{protocol="lmcache"\} 0\n/s
 
 
 
@@ -364,7 +364,7 @@ main::cmpl('/tp2/v1/completions', 'lmcn-tp2-both', max_tokens => 4);
 main::held('/tp2/v1/completions', 'lmcn-foreign', sub {
     main::notice('127.0.0.9', 'notice', $_[0], 1, 2, 1) });
 --- response_body_like eval
-qr/dpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 0\n.*dpd_kv_wait_total\{outcome="timeout"\} 1\n/s
+qr/dpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 0\n.*dpd_kv_wait_total\{outcome="timeout"\} 1\n.*dpd_kv_transfer_seconds_count\{protocol="lmcache"\} 0\n/s
 --- no_error_log
 [alert]
 
@@ -387,7 +387,7 @@ main::held('/tp2/v1/completions', 'lmcn-hostile', sub {
     main::notice('127.0.0.2', 'notice', $id, 5);   # one sender, 5 times
 });
 --- response_body_like eval
-qr/dpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 0\n.*dpd_kv_wait_total\{outcome="timeout"\} 1\n/s
+qr/dpd_kv_handoffs_total\{transfer_params="no"\} 1\n.*dpd_kv_wait_total\{outcome="ready"\} 0\n.*dpd_kv_wait_total\{outcome="timeout"\} 1\n.*dpd_kv_transfer_seconds_count\{protocol="lmcache"\} 0\n/s
 
 
 

@@ -487,7 +487,7 @@ main::fail_first(status => 503, count => 1);
 ["Content-Type: application/json\nX-Request-Id: r-metrics", ""]
 --- response_body_like eval
 ["choices",
- qr/dpd_requests_total\{route="fallback",status="2xx"\} 1\n.*dpd_fallbacks_total 1\n.*dpd_decode_retries_total\{outcome="ok"\} 1\ndpd_decode_retries_total\{outcome="failed"\} 0\ndpd_decode_retries_total\{outcome="no_decoder"\} 0\ndpd_decode_retries_total\{outcome="client_closed"\} 0\n/s]
+ qr/dpd_requests_total\{route="fallback",status="2xx"\} 1\n.*dpd_fallbacks_total\{cause="decode_moved"\} 1\n.*dpd_decode_retries_total\{outcome="ok"\} 1\ndpd_decode_retries_total\{outcome="failed"\} 0\ndpd_decode_retries_total\{outcome="no_decoder"\} 0\ndpd_decode_retries_total\{outcome="client_closed"\} 0\n/s]
 
 
 

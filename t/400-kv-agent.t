@@ -268,7 +268,7 @@ Content-Type: application/json
 X-Request-Id: kva-metrics
 --- response_body_like eval
 ["cached_tokens",
- qr/dpd_prefill_requests_total 1\n.*dpd_fallbacks_total 0\n.*dpd_kv_handoffs_total\{transfer_params="yes"\} 1\n.*dpd_kv_handoffs_total\{transfer_params="no"\} 0\n/s]
+ qr/dpd_prefill_requests_total 1\n.*(?:dpd_fallbacks_total\{cause="[a-z_0-9]+"\} 0\n){9}.*dpd_kv_handoffs_total\{transfer_params="yes"\} 1\n.*dpd_kv_handoffs_total\{transfer_params="no"\} 0\n/s]
 
 
 

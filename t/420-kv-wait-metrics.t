@@ -219,7 +219,7 @@ sub req { ["POST $_[0]\n" . body(), "GET /metrics"] }
 sub hdr { ["Content-Type: application/json\nX-Request-Id: $_[0]", ""] }
 
 # the kv-wait series after one handoff with outcome $_[0]; $_[1]: the
-# histogram count
+# histogram count (and dpd_kv_transfer_seconds' for ready)
 sub kv_metrics {
     my ($outcome, $count) = @_;
     my $re = '';
@@ -229,7 +229,9 @@ sub kv_metrics {
         $re .= "dpd_kv_wait_total\\{outcome=\"$o\"\\} "
                . ($o eq $outcome ? 1 : 0) . "\n";
     }
-    return qr/# TYPE dpd_kv_wait_seconds histogram\n(?s:.*)dpd_kv_wait_seconds_count $count\n(?s:.*)# TYPE dpd_kv_wait_total counter\n$re/;
+    # the KV transfer time: the waits that ended ready
+    my $xfer = $outcome eq 'ready' ? $count : 0;
+    return qr/# TYPE dpd_kv_wait_seconds histogram\n(?s:.*)dpd_kv_wait_seconds_count $count\n(?s:.*)# TYPE dpd_kv_wait_total counter\n$re(?s:.*)dpd_kv_transfer_seconds_count\{protocol="kv_agent"\} $xfer\n/;
 }
 
 # --- a minimal HTTP/2 client (prior knowledge, h2c) -------------------------

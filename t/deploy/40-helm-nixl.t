@@ -119,6 +119,7 @@ $r = render(set => {'nixl.backend' => 'LIBFABRIC', routingThreshold => 2048,
                     'gateway.ingress.enabled' => 'true',
                     'gateway.ingress.host' => 'llm.example.com',
                     'gateway.metrics.serviceMonitor.enabled' => 'true',
+                    'gateway.metrics.grafanaDashboard.enabled' => 'true',
                     'gateway.metrics.allow[0]' => '100.64.0.0/10',
                     'decode.replicas' => 3, 'decode.tensorParallelSize' => 4,
                     'decode.resources.gpus' => 4,
@@ -148,6 +149,12 @@ is_deeply($sm->{spec}{endpoints}, [{port => 'http', path => '/metrics', interval
           'ServiceMonitor scrapes /metrics');
 is($sm->{spec}{selector}{matchLabels}{'dpd.io/service'}, 'api',
    '... of the API Service only');
+my ($dash) = find_objects($r, 'ConfigMap', 'dpd-gateway-dashboard');
+is(($dash->{metadata}{labels} || {})->{grafana_dashboard}, '1',
+   'the dashboard ConfigMap has the Grafana sidecar\'s label');
+is_deeply(JSON::PP->new->decode($dash->{data}{'dpd-gateway.json'} // 'null'),
+          JSON::PP->new->decode(slurp("$CHART/dashboards/dpd-gateway.json")),
+          '... and holds the dashboard (t/151-metrics-routes.t checks its queries)');
 
 # ---- the model from S3 and from the node
 $r = render(set => {'model.source.type' => 's3'});
