@@ -1374,6 +1374,10 @@ ngx_http_dpd_postconfiguration(ngx_conf_t *cf)
         return NGX_ERROR;
     }
 
+    if (ngx_http_dpd_check_init(cf) != NGX_OK) {
+        return NGX_ERROR;
+    }
+
     return ngx_http_dpd_metrics_init_zone_conf(cf, dmcf);
 }
 
