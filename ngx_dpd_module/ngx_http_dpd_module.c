@@ -137,6 +137,13 @@ static ngx_command_t  ngx_http_dpd_commands[] = {
       0,
       NULL },
 
+    { ngx_string("dpd_models"),
+      NGX_HTTP_LOC_CONF|NGX_CONF_ANY,
+      ngx_http_dpd_models,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
     { ngx_string("dpd_chat_template"),
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
       ngx_http_dpd_chat_template,
@@ -1370,7 +1377,9 @@ ngx_http_dpd_postconfiguration(ngx_conf_t *cf)
     ngx_http_next_header_filter = ngx_http_top_header_filter;
     ngx_http_top_header_filter = ngx_http_dpd_header_filter;
 
-    if (ngx_http_dpd_model_init(cf) != NGX_OK) {
+    if (ngx_http_dpd_model_init(cf) != NGX_OK
+        || ngx_http_dpd_models_init(cf) != NGX_OK)
+    {
         return NGX_ERROR;
     }
 
@@ -1408,7 +1417,9 @@ ngx_http_dpd_create_main_conf(ngx_conf_t *cf)
 
     if (ngx_array_init(&dmcf->model_locs, cf->pool, 2,
                        sizeof(ngx_http_dpd_loc_conf_t *))
-        != NGX_OK)
+        != NGX_OK
+        || ngx_array_init(&dmcf->models_locs, cf->pool, 1, sizeof(void *))
+           != NGX_OK)
     {
         return NULL;
     }
