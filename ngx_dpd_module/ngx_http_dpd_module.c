@@ -1715,6 +1715,24 @@ ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
                   &t->path, dpd_tok_vocab_size(t->tok),
                   dpd_chat_template_name(t->tmpl));
 
+    if (t->tmpl == DPD_CHAT_NONE) {
+        /* a base model, or the config left out: say what that costs */
+        ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                           "dpd_tokenizer \"%V\" has no chat template (%s): "
+                           "/v1/chat/completions prompts are estimated "
+                           "(content tokens + %d per message + %d, logged "
+                           "\"(estimated)\") and dpd_threshold routes chats "
+                           "on that estimate; completions stay exact; give "
+                           "config=tokenizer_config.json or "
+                           "\"dpd_chat_template FILE\"",
+                           &t->path,
+                           config.len ? "its tokenizer_config.json has no "
+                                        "\"chat_template\""
+                                      : "no tokenizer_config.json next to it "
+                                        "and no config=",
+                           DPD_CHAT_EST_PER_MESSAGE, DPD_CHAT_EST_PRIMING);
+    }
+
     return NGX_CONF_OK;
 }
 
