@@ -107,4 +107,27 @@ sub nginx_t {
     is $rc, 0, 'README example: nginx -t passes' or diag $tout;
 }
 
+# --- README's install commands, staged under DESTDIR --------------------------
+
+{
+    open my $fh, '<', "$root/README.md" or die "README.md: $!";
+    my $readme = do { local $/; <$fh> };
+    my ($section) = $readme =~ /^## Configuration\n(.*?)^## /ms;
+    my ($sh) = ($section // '') =~ /```sh\n(.*?make install.*?)```/s;
+    ok defined $sh, 'README: the install commands found';
+    $sh //= '';
+    my ($vars) = $sh =~ /sudo make install\b([^\n]*)/;
+    my ($conf) = $sh =~ /sudo nginx -t -c (\S+)/;
+    ok defined $vars && defined $conf, 'README: make install and nginx -t lines';
+    $vars //= '';
+    $vars =~ s{TOKENIZER=\S+}{TOKENIZER='$tj'};
+
+    my ($rc, $out) = make_install("DESTDIR='$tmp/readme'", $vars);
+    is $rc, 0, "README's make install$vars, staged" or diag $out;
+    ok -f "$tmp/readme" . ($conf // '/none'),
+        "the conf README's nginx -t names is installed ($conf)";
+    ok -f "$tmp/readme/usr/lib/nginx/modules/ngx_http_dpd_module.so",
+        'the module where the README example loads it';
+}
+
 done_testing();

@@ -17,6 +17,8 @@ use warnings;
 use Test::Nginx::Socket;
 use DPD::Pools qw(block_defaults long_body recs);
 use JSON::PP ();
+use File::Temp ();
+use DPD::Emu;
 
 plan(skip_all => $_) for DPD::Pools->unavailable;
 plan('no_plan');   # after the skip checks: a skip must not plan twice
@@ -45,6 +47,38 @@ sub faults {
 no_shuffle();
 log_level('info');
 run_tests();
+
+# a server without any location that takes the prefill request (Test::Nginx
+# always adds "location /", so this one is checked with a plain nginx -t)
+SKIP: {
+    my $root = DPD::Emu->root;
+    my $mod = $ENV{TEST_NGINX_LOAD_MODULES} // '';
+    my ($tj) = DPD::Emu->tokenizer_files('llama3');
+    skip 'another module build (sanitizer, 1.30): its runtime is not loaded '
+         . 'by a plain nginx -t', 2
+        unless $mod eq "$root/build/ngx_http_dpd_module.so" && $tj;
+    my $dir = File::Temp::tempdir(CLEANUP => 1);
+    open my $fh, '>', "$dir/nginx.conf" or die $!;
+    print $fh <<"_EOC_";
+load_module $mod;
+pid $dir/nginx.pid;
+events { }
+http {
+    dpd_tokenizer $tj;
+    upstream d { server 127.0.0.1:1; }
+    server {
+        listen 127.0.0.1:1;
+        location /v1/ { dpd on; dpd_prefill_pass /_nope; proxy_pass http://d; }
+    }
+}
+_EOC_
+    close $fh;
+    my $nginx = $ENV{TEST_NGINX_BINARY} || '/usr/sbin/nginx';
+    my $out = `'$nginx' -t -p '$dir/' -e '$dir/error.log' -c '$dir/nginx.conf' 2>&1`;
+    isnt $? >> 8, 0, 'no location at all: nginx -t fails';
+    like $out, qr{\[emerg\].*"dpd_prefill_pass /_nope" in location "/v1/": no location of its server matches the prefill request "/_nope/v1/completions" \(nginx itself would answer 404\)},
+        '... saying nginx itself would answer 404, and the fix';
+}
 
 for my $id (qw(m-slash m-slash-chat)) {
     my @d = recs($id, @decode);
