@@ -9,10 +9,11 @@
  * src/http/ngx_http_core_module.c: static tree, "=" and "^~" stop,
  * regexes in order, nested locations), and refuse:
  *   - no location at all (the subrequest gets nginx's own 404);
- *   - a location that dpd_prefill_pass does not name (a broader prefix
- *     such as "location /" or a regex caught it: the prefill would go
- *     wherever that location sends it, e.g. to the decoders);
- *   - a location with "dpd on" (the dpd location itself);
+ *   - a location that dpd_prefill_pass does not name and that is not
+ *     "internal" (a broader prefix such as "location /" or a regex caught
+ *     it: the prefill would go wherever that location sends it, e.g. to
+ *     the decoders); an internal one is meant for subrequests;
+ *   - the dpd location itself (an internal one whose name covers it);
  *   - a location without a content handler (no proxy_pass: static files).
  * A named location that is not "internal" gets a warning (clients can
  * call the prefill pool directly).
@@ -167,7 +168,6 @@ ngx_http_dpd_check_pass(ngx_conf_t *cf, ngx_http_core_srv_conf_t *cscf,
     size_t                     n;
     ngx_str_t                  uri, *pass;
     ngx_http_core_loc_conf_t  *found, *sclcf;
-    ngx_http_dpd_loc_conf_t   *fdlcf;
 
     pass = &dlcf->prefill.prefill_pass;
     n = ngx_strlen(path);
@@ -198,14 +198,20 @@ ngx_http_dpd_check_pass(ngx_conf_t *cf, ngx_http_core_srv_conf_t *cscf,
         return NGX_ERROR;
     }
 
-    fdlcf = found->loc_conf[ngx_http_dpd_module.ctx_index];
+    /*
+     * a location that dpd_prefill_pass does not name is a mistake unless
+     * it is "internal": then it is meant for subrequests (e.g. a regex
+     * "location ~ ^/_p/(\w+)(/.*)$ { internal; proxy_pass http://$1$2; }"
+     * serving several pools)
+     */
 
-    if (found->name.len < pass->len
-        || ngx_filename_cmp(found->name.data, pass->data, pass->len) != 0
+    if (!found->internal
+        && (found->name.len < pass->len
+            || ngx_filename_cmp(found->name.data, pass->data, pass->len) != 0
 #if (NGX_PCRE)
-        || found->regex
+            || found->regex
 #endif
-        )
+           ))
     {
         ngx_log_error(NGX_LOG_EMERG, cf->log, 0,
                       "\"dpd_prefill_pass %V\" in location \"%V\" names no "
@@ -216,13 +222,17 @@ ngx_http_dpd_check_pass(ngx_conf_t *cf, ngx_http_core_srv_conf_t *cscf,
         return NGX_ERROR;
     }
 
-    if (fdlcf->enable) {
+    /* "dpd on" inherited from the server is harmless there (subrequests
+     * are not routed), but the dpd location itself sends to the decoders */
+
+    if (found == dclcf) {
         ngx_log_error(NGX_LOG_EMERG, cf->log, 0,
                       "\"dpd_prefill_pass %V\" in location \"%V\": the "
-                      "prefill request \"%V\" lands in \"location %V\", "
-                      "which has \"dpd on\"; the prefill location must "
-                      "only proxy_pass to the prefill pool",
-                      pass, &dclcf->name, &uri, &found->name);
+                      "prefill request \"%V\" lands in that same location "
+                      "(its proxy_pass goes to the decoders); add "
+                      "\"location %V/ { internal; proxy_pass "
+                      "http://PREFILL_POOL/; }\"",
+                      pass, &dclcf->name, &uri, pass);
         return NGX_ERROR;
     }
 

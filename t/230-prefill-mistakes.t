@@ -111,7 +111,7 @@ __DATA__
         dpd_prefill_pass /_dpd_prefil;
         proxy_pass http://decode;
     }
-    location /_dpd { internal; proxy_pass http://decode/; }
+    location /_dpd { proxy_pass http://decode/; }
     location /_dpd_prefill/ { internal; proxy_pass http://prefill/; }
 --- must_die
 --- error_log
