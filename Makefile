@@ -19,7 +19,7 @@ PROVE      ?= prove
 
 .PHONY: all deps test test-quick test-real test-valgrind test-valgrind-ci test-asan \
         module-asan fuzz-nginx demo bench clean module programs fuzz image \
-        k8s-manifests
+        k8s-manifests install
 all: module programs
 
 include ngx_dpd_module/tokenizer/build.mk
@@ -29,6 +29,35 @@ include ngx_dpd_module/nginx-1.30.mk
 
 deps:
 	@bash tools/deps.sh
+
+# make install [DESTDIR=/tmp/stage] [PREFIX=/usr/local]
+#              [MODDIR=/usr/lib/nginx/modules] [TOKENIZER=/models/m/tokenizer.json]
+# The module where Debian's nginx loads modules from, dpd-tokenize and
+# kv_agent to $(PREFIX)/bin, and the example configurations to
+# $(CONFDIR) with their repository-relative paths made absolute: load_module
+# names $(MODDIR)/ngx_http_dpd_module.so, dpd_tokenizer names $(TOKENIZER)
+# (tokenizer_config.json next to it is found as ever).  DESTDIR stages the
+# whole tree elsewhere (the paths written into the files leave it out).
+PREFIX    ?= /usr/local
+MODDIR    ?= /usr/lib/nginx/modules
+BINDIR    ?= $(PREFIX)/bin
+CONFDIR   ?= $(PREFIX)/share/dpd-gateway/conf
+TOKENIZER ?= /models/tokenizer.json
+INSTALL_CONFS := nginx.conf nginx-dpd.conf nginx-kv-agent.conf observe.conf
+
+install: all
+	install -d $(DESTDIR)$(MODDIR) $(DESTDIR)$(BINDIR) $(DESTDIR)$(CONFDIR)
+	install -m 0644 $(MODULE_SO) $(DESTDIR)$(MODDIR)/ngx_http_dpd_module.so
+	install -m 0755 $(BUILD)/dpd-tokenize $(BUILD)/kv_agent $(DESTDIR)$(BINDIR)/
+	for f in $(INSTALL_CONFS); do \
+	    sed -e 's|^load_module build/ngx_http_dpd_module\.so;|load_module $(MODDIR)/ngx_http_dpd_module.so;|' \
+	        -e 's|^\( *dpd_tokenizer  *\)\.\./tools/npm/node_modules/[^ ;]*|\1$(TOKENIZER)|' \
+	        -e 's|^\(# *nginx -t\) -p "$$PWD" -c conf/|\1 -c $(CONFDIR)/|' \
+	        conf/$$f > $(DESTDIR)$(CONFDIR)/$$f.tmp && \
+	    if grep -n 'build/\|\.\./tools/' $(DESTDIR)$(CONFDIR)/$$f.tmp; then \
+	        echo "install: $$f keeps a repository path" >&2; exit 1; fi && \
+	    mv -f $(DESTDIR)$(CONFDIR)/$$f.tmp $(DESTDIR)$(CONFDIR)/$$f; \
+	done
 
 # The whole suite: every t/**/*.t through prove (TAP summary at the end).
 test: deps

@@ -137,6 +137,13 @@ static ngx_command_t  ngx_http_dpd_commands[] = {
       0,
       NULL },
 
+    { ngx_string("dpd_models"),
+      NGX_HTTP_LOC_CONF|NGX_CONF_ANY,
+      ngx_http_dpd_models,
+      NGX_HTTP_LOC_CONF_OFFSET,
+      0,
+      NULL },
+
     { ngx_string("dpd_chat_template"),
       NGX_HTTP_MAIN_CONF|NGX_HTTP_SRV_CONF|NGX_HTTP_LOC_CONF|NGX_CONF_TAKE1,
       ngx_http_dpd_chat_template,
@@ -1370,7 +1377,13 @@ ngx_http_dpd_postconfiguration(ngx_conf_t *cf)
     ngx_http_next_header_filter = ngx_http_top_header_filter;
     ngx_http_top_header_filter = ngx_http_dpd_header_filter;
 
-    if (ngx_http_dpd_model_init(cf) != NGX_OK) {
+    if (ngx_http_dpd_model_init(cf) != NGX_OK
+        || ngx_http_dpd_models_init(cf) != NGX_OK)
+    {
+        return NGX_ERROR;
+    }
+
+    if (ngx_http_dpd_check_init(cf) != NGX_OK) {
         return NGX_ERROR;
     }
 
@@ -1404,7 +1417,9 @@ ngx_http_dpd_create_main_conf(ngx_conf_t *cf)
 
     if (ngx_array_init(&dmcf->model_locs, cf->pool, 2,
                        sizeof(ngx_http_dpd_loc_conf_t *))
-        != NGX_OK)
+        != NGX_OK
+        || ngx_array_init(&dmcf->models_locs, cf->pool, 1, sizeof(void *))
+           != NGX_OK)
     {
         return NULL;
     }
@@ -1699,6 +1714,24 @@ ngx_http_dpd_tokenizer(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
                   "dpd_tokenizer \"%V\": %uD ids, chat template \"%s\"",
                   &t->path, dpd_tok_vocab_size(t->tok),
                   dpd_chat_template_name(t->tmpl));
+
+    if (t->tmpl == DPD_CHAT_NONE) {
+        /* a base model, or the config left out: say what that costs */
+        ngx_conf_log_error(NGX_LOG_WARN, cf, 0,
+                           "dpd_tokenizer \"%V\" has no chat template (%s): "
+                           "/v1/chat/completions prompts are estimated "
+                           "(content tokens + %d per message + %d, logged "
+                           "\"(estimated)\") and dpd_threshold routes chats "
+                           "on that estimate; completions stay exact; give "
+                           "config=tokenizer_config.json or "
+                           "\"dpd_chat_template FILE\"",
+                           &t->path,
+                           config.len ? "its tokenizer_config.json has no "
+                                        "\"chat_template\""
+                                      : "no tokenizer_config.json next to it "
+                                        "and no config=",
+                           DPD_CHAT_EST_PER_MESSAGE, DPD_CHAT_EST_PRIMING);
+    }
 
     return NGX_CONF_OK;
 }

@@ -113,6 +113,8 @@ typedef struct {
     ngx_int_t                    request_id_index; /* $request_id */
     ngx_array_t                  model_locs;   /* ngx_http_dpd_loc_conf_t *
                                                   with dpd_model entries */
+    ngx_array_t                  models_locs;  /* dpd_models confs (its
+                                                  file's own type) */
 } ngx_http_dpd_main_conf_t;
 
 
@@ -144,6 +146,8 @@ typedef struct {
                                                    NGX_CONF_UNSET_UINT */
     ngx_http_dpd_prefill_conf_t  prefill;       /* owned by prefill code */
     ngx_http_dpd_prefix_conf_t   prefix;        /* dpd_prefix_cache */
+    void                        *models_list;   /* dpd_models (not
+                                                   inherited; models.c) */
 } ngx_http_dpd_loc_conf_t;
 
 
@@ -340,6 +344,10 @@ void ngx_http_dpd_metrics_log_request(ngx_http_request_t *r,
 /* dpd_model (ngx_http_dpd_model.c) */
 char *ngx_http_dpd_model(ngx_conf_t *cf, ngx_command_t *cmd, void *conf);
 ngx_int_t ngx_http_dpd_model_init(ngx_conf_t *cf);
+
+/* dpd_models: GET /v1/models, the union (ngx_http_dpd_models.c) */
+char *ngx_http_dpd_models(ngx_conf_t *cf, ngx_command_t *cmd, void *conf);
+ngx_int_t ngx_http_dpd_models_init(ngx_conf_t *cf);
 ngx_http_dpd_model_t *ngx_http_dpd_model_pick(ngx_http_dpd_loc_conf_t *dlcf,
     const cJSON *json, const char **name, size_t *len, int *bad);
 ngx_int_t ngx_http_dpd_model_pass(ngx_http_request_t *r,

@@ -52,6 +52,8 @@ static ngx_int_t ngx_http_dpd_prefill_start(ngx_http_request_t *r,
     ngx_http_dpd_ctx_t *ctx, ngx_http_dpd_prefill_conf_t *pcf);
 static ngx_int_t ngx_http_dpd_prefill_done(ngx_http_request_t *sr,
     void *data, ngx_int_t rc);
+static void ngx_http_dpd_prefill_sent(ngx_http_request_t *sr,
+    ngx_http_dpd_prefill_ctx_t *p);
 static void ngx_http_dpd_prefill_timeout(ngx_event_t *ev);
 static void ngx_http_dpd_prefill_cleanup(void *data);
 static ngx_int_t ngx_http_dpd_prefill_skip(ngx_http_request_t *r,
@@ -704,6 +706,8 @@ ngx_http_dpd_prefill_done(ngx_http_request_t *sr, void *data, ngx_int_t rc)
         }
     }
 
+    ngx_http_dpd_prefill_sent(sr, p);
+
     if (sr->out && sr->out->buf) {
         b = sr->out->buf;
         p->reply.data = b->pos;
@@ -725,6 +729,49 @@ ngx_http_dpd_prefill_done(ngx_http_request_t *sr, void *data, ngx_int_t rc)
     }
 
     return rc;
+}
+
+
+/*
+ * What went to the prefill engine, for the 404 check's log line: the
+ * request line the upstream module built (its first buffer, from start:
+ * a retry rewinds pos to start), else the subrequest's URI (no upstream:
+ * the location answered itself).
+ */
+
+static void
+ngx_http_dpd_prefill_sent(ngx_http_request_t *sr,
+    ngx_http_dpd_prefill_ctx_t *p)
+{
+    u_char               *s, *e, *eol;
+    ngx_buf_t            *b;
+    ngx_http_upstream_t  *u;
+
+    u = sr->upstream;
+
+    if (u && u->request_bufs && u->request_bufs->buf
+        && !u->request_bufs->buf->in_file && u->request_bufs->buf->start)
+    {
+        b = u->request_bufs->buf;
+        s = b->start;
+        e = b->last;
+
+        eol = ngx_strlchr(s, e, CR);
+        if (eol == NULL) {
+            eol = ngx_strlchr(s, e, LF);
+        }
+
+        if (eol && eol > s) {
+            p->sent.len = ngx_min((size_t) (eol - s), 1024);
+            p->sent.data = ngx_pnalloc(sr->pool, p->sent.len);
+            if (p->sent.data) {
+                ngx_memcpy(p->sent.data, s, p->sent.len);
+                return;
+            }
+        }
+    }
+
+    p->sent = sr->uri;
 }
 
 
@@ -868,6 +915,14 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     {
         ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_PREFILL_FAIL_4XX);
         p->cause = NGX_HTTP_DPD_CAUSE_4XX;
+
+        /* a 404 for the path: the gateway's configuration, not the
+         * client's (ngx_http_dpd_check.c) */
+
+        rc = ngx_http_dpd_check_prefill_404(r, ctx, &pcf->prefill_pass);
+        if (rc != NGX_DECLINED) {
+            return rc;
+        }
 
         ngx_log_error(NGX_LOG_INFO, r->connection->log, 0,
                       "dpd: prefill of request \"%V\" answered %ui, "

@@ -105,6 +105,9 @@ typedef struct {
     ngx_str_t                    decode_peer;   /* pinned decoder */
     ngx_str_t                    reply;         /* prefill reply body */
     ngx_str_t                    content_type;  /* of the reply */
+    ngx_str_t                    sent;          /* request line sent to
+                                                   the prefill (or the
+                                                   subrequest URI) */
     ngx_event_t                  kv_timer;      /* kv_agent: state polls */
     ngx_msec_t                   kv_start;
     ngx_msec_t                   kv_interval;   /* next poll, 1..10 ms */
@@ -198,6 +201,12 @@ ngx_int_t ngx_http_dpd_prefill_add_variables(ngx_conf_t *cf);
 
 /* postconfiguration: the protocols' init hooks (output filters) */
 ngx_int_t ngx_http_dpd_prefill_init(ngx_conf_t *cf);
+
+/* ngx_http_dpd_check.c: dpd_prefill_pass mistakes, at nginx -t and on a
+ * prefill 404 that is not an OpenAI error (NGX_DONE: answer 502) */
+ngx_int_t ngx_http_dpd_check_init(ngx_conf_t *cf);
+ngx_int_t ngx_http_dpd_check_prefill_404(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_str_t *pass);
 
 /*
  * Called by the core phase handler once the body is read, parsed and the

@@ -388,6 +388,7 @@ several upstreams carry "dpd_lmcache_ports": name the decode pool with "dpd_deco
         dpd_decode_upstream d2;
         proxy_pass http://d2;
     }
+    location /_dpd_prefill/ { internal; proxy_pass http://d1/; }
     location /t { return 200 "ok\n"; }
 --- request
 GET /t

@@ -20,6 +20,9 @@
  * "error: line N: ..." in its place and the rest goes on.  Text is passed
  * by length everywhere: a NUL byte (or \u0000 in a --jsonl string) is text
  * like any other character.
+ * Without --config, tokenizer_config.json next to the tokenizer file is
+ * read when it is there, as nginx's dpd_tokenizer does ("--config none":
+ * no config).
  * Exit 0 on success, 2 on bad input (some bad line) or usage, 1 on
  * internal failure.
  */
@@ -28,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <cjson/cJSON.h>
 
 #include "dpd_tokenizer.h"
@@ -43,18 +47,53 @@ static uint32_t  *ids;
 static size_t     ids_cap;
 
 
+/*
+ * tokenizer_config.json in the directory of path, if it is a regular file
+ * (ngx_http_dpd_tokenizer()'s rule); NULL otherwise.  Caller frees.
+ */
+static char *
+sibling_config(const char *path)
+{
+    static const char  name[] = "tokenizer_config.json";
+
+    char          *s;
+    size_t         dir;
+    struct stat    st;
+    const char    *slash;
+
+    slash = strrchr(path, '/');
+    dir = slash ? (size_t) (slash - path) + 1 : 0;
+
+    s = malloc(dir + sizeof(name));
+    if (s == NULL) {
+        return NULL;
+    }
+    memcpy(s, path, dir);
+    memcpy(s + dir, name, sizeof(name));
+
+    if (stat(s, &st) != 0 || !S_ISREG(st.st_mode)) {
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+
 static void
 usage(void)
 {
     fprintf(stderr,
-        "usage: dpd-tokenize --tokenizer FILE [--config FILE] [--ids|--count"
+        "usage: dpd-tokenize --tokenizer FILE [--config FILE|none] "
+        "[--ids|--count"
         "|--render]\n"
         "                    [--special] [--jsonl] [--chat [--template "
         "auto|none|FILE]\n"
         "                    [--estimate]]\n"
         "  reads stdin; --jsonl: one JSON string (or, with --chat, one chat "
         "request)\n"
-        "  per line; --template FILE: a Jinja chat template file\n");
+        "  per line; --template FILE: a Jinja chat template file\n"
+        "  without --config: tokenizer_config.json next to FILE, if there "
+        "(as nginx)\n");
 }
 
 
@@ -521,9 +560,9 @@ main(int argc, char **argv)
 {
     opts_t      o;
     dpd_tok_t  *tok;
-    char        err[1024], *in;
+    char        err[1024], *in, *found;
     size_t      len;
-    int         i, t, rc;
+    int         i, t, rc, none;
 
     memset(&o, 0, sizeof(o));
     o.tmpl = DPD_CHAT_AUTO;
@@ -576,7 +615,19 @@ main(int argc, char **argv)
         return 2;
     }
 
+    found = NULL;
+    none = 0;
+    if (o.config == NULL) {
+        found = sibling_config(o.tokenizer);
+        o.config = found;
+    } else if (strcmp(o.config, "none") == 0) {
+        o.config = NULL;
+        none = 1;
+    }
+
     tok = dpd_tok_load(o.tokenizer, o.config, err, sizeof(err));
+    free(found);
+    o.config = found ? "" : o.config;   /* only "given or found" below */
     if (tok == NULL) {
         fprintf(stderr, "dpd-tokenize: %s\n", err);
         return 2;
@@ -594,7 +645,9 @@ main(int argc, char **argv)
         && dpd_tok_chat_template(tok) == DPD_CHAT_NONE)
     {
         fprintf(stderr, "dpd-tokenize: the model has no chat template%s\n",
-                o.config ? "" : " (no --config given)");
+                o.config ? "" : none ? " (--config none)"
+                : " (no --config given and no tokenizer_config.json next "
+                  "to the tokenizer)");
     }
     if (o.estimate && !(o.chat && o.count)) {
         fprintf(stderr, "dpd-tokenize: --estimate needs --chat --count\n");

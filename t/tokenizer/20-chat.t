@@ -108,7 +108,7 @@ is(slurp("$dir/img.txt"), $plainc, 'image part: the count of the text alone');
 # no template: an error, unless --estimate (the documented estimate)
 spew("$dir/est-chat.json", '{"messages":[{"role":"system","content":"Be brief."},'
      . '{"role":"user","content":[{"type":"text","text":"Hello"},{"type":"text","text":"world"}]}]}');
-my $nocfg = "'$cli' --tokenizer '$L/tokenizer.json' --chat";
+my $nocfg = "'$cli' --tokenizer '$L/tokenizer.json' --config none --chat";
 ($rc, $err) = run_cmd("$nocfg --count < '$dir/est-chat.json'", 20);
 is($rc, 2, 'no template: --chat --count is an error (exit 2)');
 like($err, qr/no chat template.*--estimate/s, 'no template: the error says --estimate');
