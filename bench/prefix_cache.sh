@@ -31,7 +31,9 @@
 #   LAST_TOKENS=30720 CONCURRENCY=16 THINK_MS=500 RAG_DOCS=4
 #   RAG_DOC_TOKENS=8192 RAG_QUESTIONS=64 SHORT_RATE=2 TURN_MAX_TOKENS=64
 #   KV_BLOCKS=26000 (Llama 3 8B on an 80 GB GPU: ~56 GB of KV / 128 KiB per
-#   token / 16) KV_BYTES_PER_TOKEN=131072 KV_GBPS=50 PREFILL_TPS=10000
+#   token / 16 = ~0.8 of this workload's working set: 16 x 30k + 4 x 8k
+#   tokens; the cache-aware pods fit it, a cache-blind pool that copies
+#   every conversation to both pods does not) KV_BYTES_PER_TOKEN=131072 KV_GBPS=50 PREFILL_TPS=10000
 #   DECODE_STEP_MS=20 BATCHED_TOKENS=2048 TIME_SCALE=1 DPD_THRESHOLD=1024
 #   MODES="off approximate events" BENCH_PORT_BASE=18800 SEED=23
 set -euo pipefail
@@ -39,12 +41,13 @@ set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 
 if [[ ${QUICK:-0} = 1 ]]; then
-    # the same shape, smaller; KV_BLOCKS scaled with the working set as in
-    # the full profile (the cache-aware pods fit it, duplicated it does not)
-    : "${SESSIONS:=16}" "${TURNS:=4}" "${FIRST_TOKENS:=2048}"
-    : "${LAST_TOKENS:=8192}" "${CONCURRENCY:=8}" "${THINK_MS:=200}"
+    # the same shape, smaller: 8 turns growing 15x, a pod's KV_BLOCKS ~0.8
+    # of the working set (conversations in flight x last size + documents)
+    # as in the full profile
+    : "${SESSIONS:=12}" "${TURNS:=8}" "${FIRST_TOKENS:=1024}"
+    : "${LAST_TOKENS:=15360}" "${CONCURRENCY:=6}" "${THINK_MS:=200}"
     : "${RAG_DOCS:=2}" "${RAG_DOC_TOKENS:=4096}" "${RAG_QUESTIONS:=16}"
-    : "${KV_BLOCKS:=4096}"
+    : "${KV_BLOCKS:=4950}"
 fi
 SESSIONS=${SESSIONS:-64}
 TURNS=${TURNS:-8}

@@ -29,7 +29,14 @@
 # demo runs in "observe" mode: a decode pool of two pods, every request
 # direct, the decision still computed and shown.
 #
+# In dpd mode it ends with a conversation of four turns whose history
+# grows (a pasted document, a question, a second document, a question)
+# through a third server with `dpd_prefix_cache approximate`: per turn the
+# tokens the gateway's index found cached on the chosen decoder, the
+# engine's usage cached_tokens, the route and the peers.
+#
 # Environment: DEMO_DPD_PORT (18088), DEMO_COLOC_PORT (18089),
+# DEMO_CHAT_PORT (18091),
 # DEMO_EMU_PORT (18000; pods also use +1000..+3000 for KV side channels),
 # DEMO_THRESHOLD (4096 tokens), DEMO_SHORT (10), DEMO_LONG (4),
 # DEMO_MODE=auto|dpd|observe (auto: dpd when conf/demo.conf passes
@@ -48,6 +55,7 @@ NGINX=${NGINX_BIN:-/usr/sbin/nginx}
 MODULE=${DPD_MODULE:-$BUILD/ngx_http_dpd_module.so}
 DPD_PORT=${DEMO_DPD_PORT:-18088}
 COLOC_PORT=${DEMO_COLOC_PORT:-18089}
+CHAT_PORT=${DEMO_CHAT_PORT:-18091}
 EMU_PORT=${DEMO_EMU_PORT:-18000}
 THRESHOLD=${DEMO_THRESHOLD:-4096}
 N_SHORT=${DEMO_SHORT:-10}
@@ -82,7 +90,7 @@ port_busy() {   # host port
     (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null
 }
 
-PORTS=("127.0.0.1 $DPD_PORT" "127.0.0.1 $COLOC_PORT"
+PORTS=("127.0.0.1 $DPD_PORT" "127.0.0.1 $COLOC_PORT" "127.0.0.1 $CHAT_PORT"
        "${DECODE_HOSTS[0]} $EMU_PORT" "${DECODE_HOSTS[1]} $EMU_PORT"
        "${PREFILL_HOSTS[0]} $EMU_PORT" "${PREFILL_HOSTS[1]} $EMU_PORT")
 if [ "$KVA" != 0 ]; then
@@ -172,6 +180,7 @@ render() {   # template balance-line [prefix] > prefix/nginx.conf
         -e "s|@TOKENIZER_CONFIG@|$TOKDIR/tokenizer_config.json|g" \
         -e "s|@THRESHOLD@|$THRESHOLD|g" -e "s|@EMU_PORT@|$EMU_PORT|g" \
         -e "s|@DPD_PORT@|$DPD_PORT|g" -e "s|@COLOC_PORT@|$COLOC_PORT|g" \
+        -e "s|@CHAT_PORT@|$CHAT_PORT|g" \
         -e "s|@KVA_PORT@|$KVA_PORT|g" -e "s|@STATE@|$KVA_STATE|g" \
         -e "s|@BALANCE@|$2|g" "$1" > "$prefix/nginx.conf"
 }
@@ -367,6 +376,10 @@ if [ "$MODE" = dpd ]; then
         say "co-located (4 pods prefill+decode) vs DPD (2 prefill + 2 decode pods)"
     fi
     node "$CLIENT" compare "${runs[@]}" || true
+    say "a conversation through dpd_prefix_cache approximate (127.0.0.1:$CHAT_PORT):" \
+        "its turns go to the decoder holding its history"
+    DPD_NPM=$NPM node "$CLIENT" chat --base-url "http://127.0.0.1:$CHAT_PORT/v1" \
+        --label approximate || status=1
 else
     run_phase observe "$COLOC_PORT" || status=1
     say "kv_agent run skipped: $KVA_WHY"
