@@ -11,7 +11,8 @@ KVA_OBJDIR := $(BUILD)/obj/kv_agent
 KVA_SRCS   := util.c layout.c config.c auth.c state.c status.c fabric.c \
               topo.c copy.c stage.c ring.c \
               bench.c pool.c ctrl.c xfer.c api.c loop.c main.c \
-              lmcache_notify.c prefix_index.c
+              lmcache_notify.c prefix_index.c prefix_events.c \
+              kv_events.c kv_events_sub.c kv_events_dump.c
 KVA_OBJS   := $(addprefix $(KVA_OBJDIR)/,$(KVA_SRCS:.c=.o))
 KVA_CLI_OBJS := $(KVA_OBJDIR)/client.o
 KVA_HDRS   := $(wildcard $(KVA_DIR)/src/*.h $(KVA_DIR)/include/*.h)
@@ -88,3 +89,16 @@ $(addprefix kv-agent-cuda,$(CUDA_MAJORS)): kv-agent-cuda%:
 	         "(make deps; CUDA_HOME_$*=DIR for a toolkit)" >&2; exit 2; }; \
 	$(MAKE) --no-print-directory BUILD=build-cuda$* CUDA_HOME=$$h \
 	    CFLAGS="$(OPT) -g -Werror" kv_agent
+
+# ---- libFuzzer (clang; FUZZ_CC and FUZZ_FLAGS from tokenizer/build.mk):
+# the KV-event decoder, which reads what any engine on the network sends
+KVA_FUZZ := $(BUILD)/fuzz/kv_fuzz_events
+
+$(KVA_FUZZ): $(KVA_DIR)/fuzz/kv_fuzz_events.c $(KVA_DIR)/src/kv_events.c \
+		$(KVA_DIR)/src/kv_events.h
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -I$(KVA_DIR)/src $< $(KVA_DIR)/src/kv_events.c \
+	    -o $@
+
+# (run by the fuzz recipe in tokenizer/build.mk)
+fuzz: $(KVA_FUZZ)

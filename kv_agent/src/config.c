@@ -12,6 +12,8 @@
 #include <cjson/cJSON.h>
 
 #include "kv.h"
+#include "dpd_prefix.h"
+#include "dpd_prefix_index.h"
 
 
 uint32_t
@@ -439,6 +441,207 @@ parse_rails(kv_config_t *c, cJSON *r, char *err, size_t elen)
 }
 
 
+/* An endpoint we connect to: tcp://host:port (host a name, an IPv4
+ * address or [IPv6]) or ipc://path; never a wildcard, which is the
+ * publisher's own (bind) side of the same setting. */
+static int
+evs_endpoint_ok(const char *ep)
+{
+    const char *h, *colon;
+    char *end;
+    long port;
+
+    if (strncmp(ep, "ipc://", 6) == 0) {
+        return ep[6] != '\0';
+    }
+    if (strncmp(ep, "tcp://", 6) != 0) {
+        return 0;
+    }
+    h = ep + 6;
+    colon = strrchr(h, ':');
+    if (colon == NULL || colon == h || strchr(h, '*') != NULL
+        || strncmp(h, "0.0.0.0:", 8) == 0 || strncmp(h, "[::]:", 5) == 0)
+    {
+        return 0;
+    }
+    errno = 0;
+    port = strtol(colon + 1, &end, 10);
+    return errno == 0 && *end == '\0' && end != colon + 1 && port > 0
+           && port < 65536;
+}
+
+
+/* "kv_events": [{"node", "http", "endpoint", "replay", "topic",
+ * "replay_timeout_ms"}, ...] (kv_events_sub.c) */
+static int
+parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
+{
+    static const char *const keys[] = {
+        "node", "http", "endpoint", "replay", "topic", "model",
+        "replay_timeout_ms", NULL
+    };
+    kv_evs_src_conf_t *s;
+    cJSON *e;
+    char where[64 + KV_ID_LEN];
+    int i, n = 0;
+
+    if (!cJSON_IsArray(arr)) {
+        snprintf(err, elen, "\"kv_events\" must be a list of sources "
+                 "({\"node\", \"http\", \"endpoint\", ...})");
+        return -1;
+    }
+    if (c->role != DPD_ROLE_ROUTER) {
+        snprintf(err, elen, "\"kv_events\" is for the router's agent (the "
+                 "one whose state nginx reads), not a %s node",
+                 dpd_state_role_name(c->role));
+        return -1;
+    }
+    if (cJSON_GetArraySize(arr) > KV_EVS_MAX_SOURCES) {
+        snprintf(err, elen, "\"kv_events\": at most %d sources",
+                 KV_EVS_MAX_SOURCES);
+        return -1;
+    }
+    cJSON_ArrayForEach(e, arr) {
+        s = &c->evs.src[n];
+        memset(s, 0, sizeof(*s));
+        s->replay_timeout_ms = 2000;
+        snprintf(where, sizeof(where), "kv_events[%d]", n);
+        if (!cJSON_IsObject(e)) {
+            snprintf(err, elen, "%s must be an object", where);
+            return -1;
+        }
+        if (only_keys(e, where, keys, err, elen)
+            || get_str(e, "node", s->node, sizeof(s->node), 1, err, elen)
+            || get_str(e, "http", s->http, sizeof(s->http), 1, err, elen)
+            || get_str(e, "endpoint", s->endpoint, sizeof(s->endpoint), 1,
+                       err, elen)
+            || get_str(e, "replay", s->replay, sizeof(s->replay), 0, err,
+                       elen)
+            || get_str(e, "topic", s->topic, sizeof(s->topic), 0, err, elen)
+            || get_str(e, "model", s->model, sizeof(s->model), 0, err, elen)
+            || get_int(e, "replay_timeout_ms", &s->replay_timeout_ms, 10,
+                       600000, err, elen))
+        {
+            size_t l = strlen(err);
+            if (strstr(err, where) == NULL && l + 1 < elen) {
+                snprintf(err + l, elen - l, " (%s)", where);
+            }
+            return -1;
+        }
+        if (s->node[0] == '\0') {
+            snprintf(err, elen, "%s: \"node\" must not be empty", where);
+            return -1;
+        }
+        if (strchr(s->http, ':') == NULL || strstr(s->http, "://")) {
+            snprintf(err, elen, "kv_events %s: \"http\" must be the "
+                     "engine's \"host:port\" as nginx's upstream names it",
+                     s->node);
+            return -1;
+        }
+        if (!evs_endpoint_ok(s->endpoint)) {
+            snprintf(err, elen, "kv_events %s: \"endpoint\" must be "
+                     "tcp://host:port of the engine's publisher (the agent "
+                     "connects: not tcp://*:port) or ipc://path",
+                     s->node);
+            return -1;
+        }
+        if (s->replay[0] && !evs_endpoint_ok(s->replay)) {
+            snprintf(err, elen, "kv_events %s: \"replay\" must be "
+                     "tcp://host:port of the engine's replay_endpoint or "
+                     "ipc://path", s->node);
+            return -1;
+        }
+        for (i = 0; i < n; i++) {
+            /* a node twice is a data-parallel engine: one publisher per
+             * rank (vLLM shifts the port by the rank), one http */
+            if (strcmp(c->evs.src[i].node, s->node) == 0
+                && (strcmp(c->evs.src[i].http, s->http) != 0
+                    || strcmp(c->evs.src[i].model, s->model) != 0))
+            {
+                snprintf(err, elen, "kv_events: node \"%s\" given twice "
+                         "with different \"http\" or \"model\"",
+                         s->node);
+                return -1;
+            }
+            if (strcmp(c->evs.src[i].endpoint, s->endpoint) == 0) {
+                snprintf(err, elen, "kv_events: endpoint %s given twice "
+                         "(%s and %s)", s->endpoint, c->evs.src[i].node,
+                         s->node);
+                return -1;
+            }
+        }
+        n++;
+    }
+    c->evs.nsrc = n;
+    return 0;
+}
+
+
+/* "prefix_index": {"path", "slots", "block", "map_entries"}: where the
+ * router writes what the "kv_events" sources hold (prefix_index.c) */
+static int
+parse_prefix_index(kv_config_t *c, cJSON *o, char *err, size_t elen)
+{
+    static const char *const keys[] = {
+        "path", "slots", "block", "map_entries", NULL
+    };
+    int             i;
+    kv_pfx_conf_t  *p = &c->pfx;
+
+    if (!cJSON_IsObject(o)) {
+        snprintf(err, elen, "\"prefix_index\" must be an object "
+                 "({\"path\", \"slots\", \"block\", \"map_entries\"})");
+        return -1;
+    }
+    if (c->evs.nsrc == 0) {
+        snprintf(err, elen, "\"prefix_index\" needs \"kv_events\" sources "
+                 "(the index holds what their engines cache)");
+        return -1;
+    }
+    snprintf(p->path, sizeof(p->path), "%s", DPD_PFX_DEFAULT_PATH);
+    p->slots = UINT64_C(1) << 20;
+    p->map_entries = 0;
+    p->block = DPD_PREFIX_DEFAULT_BLOCK;
+    if (only_keys(o, "prefix_index", keys, err, elen)
+        || get_str(o, "path", p->path, sizeof(p->path), 0, err, elen)
+        || get_u64(o, "slots", &p->slots, 1024, UINT64_C(1) << 28, err,
+                   elen)
+        || get_int(o, "block", &p->block, 1, DPD_PREFIX_MAX_BLOCK, err, elen)
+        || get_u64(o, "map_entries", &p->map_entries, 0,
+                   UINT64_C(1) << 28, err, elen))
+    {
+        return -1;
+    }
+    if ((p->slots & (p->slots - 1)) != 0) {
+        snprintf(err, elen, "\"prefix_index\": \"slots\" must be a power "
+                 "of two (%llu is not)", (unsigned long long) p->slots);
+        return -1;
+    }
+    if (p->path[0] != '/') {
+        snprintf(err, elen, "\"prefix_index\": \"path\" must be absolute");
+        return -1;
+    }
+    if (strcmp(p->path, c->state_path) == 0) {
+        snprintf(err, elen, "\"prefix_index\": \"path\" is the state "
+                 "table's");
+        return -1;
+    }
+    for (i = 0; i < c->evs.nsrc; i++) {
+        if (c->evs.src[i].model[0] == '\0') {
+            snprintf(err, elen, "kv_events %s: \"model\" is needed with "
+                     "\"prefix_index\" (the name requests use for the "
+                     "model: it seeds the block keys as nginx does)",
+                     c->evs.src[i].node);
+            return -1;
+        }
+    }
+    if (p->map_entries == 0) {
+        p->map_entries = p->slots / 2;  /* the slots' load bound */
+    }
+    return 0;
+}
+
+
 static int
 parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
 {
@@ -446,7 +649,7 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
         "node_id", "role", "http", "provider", "allow_fallback", "rails",
         "listen", "token", "peers", "api_socket", "state_path", "state",
         "pool", "timeouts", "transfer", "api", "ctrl", "log_level",
-        "lmcache_notify", NULL
+        "lmcache_notify", "kv_events", "prefix_index", NULL
     };
     static const char *const ctrl_keys[] = {
         "hello_timeout_ms", "max_unauthenticated", "max_peer_connects",
@@ -504,6 +707,14 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
     if (c->role == DPD_ROLE_UNKNOWN) {
         snprintf(err, elen, "role \"%s\" is not prefill, decode or router",
                  role);
+        return -1;
+    }
+    o = cJSON_GetObjectItemCaseSensitive(root, "kv_events");
+    if (o && parse_kv_events(c, o, err, elen) != 0) {
+        return -1;
+    }
+    o = cJSON_GetObjectItemCaseSensitive(root, "prefix_index");
+    if (o && parse_prefix_index(c, o, err, elen) != 0) {
         return -1;
     }
     if (cJSON_GetObjectItemCaseSensitive(root, "token") != NULL) {

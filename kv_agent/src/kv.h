@@ -137,6 +137,35 @@ typedef struct {
     int            nallow;
 } kv_lmc_conf_t;
 
+/* "kv_events": vLLM KV-event publishers the router subscribes to
+ * (kv_events_sub.c; parsed in config.c) */
+#define KV_EVS_MAX_SOURCES  64
+#define KV_EVS_EP_LEN       256
+#define KV_EVS_TOPIC_LEN    256
+typedef struct {
+    char     node[KV_ID_LEN];          /* the node whose cache it is */
+    char     http[KV_ADDR_LEN];        /* its vLLM, as nginx names it */
+    char     endpoint[KV_EVS_EP_LEN];  /* the PUB: tcp://host:port */
+    char     replay[KV_EVS_EP_LEN];    /* the ROUTER; "" = none */
+    char     topic[KV_EVS_TOPIC_LEN];  /* exact; "" = vLLM's default */
+    char     model[KV_EVS_TOPIC_LEN];  /* the name requests use for its
+                                        * model: the prefix index's seed */
+    int      replay_timeout_ms;        /* no reply this long: given up */
+} kv_evs_src_conf_t;
+typedef struct {
+    kv_evs_src_conf_t src[KV_EVS_MAX_SOURCES];
+    int               nsrc;
+} kv_evs_conf_t;
+
+/* "prefix_index": the KV-events prefix index nginx reads for
+ * "dpd_prefix_cache events" (prefix_index.c, prefix_events.c) */
+typedef struct {
+    char      path[KV_PATH_LEN];       /* "" = off */
+    uint64_t  slots;                   /* a power of two */
+    uint64_t  map_entries;             /* engine ids remembered */
+    int       block;                   /* tokens a block: the engines' */
+} kv_pfx_conf_t;
+
 typedef struct {
     char     id[KV_ID_LEN];
     char     ctrl[KV_ADDR_LEN];    /* host:port of its control listener */
@@ -190,6 +219,8 @@ typedef struct {
     int            log_level;
     int            inline_keys;        /* keys written in the config file */
     kv_lmc_conf_t  lmc;                /* lmcache_notify */
+    kv_evs_conf_t  evs;                /* kv_events */
+    kv_pfx_conf_t  pfx;                /* prefix_index */
 } kv_config_t;
 
 enum { KV_STAGE_AUTO = 0, KV_STAGE_HOST_TEST = 1, KV_STAGE_OFF = 2 };
@@ -725,6 +756,9 @@ struct kv_ctx {
     int          poll_backoff_us;      /* last completion or post */
     int          copy_backoff_us;      /* polling a slow copy's event */
     struct kv_lmc *lmc;                /* lmcache_notify.c, or NULL */
+    struct kv_evs *evs;                /* kv_events_sub.c, or NULL */
+    struct kv_pfx *pfx;                /* prefix_index.c, or NULL */
+    struct kv_pfx_feed *pfx_feed;      /* prefix_events.c: evs -> pfx */
 };
 
 /* ---- LMCache notices (lmcache_notify.c) -------------------------------- */
@@ -736,6 +770,32 @@ int  kv_lmc_open(kv_ctx_t *ctx);
 int  kv_lmc_pollfds(kv_ctx_t *ctx, struct pollfd *pfd);   /* 0..3 fds */
 void kv_lmc_process(kv_ctx_t *ctx);
 void kv_lmc_close(kv_ctx_t *ctx);
+
+/* ---- vLLM KV events (kv_events_sub.c; decoder in kv_events.c) -------- */
+#include "kv_events.h"
+
+typedef struct {
+    uint64_t msgs, refused_msgs;       /* payloads decoded / refused */
+    uint64_t gaps, restarts, reconnects, clears;
+    uint64_t replays, replays_ok, replays_failed, replayed, dups;
+    uint64_t bad_frames, other_topic;
+} kv_evs_src_stats_t;
+
+struct kv_evs;
+/* connects every source of c (kept by reference: c must outlive it);
+ * lim NULL: kv_events.h's bounds.  NULL on failure (logged). */
+struct kv_evs *kv_evs_open(const kv_evs_conf_t *c, const kv_ev_sink_t *sink,
+    const kv_ev_limits_t *lim);
+int  kv_evs_pollfds(struct kv_evs *e, struct pollfd *pfd, int max);
+void kv_evs_process(struct kv_evs *e);   /* never blocks */
+int  kv_evs_nsrc(struct kv_evs *e);
+void kv_evs_stats(struct kv_evs *e, int i, kv_evs_src_stats_t *out,
+    kv_ev_stats_t *dec);
+void kv_evs_close(struct kv_evs *e);
+int  kv_events_main(int argc, char **argv);  /* `kv_agent events` */
+/* the sink the agent's subscriber delivers to (loop.c) */
+void kv_events_sink(kv_ctx_t *ctx, kv_ev_sink_t *sink);
+
 
 /* trailing "done" message over the fabric (sent after all writes of a
  * request completed with delivery-complete semantics) */

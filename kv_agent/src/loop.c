@@ -19,6 +19,7 @@
 #include <cjson/cJSON.h>
 
 #include "kv.h"
+#include "prefix_events.h"
 
 #define KV_IDLE_POLL_MS     5      /* CQ without a wait fd, idle */
 #define KV_SPIN_US          1000   /* busy-poll this long after an event */
@@ -387,6 +388,97 @@ fabric_wait(kv_ctx_t *ctx, kv_poll_state_t *ps_in, struct pollfd *pfd,
 }
 
 
+/* The sink the subscriber delivers to.  Until the prefix index's writer
+ * provides its own (kv_events_sink() is where it plugs in), the events
+ * are only counted by the subscriber and logged at debug level. */
+static void
+evs_log_stored(void *data, const kv_ev_origin_t *o, const kv_ev_stored_t *ev)
+{
+    kv_debug("kv_events: %s seq %llu: %u block(s) stored (%s)", o->node,
+             (unsigned long long) o->seq, ev->nblocks,
+             ev->medium ? ev->medium : "GPU");
+}
+
+
+static void
+evs_log_removed(void *data, const kv_ev_origin_t *o,
+    const kv_ev_removed_t *ev)
+{
+    kv_debug("kv_events: %s seq %llu: %u block(s) removed", o->node,
+             (unsigned long long) o->seq, ev->nblocks);
+}
+
+
+static void
+evs_log_cleared(void *data, const kv_ev_origin_t *o, kv_ev_clear_t why)
+{
+    kv_debug("kv_events: %s seq %llu: all blocks cleared (%s)", o->node,
+             (unsigned long long) o->seq, kv_ev_clear_name(why));
+}
+
+
+/* The prefix index the "kv_events" sources feed ("prefix_index"): the
+ * subscriber's sink becomes its writer. */
+static int
+kv_prefix_open(kv_ctx_t *ctx, kv_ev_sink_t *sink)
+{
+    const kv_pfx_conf_t *c = &ctx->cfg.pfx;
+
+    ctx->pfx = kv_pfx_open(c->path, c->slots, DPD_PFX_MAX_NODES,
+                           (uint32_t) c->block, c->map_entries);
+    if (ctx->pfx == NULL) {
+        return -1;
+    }
+    ctx->pfx_feed = calloc(1, sizeof(*ctx->pfx_feed));
+    if (ctx->pfx_feed == NULL
+        || kv_pfx_feed_init(ctx->pfx_feed, ctx->pfx, &ctx->cfg.evs, sink)
+           != 0)
+    {
+        return -1;                     /* kv_prefix_close() frees */
+    }
+    return 0;
+}
+
+
+static void
+kv_prefix_close(kv_ctx_t *ctx)
+{
+    const kv_pfx_stats_t *st;
+
+    if (ctx->pfx != NULL) {
+        st = kv_pfx_stats(ctx->pfx);
+        kv_info("prefix index: %llu blocks indexed, %llu removed, %llu "
+                "node clears, %llu orphans, %llu unkeyable, %llu over "
+                "capacity, %llu of another block size",
+                (unsigned long long) st->stored,
+                (unsigned long long) st->removed,
+                (unsigned long long) st->cleared,
+                (unsigned long long) st->orphans,
+                (unsigned long long) (ctx->pfx_feed
+                                      ? ctx->pfx_feed->unkeyable : 0),
+                (unsigned long long) st->full,
+                (unsigned long long) st->bad_size);
+    }
+    if (ctx->pfx_feed != NULL) {
+        kv_pfx_feed_free(ctx->pfx_feed);
+        free(ctx->pfx_feed);
+        ctx->pfx_feed = NULL;
+    }
+    kv_pfx_close(ctx->pfx, 1);
+    ctx->pfx = NULL;
+}
+
+
+void
+kv_events_sink(kv_ctx_t *ctx, kv_ev_sink_t *sink)
+{
+    sink->data = ctx;
+    sink->stored = evs_log_stored;
+    sink->removed = evs_log_removed;
+    sink->cleared = evs_log_cleared;
+}
+
+
 static void
 run_loop(kv_ctx_t *ctx)
 {
@@ -396,7 +488,7 @@ run_loop(kv_ctx_t *ctx)
     uint64_t now;
     struct timespec ts;
     size_t cap = 2 + KV_LMC_NFDS + KV_MAX_RAILS + 2 * KV_MAX_RANKS
-                 + KV_MAX_PEERS + ctx->nclients;
+                 + KV_MAX_PEERS + KV_EVS_MAX_SOURCES + ctx->nclients;
 
     pfd = calloc(cap, sizeof(*pfd));
     who = calloc(cap, sizeof(*who));
@@ -448,6 +540,11 @@ run_loop(kv_ctx_t *ctx)
         for (i = kv_lmc_pollfds(ctx, pfd + n); i > 0; i--) {
             who[n++] = -5;                /* lmcache: drained below */
         }
+        for (i = kv_evs_pollfds(ctx->evs, pfd + n, KV_EVS_MAX_SOURCES);
+             i > 0; i--)
+        {
+            who[n++] = -5;                /* kv_events: drained below */
+        }
         timeout = fabric_wait_setup(ctx, pfd, who, &n);
         ts.tv_sec = (time_t) (timeout / 1000000);
         ts.tv_nsec = (long) (timeout % 1000000) * 1000;
@@ -486,6 +583,7 @@ run_loop(kv_ctx_t *ctx)
             }
         }
         kv_lmc_process(ctx);
+        kv_evs_process(ctx->evs);
         kv_xfer_progress(ctx);
         housekeeping(ctx, kv_now_ms());
     }
@@ -517,6 +615,9 @@ shutdown_ctx(kv_ctx_t *ctx)
         }
     }
     kv_lmc_close(ctx);
+    kv_evs_close(ctx->evs);
+    ctx->evs = NULL;
+    kv_prefix_close(ctx);
     if (ctx->st.map) {
         kv_ctrl_update_self(ctx);
         kv_state_close(&ctx->st, 1);
@@ -657,6 +758,17 @@ kv_run_main(int argc, char **argv)
         || kv_lmc_open(ctx) != 0)
     {
         goto out;
+    }
+    if (ctx->cfg.evs.nsrc > 0) {
+        kv_ev_sink_t sink;
+        kv_events_sink(ctx, &sink);
+        if (ctx->cfg.pfx.path[0] && kv_prefix_open(ctx, &sink) != 0) {
+            goto out;
+        }
+        ctx->evs = kv_evs_open(&ctx->cfg.evs, &sink, NULL);
+        if (ctx->evs == NULL) {
+            goto out;
+        }
     }
     kv_ctrl_update_self(ctx);
     for (i = 0; i < ctx->npeers; i++) {

@@ -57,6 +57,17 @@ check_main(int argc, char **argv)
                                                                     : "host",
                c->ranks);
     }
+    for (i = 0; i < c->evs.nsrc; i++) {
+        printf("kv_events: %s (%s) from %s topic \"%s\"%s%s\n",
+               c->evs.src[i].node, c->evs.src[i].http, c->evs.src[i].endpoint,
+               c->evs.src[i].topic, c->evs.src[i].replay[0] ? ", replay " : "",
+               c->evs.src[i].replay);
+    }
+    if (c->pfx.path[0]) {
+        printf("prefix index: %s (%llu slots, block %d, %llu engine ids)\n",
+               c->pfx.path, (unsigned long long) c->pfx.slots, c->pfx.block,
+               (unsigned long long) c->pfx.map_entries);
+    }
     printf("state table: %s\n", c->state_path);
     kv_auth_forget(c);
     free(c);
@@ -75,6 +86,8 @@ usage(void)
         "       kv_agent check --config FILE\n"
         "       kv_agent topo [--sysfs ROOT] [--domains a,b] [--rails a,b]"
         " [--ranks N] [--json]\n"
+        "       kv_agent events (--decode FILE... | --config FILE | "
+        "--endpoint EP ...)\n"
         "       kv_agent version\n");
 }
 
@@ -100,6 +113,9 @@ main(int argc, char **argv)
     }
     if (strcmp(argv[1], "status") == 0) {
         return kv_status_main(argc - 2, argv + 2);
+    }
+    if (strcmp(argv[1], "events") == 0) {
+        return kv_events_main(argc - 2, argv + 2);
     }
     if (strcmp(argv[1], "version") == 0) {
         printf("kv_agent state-table v%u, libfabric %d.%d (headers %d.%d)"

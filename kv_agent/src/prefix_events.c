@@ -23,8 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <msgpack.h>
-
 #include "kv.h"
 #include "prefix_index.h"
 #include "prefix_events.h"
@@ -32,124 +30,202 @@
 #define PFX_SALT_MAX  1024
 
 
-static int
-str_is(const msgpack_object *o, const char *s)
-{
-    size_t n = strlen(s);
+/*
+ * A reader of just what block 0's extra keys hold: arrays, maps, strings
+ * and nil.  The bytes were checked whole by kv_events.c (every length
+ * lies inside them; checked again here); anything else (a multimodal
+ * hash's tuple, a number) makes the block unkeyable, so nothing ever
+ * needs skipping.  No allocation: msgpack-c would allocate whatever an
+ * array header claims.
+ */
 
-    return o->type == MSGPACK_OBJECT_STR && o->via.str.size == n
-           && memcmp(o->via.str.ptr, s, n) == 0;
+typedef struct {
+    const uint8_t  *p, *end;
+} pe_rd_t;
+
+enum { PE_NIL = 1, PE_STR, PE_ARR, PE_MAP, PE_OTHER };
+
+
+static int
+pe_be(pe_rd_t *r, unsigned n, uint32_t *v)
+{
+    unsigned  i;
+
+    if ((size_t) (r->end - r->p) < n) {
+        return -1;
+    }
+    *v = 0;
+    for (i = 0; i < n; i++) {
+        *v = (*v << 8) | *r->p++;
+    }
+    return 0;
+}
+
+
+/* The next value's kind: a string's bytes in *s and *len, a container's
+ * element count in *len; -1 when the bytes end early. */
+static int
+pe_next(pe_rd_t *r, const char **s, uint32_t *len)
+{
+    uint8_t  b;
+
+    if (r->p >= r->end) {
+        return -1;
+    }
+    b = *r->p++;
+    if (b == 0xc0) {
+        return PE_NIL;
+    }
+    if ((b & 0xf0) == 0x90) {
+        *len = b & 0x0f;
+        return PE_ARR;
+    }
+    if ((b & 0xf0) == 0x80) {
+        *len = b & 0x0f;
+        return PE_MAP;
+    }
+    if (b == 0xdc || b == 0xdd) {
+        return pe_be(r, b == 0xdc ? 2 : 4, len) ? -1 : PE_ARR;
+    }
+    if (b == 0xde || b == 0xdf) {
+        return pe_be(r, b == 0xde ? 2 : 4, len) ? -1 : PE_MAP;
+    }
+    if ((b & 0xe0) == 0xa0) {
+        *len = b & 0x1f;
+    } else if (b == 0xd9 || b == 0xda || b == 0xdb) {
+        if (pe_be(r, b == 0xd9 ? 1 : (b == 0xda ? 2 : 4), len)) {
+            return -1;
+        }
+    } else {
+        return PE_OTHER;
+    }
+    if ((size_t) (r->end - r->p) < *len) {
+        return -1;
+    }
+    *s = (const char *) r->p;
+    r->p += *len;
+    return PE_STR;
+}
+
+
+static int
+pe_streq(const char *s, uint32_t len, const char *lit)
+{
+    return len == strlen(lit) && memcmp(s, lit, len) == 0;
 }
 
 
 /*
  * cache_salt of the sequence's first block from the event's extra_keys
- * (msgpack bytes of a list, one entry per block).  1: *salt/*len set
- * (len 0: none), 0: not indexable (extra keys we cannot reproduce),
- * salt points into buf (copied there, NUL-free is not required).
+ * (msgpack bytes of a list, one entry per block).  1: the salt copied to
+ * buf, its length in *len (0: none); 0: not indexable (extra keys we
+ * cannot reproduce, or a salt longer than cap).
  */
 static int
 first_block_salt(const kv_ev_stored_t *ev, char *buf, size_t cap,
     size_t *len)
 {
-    int                     ok;
-    size_t                  off, i, j;
-    const char             *s;
-    msgpack_object         *e, *it, *k;
-    msgpack_unpacked        u;
-    msgpack_unpack_return   rc;
+    int          t, vt;
+    size_t       lora_len;
+    uint32_t     n, i, m, j, kl, vl, sl;
+    const char  *s, *k, *v, *salt, *type, *tsalt;
+    pe_rd_t      r;
 
     *len = 0;
     if (ev->extra_keys == NULL || ev->extra_keys_len == 0) {
         return 1;
     }
+    r.p = ev->extra_keys;
+    r.end = ev->extra_keys + ev->extra_keys_len;
 
-    msgpack_unpacked_init(&u);
-    off = 0;
-    rc = msgpack_unpack_next(&u, (const char *) ev->extra_keys,
-                             ev->extra_keys_len, &off);
-    ok = 0;
-    if (rc != MSGPACK_UNPACK_SUCCESS) {
-        goto done;
+    t = pe_next(&r, &s, &n);
+    if (t == PE_NIL) {
+        return 1;
     }
-    if (u.data.type == MSGPACK_OBJECT_NIL) {
-        ok = 1;
-        goto done;
+    if (t != PE_ARR || n == 0) {
+        return 0;
     }
-    if (u.data.type != MSGPACK_OBJECT_ARRAY || u.data.via.array.size == 0) {
-        goto done;
+    t = pe_next(&r, &s, &n);            /* block 0's entry */
+    if (t == PE_NIL) {
+        return 1;
     }
-    e = &u.data.via.array.ptr[0];
-    if (e->type == MSGPACK_OBJECT_NIL) {
-        ok = 1;
-        goto done;
-    }
-    if (e->type != MSGPACK_OBJECT_ARRAY) {
-        goto done;
+    if (t != PE_ARR) {
+        return 0;
     }
 
-    s = NULL;
-    for (i = 0; i < e->via.array.size; i++) {
-        it = &e->via.array.ptr[i];
+    lora_len = ev->lora_name ? strlen(ev->lora_name) : 0;
+    salt = NULL;
+    sl = 0;
 
-        if (it->type == MSGPACK_OBJECT_STR) {
+    for (i = 0; i < n; i++) {
+        t = pe_next(&r, &s, &m);
+
+        if (t == PE_STR) {
             /* plain form: the LoRA name, else the salt (one at most) */
-            if (ev->lora_name != NULL
-                && it->via.str.size == strlen(ev->lora_name)
-                && memcmp(it->via.str.ptr, ev->lora_name,
-                          it->via.str.size) == 0)
+            if (ev->lora_name != NULL && m == lora_len
+                && memcmp(s, ev->lora_name, m) == 0)
             {
                 continue;
             }
-            if (s != NULL) {
-                goto done;             /* two strings: multimodal too */
+            if (salt != NULL) {
+                return 0;              /* two strings: multimodal too */
             }
-            s = it->via.str.ptr;
-            *len = it->via.str.size;
+            salt = s;
+            sl = m;
             continue;
         }
 
-        if (it->type == MSGPACK_OBJECT_MAP) {
-            /* typed form: {"type": "lora"|"cache_salt", ...} */
-            const msgpack_object *type = NULL, *salt = NULL;
+        if (t != PE_MAP) {
+            return 0;
+        }
 
-            for (j = 0; j < it->via.map.size; j++) {
-                k = &it->via.map.ptr[j].key;
-                if (str_is(k, "type")) {
-                    type = &it->via.map.ptr[j].val;
-                } else if (str_is(k, "salt")) {
-                    salt = &it->via.map.ptr[j].val;
+        /* typed form: {"type": "lora", "name": ...} or
+         * {"type": "cache_salt", "salt": ...}; other kinds: not ours */
+        type = NULL;
+        tsalt = NULL;
+        vl = 0;
+        for (j = 0; j < m; j++) {
+            if (pe_next(&r, &k, &kl) != PE_STR) {
+                return 0;
+            }
+            vt = pe_next(&r, &v, &n);
+            if (vt != PE_STR) {
+                return 0;
+            }
+            if (pe_streq(k, kl, "type")) {
+                if (type != NULL) {
+                    return 0;          /* a key given twice */
                 }
-            }
-            if (type != NULL && str_is(type, "lora")) {
-                continue;
-            }
-            if (type != NULL && str_is(type, "cache_salt") && salt != NULL
-                && salt->type == MSGPACK_OBJECT_STR && s == NULL)
-            {
-                s = salt->via.str.ptr;
-                *len = salt->via.str.size;
-                continue;
+                type = pe_streq(v, n, "lora") ? "lora"
+                       : pe_streq(v, n, "cache_salt") ? "cache_salt" : "";
+            } else if (pe_streq(k, kl, "salt")) {
+                if (tsalt != NULL) {
+                    return 0;
+                }
+                tsalt = v;
+                vl = n;
             }
         }
-        goto done;                     /* anything else: not ours */
-    }
-
-    if (s != NULL) {
-        if (*len > cap) {
-            *len = 0;
-            goto done;
+        if (type != NULL && strcmp(type, "lora") == 0) {
+            continue;
         }
-        memcpy(buf, s, *len);
+        if (type == NULL || strcmp(type, "cache_salt") != 0
+            || tsalt == NULL || salt != NULL)
+        {
+            return 0;
+        }
+        salt = tsalt;
+        sl = vl;
     }
-    ok = 1;
 
-done:
-    msgpack_unpacked_destroy(&u);
-    if (!ok) {
-        *len = 0;
+    if (salt != NULL) {
+        if (sl > cap) {
+            return 0;
+        }
+        memcpy(buf, salt, sl);
+        *len = sl;
     }
-    return ok;
+    return 1;
 }
 
 

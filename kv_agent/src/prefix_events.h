@@ -11,7 +11,7 @@
 
 #define KV_PFX_FEED_MAX_BLOCKS  KV_EV_MAX_BLOCKS
 
-typedef struct {
+typedef struct kv_pfx_feed {
     kv_pfx_t  *ix;
     int        node_of[KV_EVS_MAX_SOURCES];  /* source -> index node */
     uint64_t  *ids;                          /* KV_PFX_FEED_MAX_BLOCKS */

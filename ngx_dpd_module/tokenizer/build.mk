@@ -75,3 +75,4 @@ $(BUILD)/tok_jinja_standalone: $(TOK_DIR)/fuzz/tok_fuzz_jinja.c $(TOK_LIB) $(TOK
 fuzz: $(TOK_FUZZ)
 	bash $(TOK_DIR)/fuzz/run.sh $(BUILD) $(FUZZ_SECONDS)
 	bash ngx_dpd_module/fuzz/run.sh $(BUILD) $(FUZZ_SECONDS)
+	bash kv_agent/fuzz/run.sh $(BUILD) $(FUZZ_SECONDS)
