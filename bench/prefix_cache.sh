@@ -36,6 +36,7 @@
 #   every conversation to both pods does not) KV_BYTES_PER_TOKEN=131072 KV_GBPS=50 PREFILL_TPS=10000
 #   DECODE_STEP_MS=20 BATCHED_TOKENS=2048 TIME_SCALE=1 DPD_THRESHOLD=1024
 #   MODES="off approximate events" BENCH_PORT_BASE=18800 SEED=23
+#   BENCH_KEEP=DIR (copy the access logs, pod and agent logs there)
 set -euo pipefail
 
 . "$(dirname "$0")/lib.sh"
@@ -126,17 +127,59 @@ done
 EVENTS_WHY=
 EVENTS_DIRECTIVE=
 
-events_start() {   # sets EVENTS_WHY when the router agent cannot run
+ROUTER_PORT=$((BASE + 40))  # the router agent's control listener
+
+events_start() {   # the router agent; sets EVENTS_WHY when it cannot run
+    local i h node slots=65536 _
     if [[ ! -x $BUILD/kv_agent ]]; then
         EVENTS_WHY="$BUILD/kv_agent missing (make all)"
         return
     fi
-    if ! grep -q '"kv_events"' "$ROOT/kv_agent/README.md"; then
-        EVENTS_WHY="this kv_agent has no KV-events subscriber yet"`
-            `" (kv_agent/README.md documents no \"kv_events\")"
+    # a slot per distinct block of all pods (shared ones share it), twice
+    while ((slots < 8 * KV_BLOCKS)); do slots=$((slots * 2)); done
+    {
+        printf '{"node_id": "router-0", "role": "router",\n'
+        printf ' "state_path": "%s", "listen": "127.0.0.1:%d",\n' \
+            "$WORK/router.state" "$ROUTER_PORT"
+        printf ' "peers": [],\n "kv_events": [\n'
+        for i in "${!PODS[@]}"; do
+            h=${PODS[$i]}
+            if ((i < ${#DECODERS[@]})); then
+                node=decode-$i
+            else
+                node=prefill-$((i - ${#DECODERS[@]}))
+            fi
+            printf '  %s{"node": "%s", "http": "%s:%d", "model": "emu-model",'`
+                `' "endpoint": "tcp://%s:%d", "replay": "tcp://%s:%d",'`
+                `' "topic": "kv@%s@emu-model"}\n' "$([[ $i = 0 ]] || echo ,)" \
+                "$node" "$h" "$EMU_PORT" "$h" "$((EV_PORT + i))" "$h" \
+                "$((EV_PORT + 20 + i))" "$h"
+        done
+        printf ' ],\n "prefix_index": {"path": "%s", "slots": %d}}\n' \
+            "$WORK/prefix.idx" "$slots"
+    } >"$WORK/router.json"
+    if ! "$BUILD/kv_agent" check --config "$WORK/router.json" \
+            >"$WORK/router.check" 2>&1; then
+        EVENTS_WHY="kv_agent refuses the router config (a kv_agent without"`
+            `" the KV-events subscriber?): $(tail -1 "$WORK/router.check")"
         return
     fi
-    EVENTS_WHY="events mode not wired in this script yet"
+    "$BUILD/kv_agent" run --config "$WORK/router.json" \
+        >"$WORK/router.log" 2>&1 &
+    PIDS+=($!)
+    for _ in $(seq 1 100); do
+        (($(grep -c 'subscribed to tcp' "$WORK/router.log") \
+            >= ${#PODS[@]})) && [[ -f $WORK/prefix.idx ]] && break
+        sleep 0.1
+    done
+    if (($(grep -c 'subscribed to tcp' "$WORK/router.log") < ${#PODS[@]})) \
+        || [[ ! -f $WORK/prefix.idx ]]; then
+        EVENTS_WHY="the router kv_agent did not subscribe to the 4 pods"`
+            `" and write its index: $(tail -3 "$WORK/router.log" | tr '\n' ' ')"
+        return
+    fi
+    # nginx's workers may run as another user
+    chmod a+r "$WORK/prefix.idx"
 }
 
 if [[ " $MODES " == *" events "* ]]; then
@@ -153,6 +196,7 @@ location() {   # mode directive
     cat <<EOF
     server {
         listen 127.0.0.1:${GW_PORT[$1]};
+        access_log $WORK/access-$1.log bench;
         location /v1/ {
             dpd on;
             dpd_threshold $DPD_THRESHOLD;
@@ -187,6 +231,9 @@ http {
     client_body_temp_path $WORK/body;
     proxy_temp_path $WORK/proxy;
     access_log off;
+    log_format bench '\$dpd_route \$dpd_prompt_tokens \$dpd_cached_tokens '
+                     '\$dpd_uncached_tokens \$dpd_prefill_peer '
+                     '\$upstream_addr \$status \$request_time';
     dpd_tokenizer $TOK/tokenizer.json config=$TOK/tokenizer_config.json;
     proxy_http_version 1.1;
     proxy_set_header Connection "";
@@ -403,3 +450,12 @@ if "events" in rows and "approximate" in rows:
 else:
     print("SKIP  approximate within 1.5x of events: events not run")
 EOF
+
+if [[ -n ${BENCH_KEEP:-} ]]; then
+    # the per-mode access logs ($dpd_route, prompt, cached and uncached
+    # tokens, prefiller, decoder), pod and agent logs, counters
+    mkdir -p "$BENCH_KEEP"
+    cp "$WORK"/*.log "$WORK"/*.out "$WORK"/*.before "$WORK"/*.after \
+       "$WORK"/*.json "$BENCH_KEEP"/ 2>/dev/null || true
+    echo "# logs kept in $BENCH_KEEP"
+fi
