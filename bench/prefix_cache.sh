@@ -420,6 +420,14 @@ for m in modes:
              ratio(r["short"]["itl_ms_p99"] or 0,
                    base["short"]["itl_ms_p99"] or 0)))
 
+for m in modes:
+    r = rows[m]
+    print("# %s: computed %.3f of the prompt tokens (%d of %d; the rest "
+          "reused from the pods' prefix caches or pulled)"
+          % (m, ratio(r["prefill"], r["long"]["prompt_tokens"] +
+                      r["short"]["prompt_tokens"]), r["prefill"],
+             r["long"]["prompt_tokens"] + r["short"]["prompt_tokens"]))
+
 def target(ok, text):
     print("%s  %s" % ("PASS" if ok else "MISS", text))
 
