@@ -90,12 +90,22 @@ bench_workdir dpd-prefix-bench
 # nginx's workers may run as an unprivileged user: they read the index
 chmod 755 "$WORK"
 
+# the pods publish KV events for the events mode (vLLM binds, the agent
+# connects); that needs pyzmq
+EVENTS_WHY=
+if [[ " $MODES " != *" events "* ]]; then
+    EVENTS_WHY="not in MODES"
+elif ! python3 -c 'import zmq' 2>/dev/null; then
+    EVENTS_WHY="python3 without pyzmq: the pods cannot publish KV events"
+fi
+
 emu() {    # index host role
-    local cfg
-    cfg=$(printf '{"enable_kv_cache_events":true,"publisher":"zmq",'`
+    local ev=()
+    [[ -n $EVENTS_WHY ]] || ev=(--kv-events-config "$(printf \
+        '{"enable_kv_cache_events":true,"publisher":"zmq",'`
         `'"endpoint":"tcp://*:%d","replay_endpoint":"tcp://*:%d",'`
         `'"topic":"kv@%s@emu-model"}' "$((EV_PORT + $1))" \
-        "$((EV_PORT + 20 + $1))" "$2")
+        "$((EV_PORT + 20 + $1))" "$2")")
     python3 "$ROOT/tools/vllm_emu.py" --host "$2" --port "$EMU_PORT" \
         --role "$3" --tokenizer "$TOK/tokenizer.json" \
         --tokenizer-config "$TOK/tokenizer_config.json" \
@@ -105,7 +115,7 @@ emu() {    # index host role
         --max-num-batched-tokens "$BATCHED_TOKENS" --kv-hold-timeout 120 \
         --kv-blocks "$KV_BLOCKS" --kv-transfer-gbps "$KV_GBPS" \
         --kv-bytes-per-token "$KV_BYTES_PER_TOKEN" --max-model-len "$MAX_LEN" \
-        --stats-keep 8 --kv-events-config "$cfg" \
+        --stats-keep 8 "${ev[@]}" \
         --exit-with-parent $$ >"$WORK/emu-$2.log" 2>&1 &
     PIDS+=($!)
 }
@@ -124,7 +134,6 @@ done
 
 # --- events mode: the router-role kv_agent writing the prefix index ------
 
-EVENTS_WHY=
 EVENTS_DIRECTIVE=
 
 ROUTER_PORT=$((BASE + 40))  # the router agent's control listener
@@ -182,7 +191,7 @@ events_start() {   # the router agent; sets EVENTS_WHY when it cannot run
     chmod a+r "$WORK/prefix.idx"
 }
 
-if [[ " $MODES " == *" events "* ]]; then
+if [[ -z $EVENTS_WHY ]]; then
     events_start
     if [[ -z $EVENTS_WHY ]]; then
         EVENTS_DIRECTIVE="dpd_decode_upstream decode;
