@@ -29,7 +29,18 @@
 # demo runs in "observe" mode: a decode pool of two pods, every request
 # direct, the decision still computed and shown.
 #
+# In dpd mode it ends with a conversation of four turns whose history
+# grows (a pasted document, a question, a second document, a question)
+# through a third server with `dpd_prefix_cache approximate`: per turn the
+# tokens the gateway's index found cached on the chosen decoder, the
+# engine's usage cached_tokens, the route and the peers; then another
+# through a fourth server with `dpd_prefix_cache events`, whose index a
+# router-role kv_agent writes from the pods' KV events.
+#
 # Environment: DEMO_DPD_PORT (18088), DEMO_COLOC_PORT (18089),
+# DEMO_CHAT_PORT (18091), DEMO_CHAT_EVENTS_PORT (18092), DEMO_EVENTS_PORT
+# (18050: the pods' KV event publishers +0..3, replay +10..13, the prefix
+# router agent +20), DEMO_PREFIX_EVENTS=auto|0 (0: no events conversation),
 # DEMO_EMU_PORT (18000; pods also use +1000..+3000 for KV side channels),
 # DEMO_THRESHOLD (4096 tokens), DEMO_SHORT (10), DEMO_LONG (4),
 # DEMO_MODE=auto|dpd|observe (auto: dpd when conf/demo.conf passes
@@ -48,6 +59,11 @@ NGINX=${NGINX_BIN:-/usr/sbin/nginx}
 MODULE=${DPD_MODULE:-$BUILD/ngx_http_dpd_module.so}
 DPD_PORT=${DEMO_DPD_PORT:-18088}
 COLOC_PORT=${DEMO_COLOC_PORT:-18089}
+CHAT_PORT=${DEMO_CHAT_PORT:-18091}
+CHAT_EV_PORT=${DEMO_CHAT_EVENTS_PORT:-18092}
+EV_PORT=${DEMO_EVENTS_PORT:-18050}   # pod i: PUB +i, replay +10+i; agent +20
+PFX=${DEMO_PREFIX_EVENTS:-auto}      # auto -> on | off (PFX_WHY says why)
+PFX_WHY=
 EMU_PORT=${DEMO_EMU_PORT:-18000}
 THRESHOLD=${DEMO_THRESHOLD:-4096}
 N_SHORT=${DEMO_SHORT:-10}
@@ -82,9 +98,16 @@ port_busy() {   # host port
     (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null
 }
 
-PORTS=("127.0.0.1 $DPD_PORT" "127.0.0.1 $COLOC_PORT"
+PORTS=("127.0.0.1 $DPD_PORT" "127.0.0.1 $COLOC_PORT" "127.0.0.1 $CHAT_PORT"
+       "127.0.0.1 $CHAT_EV_PORT"
        "${DECODE_HOSTS[0]} $EMU_PORT" "${DECODE_HOSTS[1]} $EMU_PORT"
        "${PREFILL_HOSTS[0]} $EMU_PORT" "${PREFILL_HOSTS[1]} $EMU_PORT")
+if [ "$PFX" != 0 ]; then
+    for i in 0 1 2 3; do
+        PORTS+=("127.0.0.1 $((EV_PORT + i))" "127.0.0.1 $((EV_PORT + 10 + i))")
+    done
+    PORTS+=("127.0.0.1 $((EV_PORT + 20))")
+fi
 if [ "$KVA" != 0 ]; then
     PORTS+=("127.0.0.1 $KVA_PORT")
     for i in 0 1 2 3 4; do
@@ -172,6 +195,7 @@ render() {   # template balance-line [prefix] > prefix/nginx.conf
         -e "s|@TOKENIZER_CONFIG@|$TOKDIR/tokenizer_config.json|g" \
         -e "s|@THRESHOLD@|$THRESHOLD|g" -e "s|@EMU_PORT@|$EMU_PORT|g" \
         -e "s|@DPD_PORT@|$DPD_PORT|g" -e "s|@COLOC_PORT@|$COLOC_PORT|g" \
+        -e "s|@CHAT_PORT@|$CHAT_PORT|g" -e "s|@CHAT_EV_PORT@|$CHAT_EV_PORT|g" \
         -e "s|@KVA_PORT@|$KVA_PORT|g" -e "s|@STATE@|$KVA_STATE|g" \
         -e "s|@BALANCE@|$2|g" "$1" > "$prefix/nginx.conf"
 }
@@ -244,6 +268,60 @@ else
     fi
 fi
 
+# --- KV events for dpd_prefix_cache events (a router agent, no fabric) ----
+
+if [ "$PFX" = 0 ]; then
+    PFX=off
+    PFX_WHY="DEMO_PREFIX_EVENTS=0"
+elif [ "$MODE" != dpd ]; then
+    PFX=off
+    PFX_WHY="observe mode"
+elif [ ! -x "$KVA_BIN" ]; then
+    PFX=off
+    PFX_WHY="$KVA_BIN not built (make programs)"
+elif ! python3 -c 'import zmq' 2>/dev/null; then
+    PFX=off
+    PFX_WHY="python3 without pyzmq: the pods cannot publish KV events"
+else
+    PFX=on
+fi
+
+pfx_start() {   # the router agent writing $WORK/prefix.idx; 1 + PFX_WHY
+    local h i=0 node sep='' _
+    {
+        printf '{"node_id": "prefix-router", "role": "router",\n'
+        printf ' "state_path": "%s", "listen": "127.0.0.1:%d",\n' \
+            "$WORK/prefix-router.state" "$((EV_PORT + 20))"
+        printf ' "peers": [], "kv_events": ['
+        for h in "${DECODE_HOSTS[@]}" "${PREFILL_HOSTS[@]}"; do
+            i=$(pod_index "$h")
+            node=$(pod_agent "$h")
+            printf '%s\n  {"node": "%s", "http": "%s:%d", "model": "emu-model",'`
+                `' "endpoint": "tcp://%s:%d", "replay": "tcp://%s:%d",'`
+                `' "topic": "kv@%s@emu-model"}' "$sep" "$node" "$h" \
+                "$EMU_PORT" "$h" "$((EV_PORT + i))" "$h" \
+                "$((EV_PORT + 10 + i))" "$h"
+            sep=,
+        done
+        printf '],\n "prefix_index": {"path": "%s", "slots": 262144}}\n' \
+            "$WORK/prefix.idx"
+    } > "$WORK/prefix-router.json"
+    "$KVA_BIN" run --config "$WORK/prefix-router.json" \
+        > "$WORK/prefix-router.log" 2>&1 &
+    AGENT_PIDS+=($!)
+    for _ in $(seq 100); do
+        if [ "$(grep -c 'subscribed to tcp' "$WORK/prefix-router.log")" -ge 4 ] \
+                && [ -f "$WORK/prefix.idx" ]; then
+            chmod a+r "$WORK/prefix.idx"   # nginx's workers read it
+            return 0
+        fi
+        sleep 0.1
+    done
+    PFX_WHY="the router agent did not subscribe to the 4 pods:"`
+        `" $(tail -1 "$WORK/prefix-router.log")"
+    return 1
+}
+
 # --- emulator pods ---------------------------------------------------------
 
 pod_agent() {   # host -> its agent's id
@@ -255,10 +333,27 @@ pod_agent() {   # host -> its agent's id
     esac
 }
 
+pod_index() {   # host -> 0..3 (its KV event ports' offset)
+    case $1 in
+        "${DECODE_HOSTS[0]}") echo 0 ;;
+        "${DECODE_HOSTS[1]}") echo 1 ;;
+        "${PREFILL_HOSTS[0]}") echo 2 ;;
+        "${PREFILL_HOSTS[1]}") echo 3 ;;
+    esac
+}
+
 start_pod() {   # host role
-    local kva=()
+    local kva=() i
     if [ "$KVA" = on ]; then
         kva=(--kv-agent-socket "$(kva_socket "$(pod_agent "$1")")")
+    fi
+    if [ "$PFX" = on ]; then
+        # vLLM's --kv-events-config: the pod binds, the agent connects
+        i=$(pod_index "$1")
+        kva+=(--kv-events-config "{\"enable_kv_cache_events\": true,
+            \"endpoint\": \"tcp://*:$((EV_PORT + i))\",
+            \"replay_endpoint\": \"tcp://*:$((EV_PORT + 10 + i))\",
+            \"topic\": \"kv@$1@emu-model\"}")
     fi
     python3 "$EMU" --host "$1" --port "$EMU_PORT" --role "$2" \
         --model emu-model \
@@ -294,6 +389,15 @@ for h in "${PODS[@]}"; do
     wait_http "http://$h:$EMU_PORT/health" "emulator pod $h"
 done
 say "pods up: decode ${DECODE_HOSTS[*]}$([ "$MODE" = dpd ] && echo ", prefill ${PREFILL_HOSTS[*]}") (port $EMU_PORT)"
+
+if [ "$PFX" = on ]; then
+    if pfx_start; then
+        say "router kv_agent (prefix-router) subscribed to the 4 pods' KV events," \
+            "writing $WORK/prefix.idx"
+    else
+        PFX=off
+    fi
+fi
 
 if [ "$KVA" = on ]; then
     for h in "${PODS[@]}"; do
@@ -367,6 +471,19 @@ if [ "$MODE" = dpd ]; then
         say "co-located (4 pods prefill+decode) vs DPD (2 prefill + 2 decode pods)"
     fi
     node "$CLIENT" compare "${runs[@]}" || true
+    say "a conversation through dpd_prefix_cache approximate (127.0.0.1:$CHAT_PORT):" \
+        "its turns go to the decoder holding its history"
+    DPD_NPM=$NPM node "$CLIENT" chat --base-url "http://127.0.0.1:$CHAT_PORT/v1" \
+        --label approximate || status=1
+    if [ "$PFX" = on ]; then
+        say "another conversation through dpd_prefix_cache events" \
+            "(127.0.0.1:$CHAT_EV_PORT): the index is what the pods' KV events say"
+        DPD_NPM=$NPM node "$CLIENT" chat \
+            --base-url "http://127.0.0.1:$CHAT_EV_PORT/v1" --label events \
+            --seed 29 || status=1
+    else
+        say "dpd_prefix_cache events conversation skipped: $PFX_WHY"
+    fi
 else
     run_phase observe "$COLOC_PORT" || status=1
     say "kv_agent run skipped: $KVA_WHY"

@@ -76,6 +76,7 @@ EMULATOR ENDPOINTS (tests)
         prefill_tokens_computed_total, decode_tokens_total,
         cached_tokens_total, prefill_requests_total, nixl_held_total,
         nixl_served_total, nixl_pull_{ok,failed,mismatch}_total,
+        nixl_transferred_tokens_total (KV tokens this decoder's pulls moved),
         nixl_expired_total, nixl_replaced_total, nixl_invalid_params_total,
         lmcache_push_{ok,failed}_total,
         lmcache_inits_total, lmcache_received_chunks_total,
@@ -2223,6 +2224,9 @@ class Emu(object):
             ("prefill_requests_total", "Requests served as a prefill copy."),
             ("nixl_held_total", "NIXL prefills whose blocks were held."),
             ("nixl_pull_ok_total", "NIXL pulls that reused the KV."),
+            ("nixl_transferred_tokens_total",
+             "Prompt tokens whose KV NIXL pulls moved (blocks the decoder "
+             "lacked)."),
             ("nixl_pull_failed_total", "NIXL pulls that failed (recompute)."),
             ("nixl_pull_mismatch_total",
              "NIXL pulls with other prompt tokens (recompute)."),
@@ -3211,6 +3215,7 @@ class Conn(socketserver.BaseRequestHandler):
         moved = max(0, ntok - local)
         self.transfer_sleep(moved)
         info["transferred_tokens"] = moved
+        emu.counter_add("nixl_transferred_tokens_total", moved)
         c = min(ntok, ((len(ids) - 1) // a.block_size) * a.block_size)
         info["outcome"] = "ok"
         info["pulled_blocks"] = int(r["n_blocks"])

@@ -250,6 +250,10 @@ my ($a, $b) = DPD::Emu->start_many(count => 2, %ports, prefix_caching => 1, time
     is $kv->{outcome}, 'ok', 'pulled';
     is $kv->{transferred_tokens}, 288 - 192,
         'only the 96 tokens the decoder lacked were moved';
+    is $d->counter('nixl_transferred_tokens_total'), 192 + 96,
+        'the decoder counts the tokens its pulls moved (192, then 96)';
+    is $d->metric('emu_nixl_transferred_tokens_total'), 192 + 96,
+        '... in /metrics too';
     $p->stop;
     $d->stop;
 }

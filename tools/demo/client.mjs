@@ -7,6 +7,8 @@
 //                       [--access-log FILE] [--short N] [--long N]
 //                       [--long-words N] [--max-tokens N] [--seed N]
 //   node client.mjs compare A.json B.json [C.json ...]
+//   node client.mjs chat --base-url URL [--label NAME] [--turns N]
+//                        [--doc-words N] [--max-tokens N] [--seed N]
 //
 // The workload is deterministic for a given seed, so the runs (co-located,
 // disaggregated over NIXL, over kv_agent) see the same requests at the same
@@ -305,6 +307,102 @@ async function run(o) {
     return summary.errors === results.length ? 1 : 0;
 }
 
+// --- a conversation (dpd_prefix_cache) ---------------------------------
+
+// Turns of one chat whose history grows: a pasted document, a short
+// question, a second document, a short question.  Per turn: the gateway's
+// count and what its prefix index said was cached on the chosen decoder
+// ($dpd_cached_tokens / $dpd_uncached_tokens), the engine's usage
+// (prompt_tokens_details.cached_tokens: its prefix-cache hit or the KV it
+// pulled), the route and the peers.
+async function chat(o) {
+    const OpenAI = require('openai');
+    const client = new OpenAI({
+        baseURL: o['base-url'],
+        apiKey: 'dpd-demo',
+        maxRetries: 0,
+        timeout: 120 * 1000,
+    });
+    const label = o.label || 'chat';
+    const r = rng(Number(o.seed || 23));
+    const docWords = Number(o['doc-words'] || 4400);
+    const doc = () => {
+        const p = [];
+        for (let left = docWords; left > 0; left -= 200) {
+            p.push(paragraph(r, Math.min(200, left)));
+        }
+        return p.join('\n\n');
+    };
+    const turns = [
+        'Here is the incident report of last week. Read it:\n\n' + doc(),
+        'What was the root cause? ' + paragraph(r, 16),
+        'Now the follow-up review. Compare it with the report:\n\n' + doc(),
+        'Summarize both in three points. ' + paragraph(r, 12),
+    ].slice(0, Number(o.turns || 4));
+    const messages = [{ role: 'system',
+                        content: 'You are a helpful assistant.' }];
+    const runId = Date.now().toString(36);
+    let errors = 0;
+    for (let i = 0; i < turns.length; i++) {
+        messages.push({ role: 'user', content: turns[i] });
+        const t0 = performance.now();
+        const reqId = `demo-${runId}-${label}-turn${i + 1}`;
+        const res = {};
+        let text = '';
+        try {
+            const { data: stream, response } = await client.chat.completions
+                .create({
+                    model: 'emu-model',
+                    messages,
+                    max_tokens: Number(o['max-tokens'] || 24),
+                    stream: true,
+                    stream_options: { include_usage: true },
+                }, { headers: { 'X-Request-Id': reqId } })
+                .withResponse();
+            const h = (name) => response.headers.get(name) || '-';
+            res.route = h('x-dpd-route');
+            res.prompt = h('x-dpd-prompt-tokens');
+            res.cached = h('x-dpd-cached-tokens');
+            res.uncached = h('x-dpd-uncached-tokens');
+            res.prefill = h('x-dpd-prefill-peer');
+            res.decode = h('x-dpd-decode-peer');
+            for await (const chunk of stream) {
+                if (chunk.usage) {
+                    res.usagePrompt = chunk.usage.prompt_tokens;
+                    const d = chunk.usage.prompt_tokens_details;
+                    res.usageCached = d ? d.cached_tokens : undefined;
+                }
+                const delta = chunk.choices && chunk.choices[0]
+                    && chunk.choices[0].delta;
+                if (!delta || !delta.content) continue;
+                if (res.ttft === undefined) {
+                    res.ttft = performance.now() - t0;
+                }
+                text += delta.content;
+            }
+        } catch (e) {
+            console.log(`[${label}] turn ${i + 1} ERROR `
+                + (e && (e.status ? `HTTP ${e.status}: ` : '')
+                   + (e.message || String(e))).slice(0, 160));
+            errors++;
+            break;
+        }
+        messages.push({ role: 'assistant', content: text });
+        const route = res.route === 'direct' && res.cached !== '-'
+            && Number(res.cached) > 0 ? 'direct (cached)' : res.route;
+        const where = res.prefill !== '-' && res.prefill !== ''
+            ? `prefill ${res.prefill} -> decode ${res.decode}`
+            : `decode ${res.decode}`;
+        console.log(`[${label}] turn ${i + 1}: prompt ${String(res.prompt)
+            .padStart(5)} tok, gateway index: cached ${String(res.cached)
+            .padStart(5)} uncached ${String(res.uncached).padStart(5)};`
+            + ` engine: prompt ${String(res.usagePrompt ?? '?').padStart(5)}`
+            + ` cached ${String(res.usageCached ?? '?').padStart(5)}`
+            + `  ${route.padEnd(15)} ttft ${ms(res.ttft, 6)}ms  ${where}`);
+    }
+    return errors ? 1 : 0;
+}
+
 function compare(files) {
     const runs = files.map(f => JSON.parse(readFileSync(f, 'utf8')));
     const [a, b] = runs;
@@ -344,10 +442,13 @@ const cmd = o._[0];
 let rc;
 if (cmd === 'run') {
     rc = await run(o);
+} else if (cmd === 'chat') {
+    rc = await chat(o);
 } else if (cmd === 'compare') {
     rc = o._.length >= 3 ? compare(o._.slice(1)) : 2;
 } else {
-    console.error('usage: client.mjs run --base-url URL ... | compare A B [C ...]');
+    console.error('usage: client.mjs run --base-url URL ... | chat --base-url URL'
+        + ' [--turns N] [--doc-words N] | compare A B [C ...]');
     rc = 2;
 }
 process.exit(rc);

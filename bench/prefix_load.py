@@ -1,0 +1,370 @@
+#!/usr/bin/env python3
+"""Load driver of bench/prefix_cache.sh (Python stdlib only).
+
+Three request classes through one OpenAI-compatible endpoint, streamed:
+
+  turn   multi-turn chats: --sessions conversations of --turns turns each,
+         at most --concurrency of them in flight; a conversation's prompt
+         grows from about --first-tokens to --last-tokens (its history: a
+         shared system prompt, every user message and every answer as the
+         client received it), one turn after the previous answer plus
+         --think-ms
+  rag    shared-prefix RAG: --rag-docs documents of --rag-doc-tokens
+         tokens, --rag-questions distinct short questions spread over them
+         (the document first, the question after it), --rag-concurrency
+         in flight
+  short  short chats (--short-words words, --short-max-tokens tokens) at
+         Poisson arrivals of --short-rate per second while the others run:
+         their inter-token gaps (ITL) show what the rest costs a decoder
+
+The workload (texts, sizes, order) depends only on --seed, so every mode of
+one run gets the same requests.  Sizes are in words of a vocabulary whose
+words are one Llama 3 token each (with the leading space), so words ~
+tokens; the real counts are the engine's usage.prompt_tokens.
+
+Per request it records TTFT, inter-token gaps, the engine's prompt_tokens
+and prompt_tokens_details.cached_tokens, and the gateway's headers
+X-DPD-Route ($dpd_route), X-DPD-Cached ($dpd_cached_tokens) and
+X-DPD-Decoder ($upstream_addr).  Prints one line per class and one JSON
+line ("JSON {...}") with everything.
+
+    prefix_load.py --url http://127.0.0.1:8080 --label approximate
+"""
+
+import argparse
+import http.client
+import json
+import queue
+import random
+import sys
+import threading
+import time
+import urllib.parse
+
+# common English words, each one token of the Llama 3 vocabulary with its
+# leading space
+WORDS = ("the of and to in is that for it as was with be by on not he this "
+         "are or his from at which but have an they you were their one all "
+         "we can her has there been if more when will would who so no model "
+         "token cache prefill decode engine latency request stream network "
+         "memory transfer block layer attention batch queue gateway pod node "
+         "river mountain history science music garden window silver orange "
+         "quickly slowly bright quiet ancient modern simple complex").split()
+
+
+def words(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, n)))
+
+
+def percentile(values, q):
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+class Result:
+    __slots__ = ("cls", "session", "turn", "ttft", "gaps", "status", "error",
+                 "prompt_tokens", "cached_tokens", "completion_tokens",
+                 "text", "route", "gw_cached", "decoder", "t_start")
+
+    def __init__(self, cls, session=None, turn=None):
+        self.cls = cls
+        self.session = session
+        self.turn = turn
+        self.ttft = None
+        self.gaps = []
+        self.status = None
+        self.error = None
+        self.prompt_tokens = None
+        self.cached_tokens = None
+        self.completion_tokens = None
+        self.text = ""
+        self.route = None
+        self.gw_cached = None
+        self.decoder = None
+        self.t_start = None
+
+
+def one_request(url, body, res, timeout):
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80,
+                                      timeout=timeout)
+    data = json.dumps(body).encode()
+    t0 = time.monotonic()
+    res.t_start = t0
+    parts = []
+    try:
+        conn.request("POST", "/v1/chat/completions", body=data,
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        res.status = r.status
+        res.route = r.getheader("X-DPD-Route")
+        res.gw_cached = r.getheader("X-DPD-Cached")
+        res.decoder = r.getheader("X-DPD-Decoder")
+        if r.status != 200:
+            res.error = "%d %s" % (r.status,
+                                   r.read(300).decode("utf-8", "replace"))
+            return
+        last = None
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:]
+            if payload == b"[DONE]":
+                break
+            now = time.monotonic()
+            ev = json.loads(payload)
+            if ev.get("usage"):
+                us = ev["usage"]
+                res.prompt_tokens = us.get("prompt_tokens")
+                res.completion_tokens = us.get("completion_tokens")
+                det = us.get("prompt_tokens_details") or {}
+                res.cached_tokens = det.get("cached_tokens")
+            choices = ev.get("choices") or []
+            if not choices:
+                continue
+            content = (choices[0].get("delta") or {}).get("content")
+            if not content:
+                continue
+            parts.append(content)
+            if last is None:
+                res.ttft = now - t0
+            else:
+                res.gaps.append(now - last)
+            last = now
+        if res.ttft is None:
+            res.error = "no content"
+    except Exception as e:  # noqa: BLE001 - reported per request
+        res.error = repr(e)
+    finally:
+        conn.close()
+        res.text = "".join(parts)
+
+
+def body(messages, max_tokens, model):
+    return {"model": model, "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "temperature": 0,
+            "messages": messages}
+
+
+class Run:
+    def __init__(self, a):
+        self.a = a
+        self.results = []
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    def add(self, res):
+        with self.lock:
+            self.results.append(res)
+
+    # multi-turn sessions --------------------------------------------------
+
+    def session(self, sid):
+        a = self.a
+        rng = random.Random("%d-session-%d" % (a.seed, sid))
+        msgs = [{"role": "system", "content": self.system}]
+        have = a.system_tokens + 8        # template overhead, about
+        for t in range(a.turns):
+            if a.turns > 1:
+                target = a.first_tokens + (a.last_tokens - a.first_tokens) \
+                    * t // (a.turns - 1)
+            else:
+                target = a.first_tokens
+            n = max(16, target - have - 8)
+            msgs.append({"role": "user",
+                         "content": "Session %d turn %d. %s" %
+                         (sid, t + 1, words(rng, n))})
+            res = Result("turn", sid, t + 1)
+            self.add(res)
+            one_request(a.url, body(msgs, a.turn_max_tokens, a.model), res,
+                        a.timeout)
+            if res.error:
+                return                  # the conversation cannot go on
+            msgs.append({"role": "assistant", "content": res.text})
+            have = (res.prompt_tokens or target) + \
+                (res.completion_tokens or a.turn_max_tokens) + 8
+            if a.think_ms > 0 and t + 1 < a.turns:
+                time.sleep(a.think_ms / 1000.0)
+
+    def session_worker(self, q):
+        while True:
+            try:
+                sid = q.get_nowait()
+            except queue.Empty:
+                return
+            self.session(sid)
+
+    # shared-prefix RAG ----------------------------------------------------
+
+    def rag_worker(self, q):
+        a = self.a
+        while True:
+            try:
+                i, doc, question = q.get_nowait()
+            except queue.Empty:
+                return
+            msgs = [{"role": "system", "content": self.system},
+                    {"role": "user", "content":
+                     "Document %d:\n%s\n\nQuestion %d: %s?" %
+                     (doc, self.docs[doc], i, question)}]
+            res = Result("rag", doc, i)
+            self.add(res)
+            one_request(a.url, body(msgs, a.rag_max_tokens, a.model), res,
+                        a.timeout)
+            if a.think_ms > 0:
+                time.sleep(a.think_ms / 1000.0)
+
+    # short requests -------------------------------------------------------
+
+    def shorts(self):
+        a = self.a
+        rng = random.Random("%d-short" % a.seed)
+        threads = []
+        i = 0
+        while not self.done.is_set():
+            if self.done.wait(rng.expovariate(a.short_rate)):
+                break
+            i += 1
+            msgs = [{"role": "user", "content": "Short %d: %s?" %
+                     (i, words(rng, a.short_words))}]
+            res = Result("short", None, i)
+            self.add(res)
+            th = threading.Thread(target=one_request, daemon=True,
+                                  args=(a.url, body(msgs, a.short_max_tokens,
+                                                    a.model),
+                                        res, a.timeout))
+            th.start()
+            threads.append(th)
+        for th in threads:
+            th.join(a.timeout)
+
+    def run(self):
+        a = self.a
+        rng = random.Random("%d-shared" % a.seed)
+        self.system = ("You are a helpful assistant. " +
+                       words(rng, max(1, a.system_tokens - 8)))
+        self.docs = [words(rng, a.rag_doc_tokens) for _ in range(a.rag_docs)]
+        rq = queue.Queue()
+        for i in range(a.rag_questions if a.rag_docs else 0):
+            rq.put((i, i % a.rag_docs, words(rng, a.rag_question_words)))
+        sq = queue.Queue()
+        for s in range(a.sessions):
+            sq.put(s)
+
+        t0 = time.monotonic()
+        workers = []
+        for _ in range(min(a.concurrency, a.sessions)):
+            workers.append(threading.Thread(target=self.session_worker,
+                                            args=(sq,), daemon=True))
+        for _ in range(min(a.rag_concurrency, rq.qsize())):
+            workers.append(threading.Thread(target=self.rag_worker,
+                                            args=(rq,), daemon=True))
+        short = None
+        if a.short_rate > 0:
+            short = threading.Thread(target=self.shorts, daemon=True)
+            short.start()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        self.done.set()
+        if short:
+            short.join()
+        return time.monotonic() - t0
+
+
+def summarize(results, cls_list):
+    ok = [r for r in results if r.cls in cls_list and r.error is None
+          and r.ttft is not None]
+    allr = [r for r in results if r.cls in cls_list]
+    ttft = [r.ttft * 1000 for r in ok]
+    gaps = [g * 1000 for r in ok for g in r.gaps]
+    routes = {}
+    decoders = {}
+    for r in ok:
+        routes[r.route or "-"] = routes.get(r.route or "-", 0) + 1
+        decoders[r.decoder or "-"] = decoders.get(r.decoder or "-", 0) + 1
+    gw = [int(r.gw_cached) for r in ok
+          if r.gw_cached and r.gw_cached.isdigit()]
+    return {
+        "n": len(allr), "ok": len(ok),
+        "errors": [r.error for r in allr if r not in ok][:3],
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "engine_cached_tokens": sum(r.cached_tokens or 0 for r in ok),
+        "gateway_cached_tokens": sum(gw) if gw else None,
+        "routes": routes, "decoders": decoders,
+        "ttft_ms_p50": percentile(ttft, 0.5),
+        "ttft_ms_p99": percentile(ttft, 0.99),
+        "ttft_ms_mean": (sum(ttft) / len(ttft)) if ttft else None,
+        "itl_ms_p50": percentile(gaps, 0.5),
+        "itl_ms_p99": percentile(gaps, 0.99),
+    }
+
+
+def fmt(v, spec="%.1f"):
+    return "-" if v is None else spec % v
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--label", default="run")
+    ap.add_argument("--model", default="emu-model")
+    ap.add_argument("--seed", type=int, default=23)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--system-tokens", type=int, default=256,
+                    help="shared system prompt of every chat and RAG request")
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--first-tokens", type=int, default=2048)
+    ap.add_argument("--last-tokens", type=int, default=30720)
+    ap.add_argument("--concurrency", type=int, default=16,
+                    help="conversations in flight at once")
+    ap.add_argument("--think-ms", type=float, default=500.0,
+                    help="pause between a conversation's turns")
+    ap.add_argument("--turn-max-tokens", type=int, default=64)
+    ap.add_argument("--rag-docs", type=int, default=4)
+    ap.add_argument("--rag-doc-tokens", type=int, default=8192)
+    ap.add_argument("--rag-questions", type=int, default=64)
+    ap.add_argument("--rag-question-words", type=int, default=24)
+    ap.add_argument("--rag-concurrency", type=int, default=4)
+    ap.add_argument("--rag-max-tokens", type=int, default=64)
+    ap.add_argument("--short-rate", type=float, default=2.0,
+                    help="short requests per second (Poisson), 0: none")
+    ap.add_argument("--short-words", type=int, default=60)
+    ap.add_argument("--short-max-tokens", type=int, default=64)
+    a = ap.parse_args()
+
+    run = Run(a)
+    wall = run.run()
+    summary = {"label": a.label, "wall_s": wall}
+    for name, classes in (("turn", ("turn",)), ("rag", ("rag",)),
+                          ("long", ("turn", "rag")), ("short", ("short",))):
+        summary[name] = summarize(run.results, classes)
+    for name in ("turn", "rag", "short"):
+        s = summary[name]
+        print("%-12s %-5s n=%-4d ok=%-4d prompt %8d cached %8d  TTFT p50 "
+              "%7s p99 %7s mean %7s ms | ITL p50 %6s p99 %6s ms | %s"
+              % (a.label, name, s["n"], s["ok"], s["prompt_tokens"],
+                 s["engine_cached_tokens"], fmt(s["ttft_ms_p50"], "%.0f"),
+                 fmt(s["ttft_ms_p99"], "%.0f"), fmt(s["ttft_ms_mean"], "%.0f"),
+                 fmt(s["itl_ms_p50"]), fmt(s["itl_ms_p99"]),
+                 " ".join("%s=%d" % kv for kv in sorted(s["routes"].items()))))
+        for e in s["errors"]:
+            print("%-12s %-5s error: %s" % (a.label, name, e))
+    print("JSON " + json.dumps(summary))
+    bad = sum(summary[c]["n"] - summary[c]["ok"]
+              for c in ("turn", "rag", "short"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
