@@ -8,6 +8,7 @@ use strict;
 use warnings;
 
 use Test::Nginx::Socket;
+$ENV{TEST_NGINX_HTML_DIR} ||= html_dir();   # not exported by the real one
 use DPD::Emu;
 use JSON::PP ();
 
