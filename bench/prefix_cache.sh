@@ -55,6 +55,7 @@ TURNS=${TURNS:-8}
 FIRST_TOKENS=${FIRST_TOKENS:-2048}
 LAST_TOKENS=${LAST_TOKENS:-30720}
 CONCURRENCY=${CONCURRENCY:-16}
+OPEN_SESSIONS=${OPEN_SESSIONS:-$CONCURRENCY}
 THINK_MS=${THINK_MS:-500}
 RAG_DOCS=${RAG_DOCS:-4}
 RAG_DOC_TOKENS=${RAG_DOC_TOKENS:-8192}
@@ -334,7 +335,8 @@ for mode in $MODES; do
         --url "http://127.0.0.1:${GW_PORT[$mode]}" --label "$mode" \
         --seed "$SEED" --sessions "$SESSIONS" --turns "$TURNS" \
         --first-tokens "$FIRST_TOKENS" --last-tokens "$LAST_TOKENS" \
-        --concurrency "$CONCURRENCY" --think-ms "$THINK_MS" \
+        --concurrency "$CONCURRENCY" --open-sessions "$OPEN_SESSIONS" \
+        --think-ms "$THINK_MS" \
         --turn-max-tokens "$TURN_MAX_TOKENS" --rag-docs "$RAG_DOCS" \
         --rag-doc-tokens "$RAG_DOC_TOKENS" --rag-questions "$RAG_QUESTIONS" \
         --short-rate "$SHORT_RATE" >"$WORK/$mode.out" || rc=$?

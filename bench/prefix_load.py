@@ -4,7 +4,8 @@
 Three request classes through one OpenAI-compatible endpoint, streamed:
 
   turn   multi-turn chats: --sessions conversations of --turns turns each,
-         at most --concurrency of them in flight; a conversation's prompt
+         --open-sessions of them open at once, their turns interleaved,
+         at most --concurrency turns in flight; a conversation's prompt
          grows from about --first-tokens to --last-tokens (its history: a
          shared system prompt, every user message and every answer as the
          client received it), one turn after the previous answer plus
@@ -32,7 +33,9 @@ line ("JSON {...}") with everything.
 """
 
 import argparse
+import heapq
 import http.client
+import itertools
 import json
 import queue
 import random
@@ -165,41 +168,84 @@ class Run:
             self.results.append(res)
 
     # multi-turn sessions --------------------------------------------------
+    #
+    # --open-sessions conversations are open at once (users who read an
+    # answer for --think-ms before they ask again); --concurrency workers
+    # serve their turns in the order the turns become ready, so the turns
+    # of the open conversations interleave as a pool's users' do.  When a
+    # conversation ends the next one opens.  --open-sessions equal to
+    # --concurrency: each worker walks one conversation through its turns.
 
-    def session(self, sid):
+    class Chat:
+        __slots__ = ("sid", "rng", "msgs", "have", "turn")
+
+    def open_chat(self, sid):
         a = self.a
-        rng = random.Random("%d-session-%d" % (a.seed, sid))
-        msgs = [{"role": "system", "content": self.system}]
-        have = a.system_tokens + 8        # template overhead, about
-        for t in range(a.turns):
-            if a.turns > 1:
-                target = a.first_tokens + (a.last_tokens - a.first_tokens) \
-                    * t // (a.turns - 1)
-            else:
-                target = a.first_tokens
-            n = max(16, target - have - 8)
-            msgs.append({"role": "user",
-                         "content": "Session %d turn %d. %s" %
-                         (sid, t + 1, words(rng, n))})
-            res = Result("turn", sid, t + 1)
-            self.add(res)
-            one_request(a.url, body(msgs, a.turn_max_tokens, a.model), res,
-                        a.timeout)
-            if res.error:
-                return                  # the conversation cannot go on
-            msgs.append({"role": "assistant", "content": res.text})
-            have = (res.prompt_tokens or target) + \
-                (res.completion_tokens or a.turn_max_tokens) + 8
-            if a.think_ms > 0 and t + 1 < a.turns:
-                time.sleep(a.think_ms / 1000.0)
+        c = Run.Chat()
+        c.sid = sid
+        c.rng = random.Random("%d-session-%d" % (a.seed, sid))
+        c.msgs = [{"role": "system", "content": self.system}]
+        c.have = a.system_tokens + 8        # template overhead, about
+        c.turn = 0
+        return c
 
-    def session_worker(self, q):
+    def chat_turn(self, c):
+        """One turn of conversation c; False when it cannot go on."""
+        a = self.a
+        t = c.turn
+        if a.turns > 1:
+            target = a.first_tokens + (a.last_tokens - a.first_tokens) \
+                * t // (a.turns - 1)
+        else:
+            target = a.first_tokens
+        n = max(16, target - c.have - 8)
+        c.msgs.append({"role": "user",
+                       "content": "Session %d turn %d. %s" %
+                       (c.sid, t + 1, words(c.rng, n))})
+        res = Result("turn", c.sid, t + 1)
+        self.add(res)
+        one_request(a.url, body(c.msgs, a.turn_max_tokens, a.model), res,
+                    a.timeout)
+        if res.error:
+            return False
+        c.msgs.append({"role": "assistant", "content": res.text})
+        c.have = (res.prompt_tokens or target) + \
+            (res.completion_tokens or a.turn_max_tokens) + 8
+        c.turn += 1
+        return c.turn < a.turns
+
+    def session_worker(self):
+        """Take the open conversation whose next turn is ready first."""
+        a = self.a
         while True:
-            try:
-                sid = q.get_nowait()
-            except queue.Empty:
-                return
-            self.session(sid)
+            with self.cv:
+                while True:
+                    if not self.ready and not self.pending and \
+                            self.busy == 0:
+                        self.cv.notify_all()
+                        return
+                    if self.ready:
+                        due, _, c = self.ready[0]
+                        wait = due - time.monotonic()
+                        if wait <= 0:
+                            heapq.heappop(self.ready)
+                            self.busy += 1
+                            break
+                        self.cv.wait(wait)
+                    else:
+                        self.cv.wait()
+            more = self.chat_turn(c)
+            with self.cv:
+                self.busy -= 1
+                now = time.monotonic()
+                if more:
+                    heapq.heappush(self.ready, (now + a.think_ms / 1000.0,
+                                                next(self.order), c))
+                elif self.pending:
+                    heapq.heappush(self.ready,
+                                   (now, next(self.order),
+                                    self.open_chat(self.pending.pop(0))))
+                self.cv.notify_all()
 
     # shared-prefix RAG ----------------------------------------------------
 
@@ -254,15 +300,20 @@ class Run:
         rq = queue.Queue()
         for i in range(a.rag_questions if a.rag_docs else 0):
             rq.put((i, i % a.rag_docs, words(rng, a.rag_question_words)))
-        sq = queue.Queue()
-        for s in range(a.sessions):
-            sq.put(s)
+        opened = min(a.open_sessions or a.sessions, a.sessions)
+        self.cv = threading.Condition()
+        self.order = itertools.count()
+        self.busy = 0
+        self.pending = list(range(opened, a.sessions))
+        self.ready = [(0.0, next(self.order), self.open_chat(s))
+                      for s in range(opened)]
+        heapq.heapify(self.ready)
 
         t0 = time.monotonic()
         workers = []
         for _ in range(min(a.concurrency, a.sessions)):
             workers.append(threading.Thread(target=self.session_worker,
-                                            args=(sq,), daemon=True))
+                                            daemon=True))
         for _ in range(min(a.rag_concurrency, rq.qsize())):
             workers.append(threading.Thread(target=self.rag_worker,
                                             args=(rq,), daemon=True))
@@ -327,7 +378,10 @@ def main():
     ap.add_argument("--first-tokens", type=int, default=2048)
     ap.add_argument("--last-tokens", type=int, default=30720)
     ap.add_argument("--concurrency", type=int, default=16,
-                    help="conversations in flight at once")
+                    help="chat turns in flight at once")
+    ap.add_argument("--open-sessions", type=int, default=0,
+                    help="conversations open at once (their turns "
+                    "interleave); 0: all --sessions")
     ap.add_argument("--think-ms", type=float, default=500.0,
                     help="pause between a conversation's turns")
     ap.add_argument("--turn-max-tokens", type=int, default=64)

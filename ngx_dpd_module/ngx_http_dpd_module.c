@@ -260,6 +260,7 @@ ngx_module_t  ngx_http_dpd_module = {
 #define NGX_HTTP_DPD_VAR_MODEL           6
 #define NGX_HTTP_DPD_VAR_CACHED_TOKENS   7
 #define NGX_HTTP_DPD_VAR_UNCACHED_TOKENS 8
+#define NGX_HTTP_DPD_VAR_PREFIX_TIME     9
 
 
 static ngx_http_variable_t  ngx_http_dpd_vars[] = {
@@ -290,6 +291,9 @@ static ngx_http_variable_t  ngx_http_dpd_vars[] = {
 
     { ngx_string("dpd_uncached_tokens"), NULL, ngx_http_dpd_variable,
       NGX_HTTP_DPD_VAR_UNCACHED_TOKENS, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+
+    { ngx_string("dpd_prefix_time"), NULL, ngx_http_dpd_variable,
+      NGX_HTTP_DPD_VAR_PREFIX_TIME, NGX_HTTP_VAR_NOCACHEABLE, 0 },
 
       ngx_http_null_variable
 };
@@ -468,6 +472,7 @@ static void
 ngx_http_dpd_decide(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_loc_conf_t *dlcf)
 {
+    uint64_t   start;
     ngx_int_t  rc;
 
     /*
@@ -481,8 +486,14 @@ ngx_http_dpd_decide(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     if (dlcf->prefix.mode != NGX_HTTP_DPD_PREFIX_OFF
         && !ctx->count_skipped && ctx->prompt_tokens >= 0)
     {
+        start = ngx_http_dpd_now_usec();
+
         rc = ngx_http_dpd_prefix_route(r, ctx, &dlcf->prefix,
                                        dlcf->threshold);
+
+        /* $dpd_prefix_time: the cache's own share of the decision */
+        ctx->prefix_usec = ngx_http_dpd_now_usec() - start;
+        ctx->prefix_timed = 1;
 
         if (rc == NGX_ERROR) {
             ngx_log_error(NGX_LOG_ERR, r->connection->log, 0,
@@ -1280,7 +1291,10 @@ ngx_http_dpd_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
         break;
 
     case NGX_HTTP_DPD_VAR_DECISION_TIME:
-        if (!ctx->timed) {
+    case NGX_HTTP_DPD_VAR_PREFIX_TIME:
+        if (data == NGX_HTTP_DPD_VAR_DECISION_TIME ? !ctx->timed
+                                                   : !ctx->prefix_timed)
+        {
             return NGX_OK;
         }
 
@@ -1289,7 +1303,10 @@ ngx_http_dpd_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
             return NGX_ERROR;
         }
 
-        v->len = ngx_sprintf(p, "%uL", ctx->decision_usec) - p;
+        v->len = ngx_sprintf(p, "%uL", data == NGX_HTTP_DPD_VAR_DECISION_TIME
+                                       ? ctx->decision_usec
+                                       : ctx->prefix_usec)
+                 - p;
         v->data = p;
         break;
 

@@ -225,12 +225,14 @@ struct ngx_http_dpd_ctx_s {
     /* CLOCK_MONOTONIC microseconds */
     uint64_t                     start_usec;    /* phase handler entry */
     uint64_t                     decision_usec; /* read + parse + count */
+    uint64_t                     prefix_usec;   /* keys, lookup, pick */
     uint64_t                     decode_usec;   /* decode body handed to
                                                    proxy_pass (metrics) */
     uint64_t                     first_usec;    /* first response body
                                                    byte, 0: none yet */
 
     unsigned                     timed:1;       /* decision_usec is set */
+    unsigned                     prefix_timed:1; /* prefix_usec is set */
     unsigned                     stream:1;      /* "stream": true */
     unsigned                     observe:1;     /* no prefill_pass: direct */
     unsigned                     estimated:1;   /* chat count is estimate */

@@ -68,7 +68,8 @@ sub post {
     return ($res->code, $port, scalar $res->header('X-Cached'),
             scalar $res->header('X-Uncached'),
             scalar $res->header('X-Route'),
-            scalar $res->header('X-Prefill'));
+            scalar $res->header('X-Prefill'),
+            scalar $res->header('X-Prefix-Time'));
 }
 
 sub metric {
@@ -264,14 +265,18 @@ sub init_1 {
     is $got[0][1], $got[2][1], 'off: ... in turn';
     ok !(grep { defined $_->[2] && $_->[2] ne '' } @got),
         'off: $dpd_cached_tokens is empty';
+    ok !(grep { defined $_->[6] && $_->[6] ne '' } @got),
+        'off: $dpd_prefix_time is empty';
     is $got[0][4], 'direct', 'off: the route by the prompt alone';
 }
 
 
 sub init_2 {
-    my ($c1, $d1, $k1, $u1) = post('/v1/completions',
-                                         ids(runs => [[100, 64]]));
+    my ($c1, $d1, $k1, $u1, undef, undef, $t1) =
+        post('/v1/completions', ids(runs => [[100, 64]]));
     is $c1, 200, 'turn 1 answered';
+    like $t1, qr/^\d+$/, '$dpd_prefix_time: microseconds';
+    cmp_ok $t1, '<', 1000000, '$dpd_prefix_time: under a second';
     is $k1, 0, 'turn 1: nothing cached';
     is $u1, 64, 'turn 1: 64 uncached';
     my ($c2, $d2, $k2, $u2, $r2) = post('/v1/completions',
@@ -559,6 +564,7 @@ __DATA__
         dpd_decode_upstream pool;
         dpd_prefix_cache off;
         add_header X-Cached $dpd_cached_tokens always;
+        add_header X-Prefix-Time $dpd_prefix_time always;
         add_header X-Route $dpd_route always;
         proxy_pass http://pool;
     }
@@ -580,6 +586,7 @@ main::init_1();
         dpd_prefix_cache approximate;
         add_header X-Cached $dpd_cached_tokens always;
         add_header X-Uncached $dpd_uncached_tokens always;
+        add_header X-Prefix-Time $dpd_prefix_time always;
         add_header X-Route $dpd_route always;
         proxy_pass http://pool;
     }
