@@ -9,8 +9,8 @@
 #            tokens rendered), the same body each time: with the cache on,
 #            every request is a full hit (2k blocks walked and refreshed,
 #            the worst case of the approximate index)
-#   ids32k   32768 token ids (no tokenizer work: the cache's own cost);
-#            events: the index holds all 2048 blocks for one decoder
+#   ids32k   32768 token ids (no tokenizer work: the cache's own cost)
+# events: the index holds every block of both prompts for one decoder
 #
 # Usage: bench/prefix_decision.sh          (after `make`)
 # Knobs: N=200 (requests per mode after 20 warm), BENCH_PORT_BASE=18760
@@ -39,10 +39,33 @@ EOF
 "$NGINX" -p "$WORK/back" -c "$WORK/back/nginx.conf" -e "$WORK/back/error.log"
 PIDS+=("$(sleep 0.2; cat "$WORK/back/nginx.pid")")
 
+# the bodies; the index (events) holds both prompts for the first decoder
+python3 - "$WORK" <<'EOF'
+import json, random, sys
+rng = random.Random(42)
+w = ("the of and to in is that for it as was with be by on not this are "
+     "or from at which but have an they you were their one all we can her "
+     "has there been if more when will would who so no model token cache "
+     "river mountain history science music garden window silver").split()
+msgs = []
+for t in range(16):
+    for role in ("user", "assistant"):
+        msgs.append({"role": role,
+                     "content": " ".join(rng.choice(w) for _ in range(1020))})
+msgs.append({"role": "user", "content": "and now?"})
+with open(sys.argv[1] + "/chat.json", "w") as f:
+    json.dump({"model": "m", "max_tokens": 16, "messages": msgs}, f)
+with open(sys.argv[1] + "/ids.json", "w") as f:
+    json.dump({"model": "m", "max_tokens": 16, "prompt": [1000] * 32768}, f)
+EOF
+"$BUILD/dpd-tokenize" --tokenizer "$TOK/tokenizer.json" --chat --ids \
+    <"$WORK/chat.json" >"$WORK/chat.ids"
 python3 "$ROOT/tools/prefix_index.py" create "$WORK/index" \
     --node "127.0.0.1:$BACK1" --node "127.0.0.1:$BACK2" --slots 65536
 python3 "$ROOT/tools/prefix_index.py" store "$WORK/index" --node-index 0 \
     --model m --repeat 1000:32768
+python3 "$ROOT/tools/prefix_index.py" store "$WORK/index" --node-index 0 \
+    --model m --ids "@$WORK/chat.ids"
 # the workers run as nginx's unprivileged user
 chmod 755 "$WORK"
 chmod 644 "$WORK/index"
@@ -103,19 +126,8 @@ PIDS+=("$(sleep 0.2; cat "$WORK/gw/nginx.pid")")
 python3 - "$WORK" "$GW" "$N" <<'EOF'
 import http.client, json, random, statistics, sys, time
 work, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-rng = random.Random(42)
-w = ("the of and to in is that for it as was with be by on not this are "
-     "or from at which but have an they you were their one all we can her "
-     "has there been if more when will would who so no model token cache "
-     "river mountain history science music garden window silver").split()
-msgs = []
-for t in range(16):
-    for role in ("user", "assistant"):
-        msgs.append({"role": role,
-                     "content": " ".join(rng.choice(w) for _ in range(1020))})
-msgs.append({"role": "user", "content": "and now?"})
-chat = json.dumps({"model": "m", "max_tokens": 16, "messages": msgs})
-ids = json.dumps({"model": "m", "max_tokens": 16, "prompt": [1000] * 32768})
+chat = open(f"{work}/chat.json").read()
+ids = open(f"{work}/ids.json").read()
 c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
 for _ in range(100):
     try:

@@ -10,7 +10,7 @@ too).  Standard library only.
   prefix_index.py create PATH --node ADDR [--node ADDR ...] [--slots N]
                   [--block 16] [--probe 16]
   prefix_index.py store PATH --node-index I --model M [--salt S]
-                  (--ids 1,2,3 | --repeat ID:COUNT) [--lower]
+                  (--ids 1,2,3 | --ids @FILE | --repeat ID:COUNT) [--lower]
   prefix_index.py clear-node PATH --node-index I
   prefix_index.py shrink PATH BYTES         truncate the file
   prefix_index.py tear PATH --model M (--ids ... | --repeat ...) [--salt S]
@@ -181,6 +181,11 @@ def create(path, nodes, nslots, block, probe):
 
 
 def parse_ids(a):
+    if a.ids and a.ids.startswith('@'):
+        # @FILE: ids separated by commas or white space (a 32k-token
+        # prompt does not fit one command-line argument)
+        with open(a.ids[1:]) as f:
+            return [int(x) for x in f.read().replace(',', ' ').split()]
     if a.ids:
         return [int(x) for x in a.ids.split(',')]
     out = []
