@@ -28,7 +28,8 @@
 # Usage: bench/prefix_cache.sh          (after `make`)
 #        QUICK=1 bench/prefix_cache.sh  (a small profile, ~3 minutes)
 # Knobs (env, full profile defaults): SESSIONS=64 TURNS=8 FIRST_TOKENS=2048
-#   LAST_TOKENS=30720 CONCURRENCY=16 THINK_MS=500 RAG_DOCS=4
+#   LAST_TOKENS=30720 CONCURRENCY=16 OPEN_SESSIONS=$CONCURRENCY (conversations
+#   open at once, their turns interleaved) THINK_MS=500 RAG_DOCS=4
 #   RAG_DOC_TOKENS=8192 RAG_QUESTIONS=64 SHORT_RATE=2 TURN_MAX_TOKENS=64
 #   KV_BLOCKS=26000 (Llama 3 8B on an 80 GB GPU: ~56 GB of KV / 128 KiB per
 #   token / 16 = ~0.8 of this workload's working set: 16 x 30k + 4 x 8k
@@ -311,7 +312,8 @@ EOF
 }
 
 echo "# workload: $SESSIONS chats x $TURNS turns (${FIRST_TOKENS} ->" \
-     "${LAST_TOKENS} tokens, $CONCURRENCY in flight, think ${THINK_MS} ms," \
+     "${LAST_TOKENS} tokens, $OPEN_SESSIONS open at once, $CONCURRENCY" \
+     "turns in flight, think ${THINK_MS} ms," \
      "$TURN_MAX_TOKENS output tokens); RAG: $RAG_DOCS docs x" \
      "$RAG_DOC_TOKENS tokens, $RAG_QUESTIONS questions; short chats at" \
      "${SHORT_RATE}/s"
