@@ -17,7 +17,7 @@ NGINX_BIN  ?= /usr/sbin/nginx
 CUDA_HOME  ?= /usr/local/cuda
 PROVE      ?= prove
 
-.PHONY: all deps test test-quick test-real test-valgrind test-valgrind-ci test-asan \
+.PHONY: all deps test test-quick test-long test-durations test-real test-valgrind test-valgrind-ci test-asan \
         module-asan fuzz-nginx demo bench clean module programs fuzz image \
         k8s-manifests install
 all: module programs
@@ -59,7 +59,10 @@ install: all
 	    mv -f $(DESTDIR)$(CONFDIR)/$$f.tmp $(DESTDIR)$(CONFDIR)/$$f; \
 	done
 
-# The whole suite: every t/**/*.t through prove (TAP summary at the end).
+# The whole suite but the long files of t/long.list: every t/**/*.t through
+# prove, 2 x nproc files at a time, each in a network namespace of its own
+# (tools/run-tests.sh: DPD_TEST_JOBS, longest first by t/durations.txt),
+# one TAP summary at the end.
 test: deps
 	@$(MAKE) --no-print-directory all
 	@bash tools/run-tests.sh
@@ -67,6 +70,18 @@ test: deps
 # Same, without the dependency step (for a machine already set up).
 test-quick: all
 	@bash tools/run-tests.sh
+
+# The long fuzz and soak files t/long.list names, which `make test` leaves
+# out (CI runs them as a stage of their own).
+LONG_TESTS ?= $(shell sed -e 's/\#.*//' t/long.list 2>/dev/null)
+
+test-long: all
+	@bash tools/run-tests.sh $(LONG_TESTS)
+
+# Every file, the long ones too, timed: rewrites t/durations.txt, the
+# order in which tools/run-tests.sh starts files (longest first).
+test-durations: all
+	@DPD_TEST_LONG=1 DPD_TEST_RECORD=1 bash tools/run-tests.sh
 
 # The module's tests (t/*.t) under openresty's real Test::Nginx instead of
 # the clean-room t/lib (tools/run-tests.sh, DPD_HARNESS=real: its lib/

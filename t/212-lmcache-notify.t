@@ -144,6 +144,10 @@ sub prefill_rec {
     return $r || {};
 }
 
+# the child's answer, in a file of this run's own (CI runs this file in
+# several stages at once)
+our $Tmp = "/tmp/dpd-t212-$$";
+
 # a request whose notices the prefill does not send; $during runs while
 # nginx waits (with the gateway's req_id)
 sub held {
@@ -154,10 +158,10 @@ sub held {
     if ($pid == 0) {
         my $res = fetch($path, $rid, $J->encode({model => 'm',
             prompt => $ENV{TEST_NGINX_LONG}, max_tokens => 4}));
-        open my $fh, '>', "/tmp/dpd-t212-$rid.$$" or POSIX::_exit(1);
+        open my $fh, '>', "$Tmp-$rid.$$" or POSIX::_exit(1);
         print $fh $J->encode($res);
         close $fh;
-        rename "/tmp/dpd-t212-$rid.$$", "/tmp/dpd-t212-$rid";
+        rename "$Tmp-$rid.$$", "$Tmp-$rid";
         POSIX::_exit(0);
     }
     my $p = prefill_rec($rid);
@@ -165,11 +169,11 @@ sub held {
     $during->($kv_id) if $during;
     waitpid $pid, 0;
     $_->clear_faults for @prefill;
-    open my $fh, '<', "/tmp/dpd-t212-$rid" or die "no result for $rid";
+    open my $fh, '<', "$Tmp-$rid" or die "no result for $rid";
     local $/;
     $RES{$rid} = $J->decode(<$fh>);
     close $fh;
-    unlink "/tmp/dpd-t212-$rid";
+    unlink "$Tmp-$rid";
     $RES{$rid}{kv_id} = $kv_id;
 }
 

@@ -5,7 +5,7 @@
 # tools/nginx-sanitized (runtime preloaded, reports under
 # $SAN_BUILD/reports/), and t/990-sanitizer-report.t, run last, fails on
 # any report.  Arguments as tools/run-tests.sh (prove options, .t files;
-# default t/[1-4]*.t).
+# default t/[1-4]*.t); t/990 runs after them, with a summary of its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -33,5 +33,9 @@ done
 if ((${#files[@]} == 0)); then
     files=(t/[1-4]*.t)
 fi
-exec bash tools/run-tests.sh "${opts[@]}" "${files[@]}" \
-    t/990-sanitizer-report.t
+# The files side by side as tools/run-tests.sh runs them (DPD_TEST_JOBS),
+# then t/990 alone, once every nginx they started has stopped.
+bash tools/run-tests.sh "${opts[@]}" "${files[@]}"
+rc=$?
+bash tools/run-tests.sh "${opts[@]}" t/990-sanitizer-report.t || exit
+exit $rc

@@ -58,33 +58,67 @@ case ${DPD_HARNESS:-auto} in
 esac
 PERL_INC+=(-I "$ROOT/t/inc")
 
-# prove runs the files one after the other (ports and servroot are shared);
-# its summary ("All tests successful." / "Files=.., Tests=..") closes the run.
-# DPD_TEST_JOBS=N (CI's extra stages) runs N files at a time instead, each
-# in a network namespace and a servroot of its own (tools/test-netns.sh);
-# where no namespace can be made (not root, no user namespaces) it says so
-# and runs them one after the other.
+# DPD_TEST_JOBS=N runs N files at a time (default: twice the CPUs, at
+# least 2: most files wait on sleeps, timeouts and daemons more than they
+# compute), each in a network namespace and a servroot of its own
+# (tools/test-netns.sh; servroots under $DPD_SERVROOT_JOBS, default
+# t/servroot-jobs, so runs in separate directories may share a checkout),
+# the longest first by t/durations.txt (a file it does not list counts
+# as $DPD_TEST_DEFAULT_S seconds, 20), so no long file starts last and
+# ends the run alone.  DPD_TEST_JOBS=1, or no namespace to be had (not
+# root, no user namespaces: it says so), runs them one after the other.
+# Either way prove's one summary ("All tests successful." / "Files=..,
+# Tests=..") over every file closes the run.
+# Without test files: every t/**/*.t but the long ones t/long.list names
+# (the fuzz and soak runs, `make test-long`); DPD_TEST_LONG=1 adds them.
+# DPD_TEST_RECORD=1 writes this run's wall/CPU seconds per file into
+# t/durations.txt (`make test-durations`).
 # Arguments: prove options and, optionally, the test files to run.
 opts=() files=()
 for a in "$@"; do
   case $a in *.t) files+=("$a") ;; *) opts+=("$a") ;; esac
 done
 if ((${#files[@]} == 0)); then
+  long=()
+  if [ "${DPD_TEST_LONG:-0}" != 1 ] && [ -f t/long.list ]; then
+    mapfile -t long < <(sed -e 's/#.*//' -e '/^[[:space:]]*$/d' t/long.list)
+  fi
   mapfile -t files < <(find t -name '*.t' -not -path 't/lib/*' \
-                        -not -path 't/servroot*' | sort)
+                        -not -path 't/servroot*' | sort \
+                        | grep -v -x -F -f <(printf '%s\n' "${long[@]}" ''))
 fi
-jobs=${DPD_TEST_JOBS:-1}
-if [[ $jobs =~ ^[0-9]+$ ]] && ((jobs > 1)); then
+ncpu=$(nproc 2>/dev/null || echo 1)
+jobs=${DPD_TEST_JOBS:-$((ncpu < 1 ? 2 : 2 * ncpu))}
+if ! [[ $jobs =~ ^[0-9]+$ ]] || ((jobs < 1)); then
+  echo "run-tests: DPD_TEST_JOBS must be a number of files at a time" >&2
+  exit 2
+fi
+if ((jobs > 1)); then
   if unshare -n true 2>/dev/null && command -v ip >/dev/null; then
     # perl's -I through PERL5LIB: prove passes no switches to --exec
     inc=""
     for ((i = 1; i < ${#PERL_INC[@]}; i += 2)); do inc+="${PERL_INC[i]}:"; done
     export PERL5LIB="$inc${PERL5LIB:-}"
-    rm -rf "$ROOT/t/servroot-jobs" && mkdir "$ROOT/t/servroot-jobs"
-    exec prove -j "$jobs" --exec "$ROOT/tools/test-netns.sh" \
-         "${opts[@]}" "${files[@]}"
+    export DPD_SERVROOT_JOBS=${DPD_SERVROOT_JOBS:-$ROOT/t/servroot-jobs}
+    rm -rf "$DPD_SERVROOT_JOBS" && mkdir -p "$DPD_SERVROOT_JOBS" || exit 2
+    export DPD_TEST_TIMES=$DPD_SERVROOT_JOBS/times.txt
+    # longest first: prove -j starts the files in the order given
+    mapfile -t files < <(
+      awk -v d="${DPD_TEST_DEFAULT_S:-20}" '
+        FILENAME == ARGV[1] { if ($1 ~ /^[0-9.]+$/) w[$3] = $1; next }
+        { print ($0 in w ? w[$0] : d), FNR, $0 }' \
+        "$([ -f t/durations.txt ] && echo t/durations.txt || echo /dev/null)" \
+        <(printf '%s\n' "${files[@]}") \
+      | sort -k1,1gr -k2,2n | cut -d' ' -f3-)
+    prove -j "$jobs" --exec "$ROOT/tools/test-netns.sh" \
+          "${opts[@]}" "${files[@]}"
+    rc=$?
+    if [ "${DPD_TEST_RECORD:-0}" = 1 ]; then
+      bash "$ROOT/tools/test-durations.sh" "$DPD_TEST_TIMES"
+    fi
+    exit $rc
   fi
-  echo "run-tests: DPD_TEST_JOBS=$jobs: no network namespace here" \
-       "(unshare -n failed); the files run one after the other" >&2
+  echo "run-tests: no network namespace here (unshare -n failed):" \
+       "the ${#files[@]} files run one after the other, not $jobs at a time" >&2
 fi
 exec prove "${PERL_INC[@]}" "${opts[@]}" "${files[@]}"

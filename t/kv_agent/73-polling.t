@@ -20,6 +20,15 @@ plan skip_all => "build/kv_agent not built" unless -x kv_bin();
 plan skip_all => "libfabric shm provider not available here"
     unless provider_ok('shm');
 
+# voluntary context switches of the agent's main thread (its poll loop;
+# a copy engine's thread would hide a spin there) so far
+sub sleeps {
+    my ($pid) = @_;
+    open my $fh, '<', "/proc/$pid/status" or return 0;
+    while (<$fh>) { return $1 if /^voluntary_ctxt_switches:\s+(\d+)/ }
+    return 0;
+}
+
 my ($pa, $da) = PushSuite::pair('shm', 780, transfer => { coalesce => JSON::PP::false },
                                 transfer_ms => 60000);
 ok(wait_connected($pa, ["decode-0"]), "shm pair connected");
@@ -46,13 +55,30 @@ for my $case (["receiver", $da, $pa], ["sender", $pa, $da]) {
         or diag(explain($st));
     kill 'STOP', $frozen->{pid};
     sleep 0.6;                                   # past two heartbeats
-    my ($c0, $t0) = (cpu_s($running->{pid}), time);
-    sleep 2;
-    my $used = (cpu_s($running->{pid}) - $c0) / (time - $t0);
+    # CPU per wall second over 2 s; on a loaded machine one window can be
+    # inflated by scheduling alone (each wake-up costs more), so up to
+    # three windows, the least counts: a spin stays high in every one.
+    # And the side polling must sleep between polls (voluntary context
+    # switches), which a spin never does, however loaded the machine.
+    my ($used, $sleeps, @seen);
+    for my $try (1 .. 3) {
+        my ($c0, $v0, $t0) = (cpu_s($running->{pid}),
+                              sleeps($running->{pid}), time);
+        sleep 2;
+        my $dt = time - $t0;
+        my $u = (cpu_s($running->{pid}) - $c0) / $dt;
+        my $v = (sleeps($running->{pid}) - $v0) / $dt;
+        push @seen, sprintf("%.0f%%", 100 * $u);
+        ($used, $sleeps) = ($u, $v) if !defined $used || $u < $used;
+        last if $u < 0.15;
+    }
     kill 'CONT', $frozen->{pid};
     cmp_ok($used, '<', 0.15, sprintf("%s stopped: the other side used %.0f%% "
-           . "of a core polling (adaptive back-off, not a spin)", $who,
-           100 * $used));
+           . "of a core polling (adaptive back-off, not a spin; windows: %s)",
+           $who, 100 * $used, join(' ', @seen)));
+    cmp_ok($sleeps, '>', 50, sprintf("%s stopped: the other side slept "
+           . "between polls (%.0f voluntary context switches a second)",
+           $who, $sleeps));
     my $w = api($da, { verb => "wait", req_id => $req, timeout_ms => 30000 },
                 40);
     is($w->{state}, "ready", "$who case: ready after the $who resumed")
