@@ -337,7 +337,11 @@ sub status_json {
 sub run_kvpush {
     my (@args) = @_;
     my $py = "$ROOT/t/kv_agent/kvpush.py";
-    my $cmd = join ' ', 'timeout', '60', 'python3', $py,
+    # kvpush.py waits --timeout-ms (20 s by default) for the push, then
+    # as long for the receive: twice that and a margin
+    my ($wait) = join(' ', @args) =~ /--timeout-ms (\d+)/;
+    my $limit = 2 * ($wait // 20000) / 1000 + 20;
+    my $cmd = join ' ', 'timeout', $limit, 'python3', $py,
         map { "'$_'" } @args;
     my $out = `$cmd 2>&1`;
     my $j = eval { decode_json((split /\n/, $out)[-1] // "") };

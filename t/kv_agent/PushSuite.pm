@@ -10,19 +10,23 @@ use warnings;
 use Test::More;
 use KvAgentTest;
 
+our $TRANSFER_MS = 90000;
+our @WAIT = ("--timeout-ms", $TRANSFER_MS);
+
 sub pair {
     my ($prov, $po, %o) = @_;
-    # 30 s per transfer: a shuffled 160 MiB push over shm (40960 writes
-    # of 4 KiB) takes ~2 s alone and can exceed 10 s on 2 loaded cores;
+    # 90 s per transfer: a shuffled 160 MiB push over shm (40960 writes
+    # of 4 KiB) takes ~2 s alone, can exceed 10 s on 2 loaded cores and
+    # exceeded 30 s at a load of 10 (make test runs 4 files at a time);
     # what is proven here is the bytes, not the speed
     my $p = agent_config(id => "prefill-0", role => "prefill",
         provider => $prov, port => kv_port($po), pool => llama_pool(),
-        transfer_ms => 30000,
+        transfer_ms => $TRANSFER_MS,
         peers => [{ id => "decode-0", ctrl => "127.0.0.1:" . kv_port($po + 1),
                     role => "decode", http => "127.0.0.1:8200" }], %o);
     my $d = agent_config(id => "decode-0", role => "decode",
         provider => $prov, port => kv_port($po + 1), pool => llama_pool(),
-        http => "127.0.0.1:8200", transfer_ms => 30000,
+        http => "127.0.0.1:8200", transfer_ms => $TRANSFER_MS,
         peers => [{ id => "prefill-0", ctrl => "127.0.0.1:" . kv_port($po),
                     role => "prefill" }], %o);
     my $pa = start_agent($p);
@@ -59,7 +63,7 @@ sub run {
 
     my $j = run_kvpush("--prefill", $pa->{sock},
         "--decode", "decode-0=$da->{sock}", "--nblocks", 512,
-        "--dst", "auto", "--req", "llama", "--keep");
+        "--dst", "auto", "--req", "llama", "--keep", @WAIT);
     check_results($j, "$prov llama auto-dst", 512);
 
     # the decode table says the request landed
@@ -75,7 +79,7 @@ sub run {
     # across the shuffle), on fresh pools
     $j = run_kvpush("--prefill", $pa->{sock},
         "--decode", "decode-0=$da->{sock}", "--nblocks", 256,
-        "--dst", "explicit", "--shuffle", "--req", "shuf");
+        "--dst", "explicit", "--shuffle", "--req", "shuf", @WAIT);
     check_results($j, "$prov explicit shuffled", 256);
 
     # reserve on the decode side first, then push into the reservation,
@@ -111,7 +115,7 @@ sub run {
          "2 rails: peer has both");
     $j = run_kvpush("--prefill", $pa->{sock},
         "--decode", "decode-0=$da->{sock}", "--nblocks", 512,
-        "--dst", "explicit", "--req", "rails");
+        "--dst", "explicit", "--req", "rails", @WAIT);
     check_results($j, "$prov 2 rails", 512);
     stop_agent($_) for $pa, $da;
 }
