@@ -124,6 +124,21 @@ sub post_close {
            . ($hold ? substr($body, 0, -1) : $body);
 }
 
+# nginx's worker processes (children of the pid file's master), or nginx
+# itself when it runs without a master
+sub nginx_workers {
+    open my $pf, '<', $Test::Nginx::Util::PidFile or die "pid file: $!";
+    my $master = <$pf>;
+    chomp $master;
+    my @w;
+    for my $p (map { m{/proc/(\d+)$} ? $1 : () } glob '/proc/[0-9]*') {
+        open my $st, '<', "/proc/$p/stat" or next;
+        my $line = <$st> // '';
+        push @w, $p if $line =~ /^\d+ \(.*\) \S (\d+) / && $1 == $master;
+    }
+    return @w ? @w : ($master);
+}
+
 sub read_all {
     my ($s) = @_;
     my $r = '';
@@ -446,12 +461,19 @@ ok
 # every body but its last byte first, then the four last bytes at once:
 # the four counts are posted within microseconds of each other, so the
 # queue is full whatever the machine's speed (sending the bodies whole let
-# a slow upload finish the first count before the third was posted)
+# a slow upload finish the first count before the third was posted).  The
+# worker is stopped while the last bytes go out, so it finds all four in
+# one wake-up even when this process is descheduled between the writes
+# (a loaded machine: the first count could end before the third write)
 my @s = map { my $s = main::nginx_socket();
               main::post_close($s, '/thr/v1/chat/completions', "q-$_",
                                $main::HUGE, 1);
               $s } 1 .. 4;
+my @w = main::nginx_workers();
+kill 'STOP', @w;
 syswrite $_, substr($main::HUGE, -1) for @s;
+sleep 0.05;                             # loopback: in the socket buffers
+kill 'CONT', @w;
 for my $s (@s) { my $r = main::read_all($s);
                  $main::QUEUE .= (($r =~ /^X-Tokens: (\d+)/mi)[0] // 'none')
                                  . ' ';
