@@ -8,8 +8,9 @@
 # numbers (t/durations.txt, `make test-durations`).
 use strict;
 use warnings;
+use Fcntl qw(:flock);
 use POSIX qw(WNOHANG);
-use Time::HiRes qw(time);
+use Time::HiRes qw(sleep time);
 
 my $file = $ARGV[-1];
 my $out = $ENV{DPD_TEST_TIMES};
@@ -20,6 +21,27 @@ if ($out) {
     my %prctl = (x86_64 => 157, aarch64 => 167);
     my ($arch) = (POSIX::uname())[4];
     syscall($prctl{$arch}, 36, 1, 0, 0, 0) if $prctl{$arch};
+}
+
+# DPD_TEST_SLOTS=N: one of N slots (lock files in DPD_TEST_SLOT_DIR) is
+# held while the file runs, so runs side by side (CI's stages) share N
+# files at a time between them.  The lock's descriptor is close-on-exec:
+# a daemon the test leaves behind does not keep the slot.
+my $slot;
+if (my $n = $ENV{DPD_TEST_SLOTS}) {
+    my $dir = $ENV{DPD_TEST_SLOT_DIR} or die "test-timed: DPD_TEST_SLOT_DIR\n";
+    SLOT: while (1) {
+        for my $i (1 .. $n) {
+            open my $fh, '>>', "$dir/slot.$i"
+                or die "test-timed: $dir/slot.$i: $!\n";
+            if (flock $fh, LOCK_EX | LOCK_NB) {
+                $slot = $fh;
+                last SLOT;
+            }
+            close $fh;
+        }
+        sleep 0.1 + rand 0.1;
+    }
 }
 
 my $t0 = time;
