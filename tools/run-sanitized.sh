@@ -34,8 +34,10 @@ if ((${#files[@]} == 0)); then
     files=(t/[1-4]*.t)
 fi
 # The files side by side as tools/run-tests.sh runs them (DPD_TEST_JOBS),
-# then t/990 alone, once every nginx they started has stopped.
+# then t/990 alone, once every nginx they started has stopped (it only
+# reads the reports: no namespace, and the files' servroots stay).
 bash tools/run-tests.sh "${opts[@]}" "${files[@]}"
 rc=$?
-bash tools/run-tests.sh "${opts[@]}" t/990-sanitizer-report.t || exit
+DPD_TEST_JOBS=1 bash tools/run-tests.sh "${opts[@]}" t/990-sanitizer-report.t \
+    || exit
 exit $rc
