@@ -240,7 +240,15 @@ def summarize(results, cls_list):
         decoders[r.decoder or "-"] = decoders.get(r.decoder or "-", 0) + 1
     gw = [int(r.gw_cached) for r in ok
           if r.gw_cached and r.gw_cached.isdigit()]
+    # a direct route the index got wrong: the decoder held less than the
+    # gateway counted on (it prefilled the difference beside its streams)
+    stale = [int(r.gw_cached) - (r.cached_tokens or 0) for r in ok
+             if r.route == "direct" and r.gw_cached
+             and r.gw_cached.isdigit()
+             and int(r.gw_cached) - (r.cached_tokens or 0) >= 16]
     return {
+        "direct_stale": len(stale),
+        "direct_stale_tokens": sum(stale),
         "n": len(allr), "ok": len(ok),
         "errors": [r.error for r in allr if r not in ok][:3],
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
@@ -308,6 +316,11 @@ def main():
                  fmt(s["ttft_ms_p99"], "%.0f"), fmt(s["ttft_ms_mean"], "%.0f"),
                  fmt(s["itl_ms_p50"]), fmt(s["itl_ms_p99"]),
                  " ".join("%s=%d" % kv for kv in sorted(s["routes"].items()))))
+        if s["direct_stale"]:
+            print("%-12s %-5s %d direct routes found less cached than the "
+                  "index said (%d tokens prefilled on the decoder)"
+                  % (a.label, name, s["direct_stale"],
+                     s["direct_stale_tokens"]))
         for e in s["errors"]:
             print("%-12s %-5s error: %s" % (a.label, name, e))
     print("JSON " + json.dumps(summary))
