@@ -4,11 +4,12 @@
  * rendered with the variables vLLM's OpenAI server passes to
  * transformers' apply_chat_template:
  *
- *   messages     prepared as vllm/entrypoints/chat_utils.py does: content
+ *   messages     prepared as vllm/renderers/chat_utils does: content
  *                a string (text parts joined with "\n"; null -> "") or,
  *                when the template loops over message content (vLLM's
  *                "openai" content format), a list of {"type": "text",
- *                "text": ...}; assistant tool calls with
+ *                "text": ...} and {"type": "tool_reference", "name"};
+ *                assistant tool calls with
  *                function.arguments parsed from their JSON string ("" or
  *                invalid -> {}), an empty tool_calls list dropped;
  *                "reasoning" as reasoning and reasoning_content; name,
