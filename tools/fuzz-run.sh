@@ -2,8 +2,9 @@
 # The libFuzzer driver the fuzz/run.sh entry points share: run each target
 # for a bounded time and say what it found.
 #   fuzz-run.sh BUILD_DIR SECONDS DICT SEEDS TARGET...
-# DICT: a libFuzzer dictionary ("" for none); SEEDS: the committed seed
-# corpus, read but never written.  Each target grows its own corpus in
+# DICT: a libFuzzer dictionary ("" for none); SEEDS: the seed corpus,
+# read but never written; FUZZ_MAX_LEN (environment): the longest input,
+# 65536 unless set.  Each target grows its own corpus in
 # BUILD/fuzz/corpus-TARGET and logs to BUILD/fuzz/TARGET.log; findings
 # (crashing, leaking or timing-out inputs) go to fuzz-artifacts/ (in the
 # current directory, gitignored).  Exit status 1 when any target found a
@@ -19,6 +20,11 @@ case $SECS in
   ''|*[!0-9]*) echo "fuzz-run.sh: SECONDS must be a whole number: $SECS" >&2
                exit 2 ;;
 esac
+MAXLEN=${FUZZ_MAX_LEN:-65536}
+case $MAXLEN in
+  ''|*[!0-9]*) echo "fuzz-run.sh: FUZZ_MAX_LEN must be a whole number: $MAXLEN" >&2
+               exit 2 ;;
+esac
 dict=()
 [ -n "$DICT" ] && dict=(-dict="$DICT")
 fail=0
@@ -30,7 +36,7 @@ for t in "$@"; do
   # print its statistics; a hang past it counts as a finding
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     timeout $((SECS + 120)) "$BUILD/fuzz/$t" \
-      -max_total_time="$SECS" -max_len=65536 -timeout=20 -rss_limit_mb=4096 \
+      -max_total_time="$SECS" -max_len="$MAXLEN" -timeout=20 -rss_limit_mb=4096 \
       "${dict[@]}" -artifact_prefix="fuzz-artifacts/$t-" \
       -print_final_stats=1 "$dir" "$SEEDS" > "$BUILD/fuzz/$t.log" 2>&1
   r=$?
