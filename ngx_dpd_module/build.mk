@@ -53,7 +53,8 @@ $(MODULE_FUZZ): ngx_dpd_module/fuzz/dpd_fuzz_request.c $(MODULE_FUZZ_SRCS) \
                 ngx_dpd_module/ngx_http_dpd_protocol.h \
                 ngx_dpd_module/ngx_http_dpd_count.h $(TOK_SRCS) $(TOK_HDRS)
 	@mkdir -p $(@D)
-	$(FUZZ_CC) $(FUZZ_FLAGS) -Ingx_dpd_module $< $(MODULE_FUZZ_SRCS) \
+	$(FUZZ_CC) $(FUZZ_FLAGS) -Ingx_dpd_module -Ikv_agent/include $< \
+	    $(MODULE_FUZZ_SRCS) \
 	    $(TOK_SRCS) -o $@ $(TOK_LIBS) -lm
 
 # the request body's tree builder against libcjson's parser
