@@ -999,6 +999,36 @@ defaults(kv_config_t *c)
 }
 
 
+/*
+ * A "\u0000" escape inside a JSON string: cJSON ends the C string there,
+ * so "a\u0000b" would be read as "a" and the rest dropped without a word.
+ * Returns its byte offset, or -1.  Outside strings, and "\\u0000" (an
+ * escaped backslash), are not one.
+ */
+static long
+json_nul_escape(const char *p, size_t n)
+{
+    size_t i;
+    int in = 0;
+
+    for (i = 0; i < n; i++) {
+        if (!in) {
+            in = p[i] == '"';
+        } else if (p[i] == '"') {
+            in = 0;
+        } else if (p[i] == '\\' && i + 1 < n) {
+            if (p[i + 1] == 'u' && i + 5 < n
+                && memcmp(p + i + 2, "0000", 4) == 0)
+            {
+                return (long) i;
+            }
+            i++;                       /* the escaped character */
+        }
+    }
+    return -1;
+}
+
+
 int
 kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
 {
@@ -1032,6 +1062,13 @@ kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
     }
     fclose(f);
     buf[n] = '\0';
+    if (json_nul_escape(buf, (size_t) n) >= 0) {
+        snprintf(err, elen, "%s: a NUL character (\\u0000) in a string "
+                 "near byte %ld: no value may hold one", path,
+                 json_nul_escape(buf, (size_t) n));
+        free(buf);
+        return -1;
+    }
     root = cJSON_ParseWithLength(buf, n);
     if (root == NULL) {
         const char *at = cJSON_GetErrorPtr();
