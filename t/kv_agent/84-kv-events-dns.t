@@ -140,6 +140,10 @@ $c->{kv_events} = [
     # one of the same pods under another name: not subscribed twice
     { dns => "alias.test", port => $pp, http_port => $hp, topic => "kv",
       model => "m", resolve_ms => 300 },
+    # a static source: an address of the name that is already one is
+    # not subscribed twice
+    { node => "static-5", http => "127.0.0.5:$hp", model => "m",
+      endpoint => "tcp://127.0.0.5:$pp", topic => "kv" },
     # no answer ever (the black hole): the loop goes on without it
     { dns => "hang.test", port => $pp, http_port => $hp, model => "m",
       resolve_ms => 300 },
@@ -148,11 +152,12 @@ $c->{prefix_index} = { path => $idx, slots => 65536 };
 my $a = start_agent($c);
 ok(agent_alive($a), "the agent runs") or diag log_text($a);
 
+# the index's nodes by http, the static source's left out
 sub nodes {
     my %n;
     for (`$py $pidx nodes $idx 2>/dev/null`) {
         my $r = json_dec($_);
-        $n{$r->{http}} = $r;
+        $n{$r->{http}} = $r unless $r->{id} eq 'static-5';
     }
     return \%n;
 }
@@ -235,6 +240,37 @@ is(scalar(@w), 1, "one warning while it fails");
 point("pods.test", 2, 4);
 ok(log_wait($a, qr/dns pods\.test: resolved again/, 5),
    "recovery said");
+
+# the static source's address in the answer: still one node, the static
+# one; then 100 addresses: the lowest 64 considered, the rest said
+point("pods.test", 2, 4, 5);
+sleep 1.5;
+my @five = grep { /"http": "127\.0\.0\.5:$hp"/ }
+           `$py $pidx nodes $idx 2>/dev/null`;
+is(scalar(@five), 1, "an address that is a static source: one node");
+like($five[0] // '', qr/"id": "static-5"/, "... the static one");
+put($hosts, join "", map { "127.0.1.$_ pods.test\n" } 1 .. 100);
+ok(log_wait($a, qr/dns pods\.test: 100 addresses: only the first 64 \(sorted\) are considered/, 5),
+   "a name with 100 addresses: the first 64 considered");
+ok(log_wait($a, qr/dns pods\.test: \d+ addresses not followed: at most 64 sources/, 5),
+   "what does not fit is said");
+ok(log_wait($a, qr/dns pods\.test: 127\.0\.0\.4 no longer resolved/, 5),
+   "the old pods go");
+my $nn = wait_for(5, sub { my $n = nodes(); keys %$n >= 60 ? $n : undef });
+ok($nn && keys %$nn <= 63, "the sources fill up to the limit, no more ("
+   . scalar(keys %{ $nn // {} }) . " DNS nodes + the static one)");
+ok(agent_alive($a), "the agent runs on");
+# back to two pods: the 60 go, the two come back once index records are
+# free again (released ones are reused 5 s later: readers may still map
+# an old address to them until then)
+my $mark = length log_text($a);
+point("pods.test", 2, 4);
+ok(wait_for(15, sub { substr(log_text($a), $mark)
+                      =~ /subscribed to tcp:\/\/127\.0\.0\.4:$pp/ }),
+   "back to two pods: subscribed again once records are free");
+like(substr(log_text($a), $mark), qr/127\.0\.1\.1 no longer resolved/,
+     "the 100-address set went");
+sleep 0.5;
 
 # the black-holed name: timed out, the loop kept going all along
 ok(log_wait($a, qr/dns hang\.test: cannot resolve: timed out/, 15),
