@@ -1749,6 +1749,8 @@ class KvEventPublisher(threading.Thread):
         pub.setsockopt(zmq.SNDHWM, self.cfg["hwm"])
         pub.setsockopt(zmq.LINGER, 0)
         ep = self.endpoint
+        if "[" in ep or "::" in ep:
+            pub.setsockopt(zmq.IPV6, 1)   # libzmq's sockets are v4-only
         bind = ("*" in ep or "::" in ep or ep.startswith("ipc://")
                 or ep.startswith("inproc://") or self.pinned)
         self._retry(lambda: pub.bind(ep) if bind else pub.connect(ep), pub)
@@ -1756,6 +1758,8 @@ class KvEventPublisher(threading.Thread):
         if self.replay_ep:
             rep = self.ctx.socket(zmq.ROUTER)
             rep.setsockopt(zmq.LINGER, 0)
+            if "[" in self.replay_ep or "::" in self.replay_ep:
+                rep.setsockopt(zmq.IPV6, 1)
             self._retry(lambda: rep.bind(self.replay_ep), rep)
             self.rep = rep
 

@@ -10,7 +10,9 @@
 # blocks appear under "ADDRESS:http_port", a pod that stays is never
 # cleared, the gone pods' records are released; a name that stops
 # resolving keeps the last good set (one warning); a second name with an
-# address already followed subscribes nothing twice; a name whose DNS
+# address already followed subscribes nothing twice (nor one that is a
+# static source); 100 addresses fill the 64 sources, no more; an IPv6
+# address is node "[::1]:port"; a name whose DNS
 # server never answers (a UDP black hole in /etc/resolv.conf) neither
 # stalls the loop nor delays the shutdown (a small UDP responder in
 # /etc/resolv.conf: NXDOMAIN for other names).
@@ -68,7 +70,7 @@ system("mount --bind $resolv /etc/resolv.conf") == 0
 
 sub point {
     my ($name, @last) = @_;
-    my $t = "127.0.0.1 localhost\n";
+    my $t = "127.0.0.1 localhost\n::1 v6.test\n";
     $t .= join "", map { "127.0.0.$_ $name\n" } @last;
     # another name for one of them: already followed, never twice
     $t .= "127.0.0.$last[0] alias.test\n" if @last;
@@ -109,7 +111,13 @@ sub http_post {
     return $r;
 }
 
-for my $i (2 .. 4) {
+# pods 2..4 on 127.0.0.x; pod 6 publishes on ::1 (its HTTP on 127.0.0.1:
+# the emulator's server is IPv4-only; the index names it [::1]:port)
+my $v6 = system("$py -c 'import socket; socket.socket(socket.AF_INET6)"
+                . ".bind((\"::1\", 0))' 2>/dev/null") == 0;
+for my $i (2 .. 4, $v6 ? 6 : ()) {
+    my $bind = $i == 6 ? "::1" : "127.0.0.$i";
+    my $host = $i == 6 ? "127.0.0.1" : "127.0.0.$i";
     my $cfg = json_enc({ enable_kv_cache_events => JSON::PP::true,
                          endpoint => "tcp://*:$pp",
                          replay_endpoint => "tcp://*:$rp",
@@ -118,9 +126,9 @@ for my $i (2 .. 4) {
     if ($pid == 0) {
         open STDOUT, '>', "$dir/emu-$i.log" or die;
         open STDERR, '>&', \*STDOUT;
-        exec $py, $emu, "--host", "127.0.0.$i", "--port", $hp,
+        exec $py, $emu, "--host", $host, "--port", $hp,
              "--model", "m", "--kv-events-config", $cfg,
-             "--kv-events-bind-host", "127.0.0.$i" or exit 127;
+             "--kv-events-bind-host", $bind or exit 127;
     }
     $emu[$i] = $pid;
 }
@@ -144,6 +152,9 @@ $c->{kv_events} = [
     # not subscribed twice
     { node => "static-5", http => "127.0.0.5:$hp", model => "m",
       endpoint => "tcp://127.0.0.5:$pp", topic => "kv" },
+    # IPv6: the node is [ADDRESS]:http_port
+    { dns => "v6.test", family => "ipv6", port => $pp, replay_port => $rp,
+      http_port => $hp, topic => "kv", model => "m", resolve_ms => 300 },
     # no answer ever (the black hole): the loop goes on without it
     { dns => "hang.test", port => $pp, http_port => $hp, model => "m",
       resolve_ms => 300 },
@@ -157,7 +168,8 @@ sub nodes {
     my %n;
     for (`$py $pidx nodes $idx 2>/dev/null`) {
         my $r = json_dec($_);
-        $n{$r->{http}} = $r unless $r->{id} eq 'static-5';
+        $n{$r->{http}} = $r if $r->{http} =~ /^127\.0\./
+                               && $r->{id} ne 'static-5';
     }
     return \%n;
 }
@@ -271,6 +283,20 @@ ok(wait_for(15, sub { substr(log_text($a), $mark)
 like(substr(log_text($a), $mark), qr/127\.0\.1\.1 no longer resolved/,
      "the 100-address set went");
 sleep 0.5;
+
+# the IPv6 pod, followed all along
+SKIP: {
+    skip "no IPv6 loopback here", 2 unless $v6;
+    http_post("127.0.0.1", "/v1/completions",
+              json_enc({ model => "m", max_tokens => 2,
+                         prompt => join ' ', map { "six$_" } 1 .. 120 }));
+    my $six = wait_for(10, sub {
+        my ($l) = grep { /"http": "\[::1\]:$hp"/ }
+                  `$py $pidx nodes $idx 2>/dev/null`;
+        $l && json_dec($l)->{blocks} > 0 ? json_dec($l) : undef });
+    ok($six, "an IPv6 address: node [::1]:$hp, its blocks indexed");
+    is($six && $six->{id}, "[::1]:$hp", "... named as nginx names it");
+}
 
 # the black-holed name: timed out, the loop kept going all along
 ok(log_wait($a, qr/dns hang\.test: cannot resolve: timed out/, 15),
