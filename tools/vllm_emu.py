@@ -173,6 +173,8 @@ PREFIX CACHING (vLLM v1; --no-enable-prefix-caching turns it off)
   lora_id], BlockRemoved [name, hashes], batch [ts, events]).  Hashes: the
   digest's last 8 bytes as uint64 or the 32 bytes (--kv-events-hash).
   --data-parallel-rank N: the batches' rank; both ports shifted by N.
+  --kv-events-bind-host ADDR: tcp://*:P bound on ADDR only (a pod's own
+  address: several emulators share the ports, as pods behind a name).
   replay_endpoint: ROUTER; a request [identity, "", start_seq] gets every
   kept batch (buffer_steps) from start_seq on, then the end marker.
 
