@@ -166,6 +166,21 @@ typedef struct {
     int       block;                   /* tokens a block: the engines' */
 } kv_pfx_conf_t;
 
+/* "peers_dns": a pool's members from a (headless Service's) DNS name
+ * (peers_dns.c; parsed in config.c).  An answer names addresses, never
+ * identities: each node claims its id in the handshake and proves it with
+ * the key of the link, read from key_file with "{peer}" replaced. */
+#define KV_DNS_MAX        8
+#define KV_DNS_NAME_LEN   256
+#define KV_DNS_PEER_TOKEN "{peer}"
+typedef struct {
+    char     name[KV_DNS_NAME_LEN];    /* resolved every resolve_ms */
+    int      port;                     /* the pool's control port */
+    uint32_t role;
+    char     key_file[KV_PATH_LEN];    /* pattern with one "{peer}" */
+    int      resolve_ms;
+} kv_dns_conf_t;
+
 typedef struct {
     char     id[KV_ID_LEN];
     char     ctrl[KV_ADDR_LEN];    /* host:port of its control listener */
@@ -197,6 +212,8 @@ typedef struct {
     char           listen[KV_ADDR_LEN];
     kv_peer_conf_t peers[KV_MAX_PEERS];
     int            npeers;
+    kv_dns_conf_t  dns[KV_DNS_MAX];    /* peers_dns */
+    int            ndns;
     char           api_socket[108];
     char           state_path[512];
     uint32_t       max_nodes, max_reqs;
@@ -227,6 +244,9 @@ enum { KV_STAGE_AUTO = 0, KV_STAGE_HOST_TEST = 1, KV_STAGE_OFF = 2 };
 
 int kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen);
 uint32_t kv_role_parse(const char *s);
+/* a node id a peer may claim (peers_dns): [A-Za-z0-9._-], no "..", not
+ * starting with '.' or '-', under KV_ID_LEN bytes: safe in a file name */
+int kv_peer_id_safe(const char *id, size_t len);
 /* config_env.c: ${VAR} substitution; the config as `check` shows it */
 struct cJSON;
 #define KV_ENV_USED            1   /* *used: some value was substituted */
