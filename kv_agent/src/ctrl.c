@@ -818,6 +818,38 @@ kv_ctrl_rekeyed(kv_ctx_t *ctx, const char *why)
 }
 
 
+/* Outbound control connections leave from the listen address when it is
+ * one (not a wildcard): a peer that checks our source address against
+ * its DNS answers (peers_dns) sees the address those answers name, also
+ * on a host or pod with several. */
+void
+kv_ctrl_bind_source(kv_ctx_t *ctx, int fd, int family)
+{
+    struct addrinfo hints, *res;
+    char host[KV_ADDR_LEN];
+    int port;
+
+    if (kv_parse_hostport(ctx->cfg.listen, host, sizeof(host), &port) != 0
+        || host[0] == '\0' || strcmp(host, "0.0.0.0") == 0
+        || strcmp(host, "::") == 0)
+    {
+        return;
+    }
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = family;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICHOST;
+    if (getaddrinfo(host, "0", &hints, &res) != 0) {
+        return;                        /* a name, or another family */
+    }
+    if (bind(fd, res->ai_addr, res->ai_addrlen) != 0) {
+        kv_debug("ctrl: cannot bind the source address %s: %s", host,
+                 strerror(errno));
+    }
+    freeaddrinfo(res);
+}
+
+
 static void
 connect_addr(kv_ctx_t *ctx, int peer, const struct sockaddr *sa,
     socklen_t sl)
@@ -832,6 +864,7 @@ connect_addr(kv_ctx_t *ctx, int peer, const struct sockaddr *sa,
         return;
     }
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    kv_ctrl_bind_source(ctx, fd, sa->sa_family);
     kv_conn_init(&pe->out, fd);
     pe->out_state = KV_LINK_CONNECTING;
     if (connect(fd, sa, sl) != 0 && errno != EINPROGRESS) {

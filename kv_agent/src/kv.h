@@ -927,6 +927,7 @@ uint64_t kv_proc_start(int pid);      /* 0: gone (or a zombie) */
  * takes the connection over and answers it (peers_dns.c) */
 void kv_ctrl_adopt(kv_ctx_t *ctx, int peer, kv_conn_t *conn,
     struct cJSON *challenge);
+void kv_ctrl_bind_source(kv_ctx_t *ctx, int fd, int family);
 
 /* xfer.c */
 int  kv_xfer_init(kv_ctx_t *ctx);

@@ -74,6 +74,7 @@ struct kv_pdns {
     kv_pdns_addr_t addr[KV_PDNS_MAX_ADDRS];
     uint64_t       res_id[KV_DNS_MAX];
     uint64_t       next_ms[KV_DNS_MAX];
+    uint64_t       started_ms[KV_DNS_MAX];
     int            failing[KV_DNS_MAX];
     kv_loglim_t    warn;
     uint64_t       refused;
@@ -444,6 +445,7 @@ probe_connect(kv_ctx_t *ctx, kv_pdns_addr_t *a)
         return;
     }
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    kv_ctrl_bind_source(ctx, fd, ss.ss_family);
     kv_conn_init(&a->conn, fd);
     a->state = PA_CONNECTING;
     a->deadline_ms = kv_now_ms() + ctx->cfg.hello_timeout_ms;
@@ -821,6 +823,7 @@ kv_pdns_tick(kv_ctx_t *ctx, uint64_t now)
             continue;
         }
         d->next_ms[e] = now + ctx->cfg.dns[e].resolve_ms;
+        d->started_ms[e] = now;
         d->res_id[e] = kv_res_start(ctx->res, ctx->cfg.dns[e].name,
                                     ctx->cfg.dns[e].port, AF_UNSPEC,
                                     on_answer, ctx);
@@ -950,7 +953,7 @@ kv_pdns_inbound(kv_ctx_t *ctx, int client, const char *id, const char *kid,
     uint8_t want[KV_MAC_LEN];
     kv_peer_conf_t pc;
     const char *other;
-    char kerr[256];
+    char kerr[256], ip[64];
     int e, k, i, fresh, tried = 0;
 
     if (ctx->pdns == NULL) {
@@ -995,6 +998,31 @@ kv_pdns_inbound(kv_ctx_t *ctx, int client, const char *id, const char *kid,
     return -1;
 
 proven:
+    /* the key says who it is, the answers whether it is in the pool: a
+     * node no answer lists (any more) is not linked, however it proves
+     * its id; if it just came up, the name is looked up again now (at
+     * most once a second) and its next try gets in */
+    client_ip(ctx, client, ip, sizeof(ip));
+    for (i = 0; i < KV_PDNS_MAX_ADDRS; i++) {
+        kv_pdns_addr_t *a = &ctx->pdns->addr[i];
+        if (a->state != PA_FREE && a->entry == e && a->missing == 0
+            && strcmp(a->ip, ip) == 0)
+        {
+            break;
+        }
+    }
+    if (i == KV_PDNS_MAX_ADDRS) {
+        kv_auth_forget_peer(&pc);
+        if (ctx->pdns->res_id[e] == 0
+            && kv_now_ms() >= ctx->pdns->started_ms[e] + 1000)
+        {
+            ctx->pdns->next_ms[e] = 0;
+        }
+        snprintf(err, elen, "node %.64s proved its key, but %s is not in "
+                 "the answers for %s (yet): refused", id, ip,
+                 ctx->cfg.dns[e].name);
+        return -1;
+    }
     i = slot_for(ctx, id, &fresh);
     if (i < 0) {
         kv_auth_forget_peer(&pc);
@@ -1025,13 +1053,10 @@ proven:
         pc.ctrl[0] = '\0';
         ctx->peers[i].conf = pc;
         ctx->peers[i].dyn = e + 1;
-        client_ip(ctx, client, ctx->peers[i].dyn_ip,
-                  sizeof(ctx->peers[i].dyn_ip));
+        snprintf(ctx->peers[i].dyn_ip, sizeof(ctx->peers[i].dyn_ip), "%s",
+                 ip);
         kv_info("peers_dns: %s (%s) connected first from %s; proven by its "
-                "key", id, dpd_state_role_name(pc.role),
-                ctx->peers[i].dyn_ip);
-        /* find its listener soon: resolve now */
-        ctx->pdns->next_ms[e] = 0;
+                "key", id, dpd_state_role_name(pc.role), ip);
     }
     kv_auth_forget_peer(&pc);
     ctx->peers[i].retired = 0;
