@@ -818,10 +818,11 @@ kv_ctrl_rekeyed(kv_ctx_t *ctx, const char *why)
 }
 
 
-/* Outbound control connections leave from the listen address when it is
- * one (not a wildcard): a peer that checks our source address against
- * its DNS answers (peers_dns) sees the address those answers name, also
- * on a host or pod with several. */
+/* With peers_dns, outbound control connections leave from the listen
+ * address when it is one (not a wildcard): a peer that checks our source
+ * address against its DNS answers sees the address those answers name,
+ * also on a host or pod with several.  Static configs keep the kernel's
+ * choice. */
 void
 kv_ctrl_bind_source(kv_ctx_t *ctx, int fd, int family)
 {
@@ -829,7 +830,8 @@ kv_ctrl_bind_source(kv_ctx_t *ctx, int fd, int family)
     char host[KV_ADDR_LEN];
     int port;
 
-    if (kv_parse_hostport(ctx->cfg.listen, host, sizeof(host), &port) != 0
+    if (ctx->cfg.ndns == 0
+        || kv_parse_hostport(ctx->cfg.listen, host, sizeof(host), &port) != 0
         || host[0] == '\0' || strcmp(host, "0.0.0.0") == 0
         || strcmp(host, "::") == 0)
     {

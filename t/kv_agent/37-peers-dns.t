@@ -327,13 +327,25 @@ ok(peers_of($p)->{"decode-0"}{connected}
 {
     my $c = node_cfg(id => "router-0", role => "router", ip => "127.0.0.11",
         peers => [{ id => "decode-7", role => "decode",
-                    ctrl => "decode-7.hangs.test:$port" }],
+                    ctrl => "decode-7.hangs.test:$port" },
+                  { id => "decode-2", role => "decode",
+                    ctrl => "decode-2.pool.test:$port" }],
         dns => [{ name => "decode.pool.test", port => $port,
                   role => "decode", key_file => "$dir/keys/router-0+{peer}.key",
                   %$dns_opts }]);
+    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.4"],
+              "prefill.pool.test" => ["127.0.0.5"],
+              "decode-2.pool.test" => ["127.0.0.4"]);
     my $r = start_agent($c);
-    ok(wait_connected($r, ["decode-0", "decode-2"]),
-       "a router discovers the decode pool while another name hangs");
+    ok(wait_connected($r, ["decode-0", "decode-1", "decode-2"]),
+       "a router discovers the decode pool while another name hangs, and "
+       . "links decode-2 configured by name (resolved off the loop)");
+    my $ps = peers_of($r);
+    ok(!$ps->{"decode-2"}{discovered} && $ps->{"decode-0"}{discovered},
+       "decode-2 stays the configured peer");
+    ok(log_wait($r, qr/127\.0\.0\.4:\d+ claims decode-2, a configured (?#
+                  )peer \(at decode-2\.pool\.test:\d+\): refused/, 5),
+       "its address in the pool's answer does not make a second decode-2");
     my ($worst, $n) = (0, 0);
     my $t_end = time + 2;
     while (time < $t_end) {
