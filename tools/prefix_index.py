@@ -19,6 +19,10 @@ too).  Standard library only.
   prefix_index.py tear-header PATH          break the magic
   prefix_index.py keys --model M [--salt S] (--ids ... | --repeat ...)
                   print the keys, one per line (hex)
+  prefix_index.py nodes PATH     the USED node records as JSON, one a
+                  line (index, id, http, flags, epoch, blocks, lower, and
+                  "bits": the slots that have the node's bit), as a
+                  reader sees them (a record being written is retried)
 """
 
 import argparse
@@ -148,6 +152,39 @@ class Index:
                     continue
                 self.write_slot(f, i, seq + 2, key, gpu, low)
 
+    def nodes(self):
+        out = []
+        with open(self.path, 'rb') as f:
+            for i in range(self.max_nodes):
+                for _ in range(64):
+                    f.seek(self.nodes_off + i * NODE.size)
+                    raw = f.read(NODE.size)
+                    seq = struct.unpack_from('<I', raw)[0]
+                    f.seek(self.nodes_off + i * NODE.size)
+                    if seq % 2 == 0 and f.read(4) == raw[:4]:
+                        break
+                (seq, flags, epoch, blocks, lower, _, nid, http,
+                 _) = NODE.unpack(raw)
+                if not flags & NODE_USED:
+                    continue
+                out.append({'index': i, 'flags': flags, 'epoch': epoch,
+                            'blocks': blocks, 'lower': lower,
+                            'id': nid.split(b'\0')[0].decode(),
+                            'http': http.split(b'\0')[0].decode(),
+                            'bits': 0})
+            byidx = {n['index']: n for n in out}
+            f.seek(self.slots_off)
+            data = f.read(self.nslots * SLOT.size)
+            for k in range(self.nslots):
+                _, _, key, gpu, low = SLOT.unpack_from(data, k * SLOT.size)
+                m = gpu | low
+                while key and m:
+                    b = (m & -m).bit_length() - 1
+                    m &= m - 1
+                    if b in byidx:
+                        byidx[b]['bits'] += 1
+        return out
+
     def clear_node(self, node):
         bit = 1 << node
         with open(self.path, 'r+b') as f:
@@ -221,6 +258,10 @@ def main():
     elif a.cmd == 'tear-header':
         with open(a.path, 'r+b') as f:
             f.write(b'XXXXXXXX')
+    elif a.cmd == 'nodes':
+        import json
+        for n in Index(a.path).nodes():
+            print(json.dumps(n, sort_keys=True))
     elif a.cmd == 'keys':
         for k in keys(a.model, a.salt, parse_ids(a), a.block):
             print('%016x' % k)

@@ -1708,8 +1708,10 @@ class KvEventPublisher(threading.Thread):
         self.dp_rank = dp_rank
         self.bs = emu.args.block_size
         self.topic = cfg["topic"].encode("utf-8")
-        self.endpoint = self.offset(cfg["endpoint"], dp_rank)
-        self.replay_ep = self.offset(cfg["replay_endpoint"], dp_rank)
+        self.pinned = False
+        self.endpoint = self.pod(self.offset(cfg["endpoint"], dp_rank))
+        self.replay_ep = self.pod(self.offset(cfg["replay_endpoint"],
+                                              dp_rank))
         self.cv = threading.Condition()
         self.q = deque()
         self.buffer = deque(maxlen=cfg["buffer_steps"])
@@ -1721,6 +1723,16 @@ class KvEventPublisher(threading.Thread):
         self.ctx = zmq.Context()
         self.pub = self.rep = None
         self._open()
+
+    def pod(self, ep):
+        """--kv-events-bind-host: tcp://*:P bound on that host only."""
+        host = getattr(self.emu.args, "kv_events_bind_host", None)
+        if not ep or not host or not ep.startswith("tcp://*:"):
+            return ep
+        self.pinned = True            # bound, not connected
+        if ":" in host:
+            host = "[%s]" % host
+        return "tcp://%s:%s" % (host, ep[len("tcp://*:"):])
 
     @staticmethod
     def offset(ep, rank):
@@ -1738,7 +1750,7 @@ class KvEventPublisher(threading.Thread):
         pub.setsockopt(zmq.LINGER, 0)
         ep = self.endpoint
         bind = ("*" in ep or "::" in ep or ep.startswith("ipc://")
-                or ep.startswith("inproc://"))
+                or ep.startswith("inproc://") or self.pinned)
         self._retry(lambda: pub.bind(ep) if bind else pub.connect(ep), pub)
         self.pub = pub
         if self.replay_ep:
@@ -3495,6 +3507,10 @@ def parse_args(argv):
     g.add_argument("--data-parallel-rank", type=int, default=0,
                    help="the events' data_parallel_rank; the KV event "
                    "endpoints' ports are shifted by it, as vLLM does")
+    g.add_argument("--kv-events-bind-host", default=None, metavar="HOST",
+                   help="bind the KV event endpoints' wildcard (tcp://*:P) "
+                   "on HOST only: one pod of several sharing a port, each "
+                   "on its own address (tests of DNS sources)")
     g.add_argument("--kv-events-hash", choices=("int", "bytes"),
                    default=None,
                    help="block hashes on the wire: uint64 (the digest's "

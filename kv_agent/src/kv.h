@@ -152,9 +152,25 @@ typedef struct {
                                         * model: the prefix index's seed */
     int      replay_timeout_ms;        /* no reply this long: given up */
 } kv_evs_src_conf_t;
+/* a DNS source: every address its name resolves to is one engine
+ * (kv_events_dns.c), e.g. a Kubernetes headless Service's pods */
+#define KV_EVS_DNS_LEN      254        /* a name: 253 bytes at most */
 typedef struct {
-    kv_evs_src_conf_t src[KV_EVS_MAX_SOURCES];
+    char     name[KV_EVS_DNS_LEN];     /* "dns" */
+    int      port;                     /* the PUB's on each address */
+    int      replay_port;              /* the ROUTER's; 0 = none */
+    int      http_port;                /* its vLLM's: node = IP:http_port */
+    int      family;                   /* AF_UNSPEC, AF_INET, AF_INET6 */
+    int      resolve_ms;               /* re-resolved this often */
+    char     topic[KV_EVS_TOPIC_LEN];
+    char     model[KV_EVS_TOPIC_LEN];
+    int      replay_timeout_ms;
+} kv_evs_dns_conf_t;
+typedef struct {
+    kv_evs_src_conf_t src[KV_EVS_MAX_SOURCES];   /* static sources */
     int               nsrc;
+    kv_evs_dns_conf_t dns[KV_EVS_MAX_SOURCES];   /* DNS sources */
+    int               ndns;
 } kv_evs_conf_t;
 
 /* "prefix_index": the KV-events prefix index nginx reads for
@@ -803,6 +819,7 @@ struct kv_ctx {
     int          copy_backoff_us;      /* polling a slow copy's event */
     struct kv_lmc *lmc;                /* lmcache_notify.c, or NULL */
     struct kv_evs *evs;                /* kv_events_sub.c, or NULL */
+    struct kv_evs_dns *evs_dns;        /* kv_events_dns.c, or NULL */
     struct kv_pfx *pfx;                /* prefix_index.c, or NULL */
     struct kv_pfx_feed *pfx_feed;      /* prefix_events.c: evs -> pfx */
 };
@@ -846,10 +863,20 @@ typedef struct {
 } kv_evs_src_stats_t;
 
 struct kv_evs;
-/* connects every source of c (kept by reference: c must outlive it);
+/* connects every static source of c (copied);
  * lim NULL: kv_events.h's bounds.  NULL on failure (logged). */
 struct kv_evs *kv_evs_open(const kv_evs_conf_t *c, const kv_ev_sink_t *sink,
     const kv_ev_limits_t *lim);
+/* A source added at run time (kv_events_dns.c): its slot index (the
+ * origin's idx of its events), or -1 (no slot free, or no socket; logged).
+ * c is copied. */
+int  kv_evs_add(struct kv_evs *e, const kv_evs_src_conf_t *c);
+/* ... closed: nothing more is delivered for slot i */
+void kv_evs_remove(struct kv_evs *e, int i);
+/* the slot of a source with this endpoint or (http not NULL) this http,
+ * else -1 */
+int  kv_evs_find(struct kv_evs *e, const char *endpoint, const char *http);
+int  kv_evs_free_slots(struct kv_evs *e);
 int  kv_evs_pollfds(struct kv_evs *e, struct pollfd *pfd, int max);
 void kv_evs_process(struct kv_evs *e);   /* never blocks */
 int  kv_evs_nsrc(struct kv_evs *e);

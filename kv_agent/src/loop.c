@@ -21,6 +21,7 @@
 #include "kv.h"
 #include "resolve.h"
 #include "prefix_events.h"
+#include "kv_events_dns.h"
 
 #define KV_IDLE_POLL_MS     5      /* CQ without a wait fd, idle */
 #define KV_SPIN_US          1000   /* busy-poll this long after an event */
@@ -493,7 +494,7 @@ run_loop(kv_ctx_t *ctx)
     uint64_t now;
     struct timespec ts;
     size_t cap = 2 + KV_LMC_NFDS + KV_MAX_RAILS + 2 * KV_MAX_RANKS
-                 + KV_MAX_PEERS + KV_EVS_MAX_SOURCES + ctx->nclients
+                 + KV_MAX_PEERS + KV_EVS_MAX_SOURCES + 1 + ctx->nclients
                  + 1 + KV_PDNS_MAX_ADDRS;
 
     pfd = calloc(cap, sizeof(*pfd));
@@ -551,6 +552,9 @@ run_loop(kv_ctx_t *ctx)
         {
             who[n++] = -5;                /* kv_events: drained below */
         }
+        for (i = kv_evs_dns_pollfds(ctx->evs_dns, pfd + n, 1); i > 0; i--) {
+            who[n++] = -5;                /* its resolver: below */
+        }
         if (ctx->res) {
             pfd[n].fd = kv_res_fd(ctx->res);
             pfd[n].events = POLLIN;
@@ -599,6 +603,7 @@ run_loop(kv_ctx_t *ctx)
             }
         }
         kv_lmc_process(ctx);
+        kv_evs_dns_process(ctx->evs_dns);
         kv_evs_process(ctx->evs);
         kv_xfer_progress(ctx);
         housekeeping(ctx, kv_now_ms());
@@ -636,6 +641,8 @@ shutdown_ctx(kv_ctx_t *ctx)
         ctx->res = NULL;
     }
     kv_lmc_close(ctx);
+    kv_evs_dns_close(ctx->evs_dns);
+    ctx->evs_dns = NULL;
     kv_evs_close(ctx->evs);
     ctx->evs = NULL;
     kv_prefix_close(ctx);
@@ -790,7 +797,7 @@ kv_run_main(int argc, char **argv)
     if (kv_pdns_open(ctx) != 0) {
         goto out;
     }
-    if (ctx->cfg.evs.nsrc > 0) {
+    if (ctx->cfg.evs.nsrc > 0 || ctx->cfg.evs.ndns > 0) {
         kv_ev_sink_t sink;
         kv_events_sink(ctx, &sink);
         if (ctx->cfg.pfx.path[0] && kv_prefix_open(ctx, &sink) != 0) {
@@ -799,6 +806,13 @@ kv_run_main(int argc, char **argv)
         ctx->evs = kv_evs_open(&ctx->cfg.evs, &sink, NULL);
         if (ctx->evs == NULL) {
             goto out;
+        }
+        if (ctx->cfg.evs.ndns > 0) {
+            ctx->evs_dns = kv_evs_dns_open(&ctx->cfg.evs, ctx->evs,
+                                           ctx->pfx_feed);
+            if (ctx->evs_dns == NULL) {
+                goto out;
+            }
         }
     }
     kv_ctrl_update_self(ctx);

@@ -336,6 +336,9 @@ kv_pfx_feed_init(kv_pfx_feed_t *f, kv_pfx_t *ix, const kv_evs_conf_t *c,
         return -1;
     }
 
+    for (i = 0; i < KV_EVS_MAX_SOURCES; i++) {
+        f->node_of[i] = -1;            /* a slot no source has (yet) */
+    }
     for (i = 0; i < c->nsrc; i++) {
         /* a node given once per data-parallel rank: one index node */
         for (j = 0; j < i; j++) {
@@ -361,6 +364,32 @@ kv_pfx_feed_init(kv_pfx_feed_t *f, kv_pfx_t *ix, const kv_evs_conf_t *c,
     sink->removed = feed_removed;
     sink->cleared = feed_cleared;
     return 0;
+}
+
+
+int
+kv_pfx_feed_attach(kv_pfx_feed_t *f, uint32_t idx, const char *node,
+    const char *http, const char *model)
+{
+    if (idx >= KV_EVS_MAX_SOURCES || f->node_of[idx] >= 0) {
+        return -1;
+    }
+    f->node_of[idx] = kv_pfx_node(f->ix, node, http, model);
+    return f->node_of[idx];
+}
+
+
+uint64_t
+kv_pfx_feed_detach(kv_pfx_feed_t *f, uint32_t idx)
+{
+    uint64_t  held;
+
+    if (idx >= KV_EVS_MAX_SOURCES || f->node_of[idx] < 0) {
+        return 0;
+    }
+    held = kv_pfx_node_release(f->ix, f->node_of[idx]);
+    f->node_of[idx] = -1;
+    return held;
 }
 
 

@@ -21,6 +21,14 @@ typedef struct kv_pfx_feed {
 /* Index nodes for every source of c; sink set to feed ix.  0 / -1. */
 int  kv_pfx_feed_init(kv_pfx_feed_t *f, kv_pfx_t *ix, const kv_evs_conf_t *c,
     kv_ev_sink_t *sink);
+/* A source added at run time (a DNS source's address, kv_events_dns.c)
+ * in subscriber slot idx: a node of its own.  The node index, or -1 (no
+ * record free: see kv_pfx_node_release()). */
+int  kv_pfx_feed_attach(kv_pfx_feed_t *f, uint32_t idx, const char *node,
+    const char *http, const char *model);
+/* ... and gone: its node released (cleared, no longer USED); the blocks
+ * it held */
+uint64_t kv_pfx_feed_detach(kv_pfx_feed_t *f, uint32_t idx);
 void kv_pfx_feed_free(kv_pfx_feed_t *f);
 
 #endif /* KV_PREFIX_EVENTS_H */

@@ -64,6 +64,8 @@ typedef struct {
     pfx_recent_t  *recent;
     uint32_t       nrecent;
     int            overflow;
+    int            released;           /* kv_pfx_node_release(): free */
+    uint64_t       released_ms;        /* ... since (monotonic) */
 } pfx_node_t;
 
 struct kv_pfx {
@@ -458,31 +460,112 @@ kv_pfx_node(kv_pfx_t *x, const char *id, const char *http_addr,
     const char *model)
 {
     int              i;
+    uint32_t         k;
+    uint64_t         now;
     dpd_pfx_node_t  *r;
 
-    if (x->nnodes >= x->hdr->max_nodes
-        || strlen(id) >= DPD_PFX_ID_LEN
+    if (strlen(id) >= DPD_PFX_ID_LEN
         || strlen(http_addr) >= DPD_PFX_ADDR_LEN
         || strlen(model) >= sizeof(x->node[0].model))
     {
         return -1;
     }
-    x->node[x->nnodes].recent = calloc(PFX_RECENT, sizeof(pfx_recent_t));
-    if (x->node[x->nnodes].recent == NULL) {
-        return -1;
+    if (x->nnodes < x->hdr->max_nodes) {
+        x->node[x->nnodes].recent = calloc(PFX_RECENT, sizeof(pfx_recent_t));
+        if (x->node[x->nnodes].recent == NULL) {
+            return -1;
+        }
+        i = (int) x->nnodes++;
+
+    } else {
+        /*
+         * A released record, the one released longest ago, and only once
+         * every reader has had time to re-read the node table (the module
+         * does at most once a second, before a lookup): a reader that
+         * still maps the old engine's address to this index would credit
+         * it with the new engine's blocks for that long.  Its bits are
+         * all cleared already (kv_pfx_node_release()).
+         */
+        now = kv_now_ms();
+        i = -1;
+        for (k = 0; k < x->nnodes; k++) {
+            if (x->node[k].released
+                && now - x->node[k].released_ms >= KV_PFX_REUSE_MS
+                && (i < 0 || x->node[k].released_ms
+                             < x->node[i].released_ms))
+            {
+                i = (int) k;
+            }
+        }
+        if (i < 0) {
+            return -1;
+        }
+        x->node[i].released = 0;
+        x->node[i].gpu_blocks = 0;
+        x->node[i].lower_blocks = 0;
+        x->node[i].nrecent = 0;
+        x->node[i].overflow = 0;
     }
-    i = (int) x->nnodes++;
     snprintf(x->node[i].model, sizeof(x->node[i].model), "%s", model);
     x->node[i].model_len = strlen(model);
 
     r = &x->nodes[i];
     seq_begin(&r->seq);
+    memset(r->id, 0, sizeof(r->id));
+    memset(r->http_addr, 0, sizeof(r->http_addr));
     snprintf(r->id, sizeof(r->id), "%s", id);
     snprintf(r->http_addr, sizeof(r->http_addr), "%s", http_addr);
     r->flags = DPD_PFX_NODE_USED | DPD_PFX_NODE_READY;
+    r->blocks = 0;
+    r->lower_blocks = 0;
     r->updated_ms = kv_wall_ms();
     seq_end(&r->seq);
     return i;
+}
+
+
+int
+kv_pfx_node_free(const kv_pfx_t *x)
+{
+    uint32_t  k;
+    uint64_t  now;
+    int       n;
+
+    n = (int) (x->hdr->max_nodes - x->nnodes);
+    now = kv_now_ms();
+    for (k = 0; k < x->nnodes; k++) {
+        n += x->node[k].released
+             && now - x->node[k].released_ms >= KV_PFX_REUSE_MS;
+    }
+    return n;
+}
+
+
+uint64_t
+kv_pfx_node_release(kv_pfx_t *x, int node)
+{
+    uint64_t         held;
+    dpd_pfx_node_t  *r;
+
+    if (node < 0 || (uint32_t) node >= x->nnodes || x->node[node].released)
+    {
+        return 0;
+    }
+    held = kv_pfx_node_clear(x, node);
+
+    /* readers skip a record without USED: the address is no longer any
+     * node's, and nothing of it is left in the slots */
+    r = &x->nodes[node];
+    seq_begin(&r->seq);
+    r->flags = 0;
+    r->epoch++;
+    memset(r->id, 0, sizeof(r->id));
+    memset(r->http_addr, 0, sizeof(r->http_addr));
+    r->updated_ms = kv_wall_ms();
+    seq_end(&r->seq);
+    x->node[node].released = 1;
+    x->node[node].released_ms = kv_now_ms();
+    return held;
 }
 
 
@@ -495,7 +578,9 @@ kv_pfx_node_clear(kv_pfx_t *x, int node)
     dpd_pfx_node_t  *r;
     dpd_pfx_slot_t  *s;
 
-    if (node < 0 || (uint32_t) node >= x->nnodes) {
+    if (node < 0 || (uint32_t) node >= x->nnodes
+        || x->node[node].released)
+    {
         return 0;
     }
     bit = UINT64_C(1) << node;
@@ -593,7 +678,9 @@ kv_pfx_stored_seeded(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev,
     pfx_node_t     *nd;
     pfx_map_ent_t  *e;
 
-    if (node < 0 || (uint32_t) node >= x->nnodes || ev->nblocks == 0) {
+    if (node < 0 || (uint32_t) node >= x->nnodes || ev->nblocks == 0
+        || x->node[node].released)
+    {
         return;
     }
     nd = &x->node[node];
@@ -694,7 +781,9 @@ kv_pfx_removed(kv_pfx_t *x, int node, const uint64_t *ids, size_t n,
     uint64_t        bit;
     pfx_map_ent_t  *e;
 
-    if (node < 0 || (uint32_t) node >= x->nnodes) {
+    if (node < 0 || (uint32_t) node >= x->nnodes
+        || x->node[node].released)
+    {
         return;
     }
     bit = UINT64_C(1) << node;
