@@ -276,6 +276,9 @@ for my $case (["127.0.0.7", "decode-8", qr/claims decode-8: no key for that (?#
               ["127.0.0.8", "../keys/prefill-0+decode-0",
                qr/claims the id "\.\.\/keys\/prefill-0\+decode-0", not a safe/],
               ["127.0.0.13", "decode/0", qr/claims the id "decode\/0", not a safe/],
+              ["127.0.0.14", "decode-\e[31m",
+               qr/claims the id "decode-\\x1b\[31m", not a safe/],
+              ["127.0.0.15", "d" x 64, qr/claims the id "d{64}", not a safe/],
               ["127.0.0.10", "decode-0", qr/claims decode-0, linked at (?#
                   )127\.0\.0\.2:\d+: refused/])
 {
@@ -288,6 +291,7 @@ for my $case (["127.0.0.7", "decode-8", qr/claims decode-8: no key for that (?#
         or diag explain $r;
     ok(log_wait($p, $re, 5), "refused: $re");
 }
+unlike(log_text($p), qr/\e/, "no raw control byte of a claimed id in the log");
 ok(peers_of($p)->{"decode-0"}{connected}
    && peers_of($p)->{"decode-0"}{ctrl} eq "127.0.0.2",
    "the real decode-0 keeps its link through all of it");
@@ -321,6 +325,33 @@ ok(peers_of($p)->{"decode-0"}{connected}
        sprintf("once listed it links both ways (%.1f s, before the 3 s "
                . "period)", time - $t0));
     ok(peers_of($d[1])->{"prefill-0"}{inbound}, "inbound too");
+}
+
+# --- bounded: at most 64 peers (KV_MAX_PEERS), configured ones included ---
+{
+    # a router with 63 configured peers (nothing listens for them) finds
+    # the decode pool: one slot is left, the next is refused, logged
+    my @static = map { { id => "static-$_", role => "decode",
+                         ctrl => "127.0.0.1:" . kv_port(400 + $_) } } 1 .. 63;
+    key_file("router-1", "decode-$_") for 0 .. 2;
+    my $c = node_cfg(id => "router-1", role => "router", ip => "127.0.0.16",
+        peers => \@static,
+        dns => [{ name => "decode.pool.test", port => $port,
+                  role => "decode", key_file => "$dir/keys/router-1+{peer}.key",
+                  %$dns_opts }]);
+    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.4"],
+              "router.pool.test" => ["127.0.0.11", "127.0.0.16"]);
+    my $r = start_agent($c);
+    ok(wait_for(10, sub { grep { $_->{discovered} && $_->{connected} }
+                          values %{ peers_of($r) } }),
+       "64 peers: the last slot links one discovered decode node");
+    ok(log_wait($r, qr/not linked: at most 64 peers in all \(KV_MAX_PEERS, (?#
+                  )configured ones included\)/, 5),
+       "the next ones are refused with a clear line");
+    my @disc = grep { $_->{discovered} } values %{ peers_of($r) };
+    is(scalar @disc, 1, "one discovered peer, 63 configured");
+    stop_agent($r);
+    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.4"]);
 }
 
 # --- a name that hangs in the resolver does not stall the loop ----------------
