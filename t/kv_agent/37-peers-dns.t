@@ -16,7 +16,12 @@
 #    link's key is refused, and so is one with no key file for its id;
 #    ids with '/' or '..' are refused before any hello is sent;
 #  * a claim of an id linked at another address is refused;
-#  * a decode node accepts a discovered prefill that connects first;
+#  * a decode node refuses a proven prefill its answers do not list, and
+#    accepts it (inbound first) as soon as they do;
+#  * a pod back at another address keeps its id, link and record;
+#  * at most 64 peers, configured ones included, with a clear line;
+#  * a configured peer named by DNS links (resolved off the loop), and the
+#    pool's answer naming it does not make a second one;
 #  * while a peer's "ctrl" name hangs in the resolver, the loop answers
 #    the API at once (before: one blocking getaddrinfo per reconnect).
 use strict;
@@ -327,6 +332,24 @@ ok(peers_of($p)->{"decode-0"}{connected}
     ok(peers_of($d[1])->{"prefill-0"}{inbound}, "inbound too");
 }
 
+# --- a pod comes back at another address (a StatefulSet pod rescheduled):
+# same id, new IP; the old address leaves the answers
+{
+    stop_agent($d[2]);
+    my $c = decode_cfg(2);
+    $c->{listen} = "127.0.0.17:$port";
+    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.17"]);
+    $d[2] = start_agent($c);
+    ok(wait_for(10, sub { my $x = peers_of($p)->{"decode-2"};
+                          $x && $x->{connected} && $x->{ctrl} eq "127.0.0.17" }),
+       "decode-2 back at 127.0.0.17: relinked under its id");
+    sleep 0.6;   # three answers
+    my @ids = grep { /^decode-2$/ } keys %{ peers_of($p) };
+    my $t = table_nodes($p);
+    ok(@ids == 1 && $t->{"decode-2"} && $t->{"decode-2"}{alive},
+       "one decode-2, alive in the state table (its record kept)");
+}
+
 # --- bounded: at most 64 peers (KV_MAX_PEERS), configured ones included ---
 {
     # a router with 63 configured peers (nothing listens for them) finds
@@ -339,7 +362,7 @@ ok(peers_of($p)->{"decode-0"}{connected}
         dns => [{ name => "decode.pool.test", port => $port,
                   role => "decode", key_file => "$dir/keys/router-1+{peer}.key",
                   %$dns_opts }]);
-    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.4"],
+    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.17"],
               "router.pool.test" => ["127.0.0.11", "127.0.0.16"]);
     my $r = start_agent($c);
     ok(wait_for(10, sub { grep { $_->{discovered} && $_->{connected} }
@@ -351,7 +374,7 @@ ok(peers_of($p)->{"decode-0"}{connected}
     my @disc = grep { $_->{discovered} } values %{ peers_of($r) };
     is(scalar @disc, 1, "one discovered peer, 63 configured");
     stop_agent($r);
-    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.4"]);
+    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.17"]);
 }
 
 # --- a name that hangs in the resolver does not stall the loop ----------------
@@ -364,9 +387,9 @@ ok(peers_of($p)->{"decode-0"}{connected}
         dns => [{ name => "decode.pool.test", port => $port,
                   role => "decode", key_file => "$dir/keys/router-0+{peer}.key",
                   %$dns_opts }]);
-    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.4"],
+    set_hosts("decode.pool.test" => ["127.0.0.2", "127.0.0.3", "127.0.0.17"],
               "prefill.pool.test" => ["127.0.0.5"],
-              "decode-2.pool.test" => ["127.0.0.4"]);
+              "decode-2.pool.test" => ["127.0.0.17"]);
     my $r = start_agent($c);
     ok(wait_connected($r, ["decode-0", "decode-1", "decode-2"]),
        "a router discovers the decode pool while another name hangs, and "
@@ -374,7 +397,7 @@ ok(peers_of($p)->{"decode-0"}{connected}
     my $ps = peers_of($r);
     ok(!$ps->{"decode-2"}{discovered} && $ps->{"decode-0"}{discovered},
        "decode-2 stays the configured peer");
-    ok(log_wait($r, qr/127\.0\.0\.4:\d+ claims decode-2, a configured (?#
+    ok(log_wait($r, qr/127\.0\.0\.17:\d+ claims decode-2, a configured (?#
                   )peer \(at decode-2\.pool\.test:\d+\): refused/, 5),
        "its address in the pool's answer does not make a second decode-2");
     my ($worst, $n) = (0, 0);
