@@ -64,6 +64,7 @@ typedef struct kv_evs_dns_name_s {
     uint64_t                  fails;        /* in a row */
     uint64_t                  t_fail_log;
     uint64_t                  sig;          /* last answer summarised */
+    kv_loglim_t               log_lim;
     uint64_t                  answers, failures, added, removed;
 } dns_name_t;
 
@@ -215,6 +216,12 @@ dns_apply(dns_name_t *nm, const kv_res_result_t *r)
         return;                     /* said already */
     }
     nm->sig = sig;
+    /* answers that change every period (a flapping server, 100 ms
+     * periods): at most KV_LOG_BURST lines a second */
+    if (!kv_log_limit(&nm->log_lim)) {
+        nm->sig = 0;                /* said when the burst allows */
+        return;
+    }
     kv_info("kv_events: dns %s: %u address%s, %d followed%s", nm->c->name,
             r->total, r->total == 1 ? "" : "es", nm->nm,
             dup ? " (some already sources under another name)" : "");
