@@ -3,6 +3,7 @@
  * Unknown keys are rejected so a typo never silently changes behaviour.
  */
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -362,6 +363,179 @@ parse_peers(kv_config_t *c, cJSON *arr, char *err, size_t elen)
             }
         }
         c->npeers++;
+    }
+    return 0;
+}
+
+
+int
+kv_peer_id_safe(const char *id, size_t len)
+{
+    size_t i;
+
+    if (len == 0 || len >= KV_ID_LEN || id[0] == '.' || id[0] == '-') {
+        return 0;
+    }
+    for (i = 0; i < len; i++) {
+        unsigned char ch = (unsigned char) id[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z')
+              || (ch >= '0' && ch <= '9') || ch == '.' || ch == '_'
+              || ch == '-'))
+        {
+            return 0;                  /* '/', NUL, controls, UTF-8 */
+        }
+        if (ch == '.' && i + 1 < len && id[i + 1] == '.') {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+
+/* A DNS name (letters, digits, '-', '.'; 253 bytes) or a numeric
+ * address: what a Service's name looks like.  Checked here so that a
+ * typo is found by `check`, not by a resolver that fails forever. */
+static int
+dns_name_ok(const char *s)
+{
+    size_t n = strlen(s), i, label = 0;
+
+    if (n == 0 || n > 253) {
+        return 0;
+    }
+    if (strchr(s, ':') != NULL) {      /* IPv6 literal */
+        for (i = 0; i < n; i++) {
+            if (!isxdigit((unsigned char) s[i]) && s[i] != ':'
+                && s[i] != '.')
+            {
+                return 0;
+            }
+        }
+        return 1;
+    }
+    for (i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char) s[i];
+        if (ch == '.') {
+            if (label == 0 && i + 1 < n) {
+                return 0;              /* empty label */
+            }
+            label = 0;
+            continue;
+        }
+        if (!isalnum(ch) && ch != '-' && ch != '_') {
+            return 0;
+        }
+        if (++label > 63) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+
+/*
+ * "peers_dns": [{"name": "dpd-decode-hl.ns.svc.cluster.local",
+ *                "port": 7100, "role": "decode",
+ *                "key_file": "/etc/dpd/keys/${POD_NAME}+{peer}.key",
+ *                "resolve_ms": 5000}]
+ * The pattern must name the peer ("{peer}" exactly once, replaced by the
+ * id the peer claims): one key for a whole pool would let any pod of it
+ * claim any other's id.
+ */
+static int
+parse_peers_dns(kv_config_t *c, cJSON *arr, char *err, size_t elen)
+{
+    static const char *const keys[] = {
+        "name", "port", "role", "key_file", "resolve_ms", NULL
+    };
+    kv_dns_conf_t *d;
+    char role[32], where[32];
+    const char *t;
+    uint64_t v;
+    cJSON *e;
+    int i;
+
+    if (!cJSON_IsArray(arr)) {
+        snprintf(err, elen, "\"peers_dns\" must be an array");
+        return -1;
+    }
+    cJSON_ArrayForEach(e, arr) {
+        snprintf(where, sizeof(where), "peers_dns[%d]", c->ndns);
+        if (c->ndns == KV_DNS_MAX) {
+            snprintf(err, elen, "peers_dns: at most %d names", KV_DNS_MAX);
+            return -1;
+        }
+        if (!cJSON_IsObject(e)) {
+            snprintf(err, elen, "%s must be an object", where);
+            return -1;
+        }
+        if (only_keys(e, where, keys, err, elen)) {
+            return -1;
+        }
+        d = &c->dns[c->ndns];
+        role[0] = '\0';
+        d->resolve_ms = 5000;
+        if (get_str(e, "name", d->name, sizeof(d->name), 1, err, elen)
+            || get_str(e, "role", role, sizeof(role), 1, err, elen)
+            || get_str(e, "key_file", d->key_file, sizeof(d->key_file), 1,
+                       err, elen)
+            || get_int(e, "resolve_ms", &d->resolve_ms, 100, 3600000, err,
+                       elen))
+        {
+            return -1;
+        }
+        if (cJSON_GetObjectItemCaseSensitive(e, "port") == NULL) {
+            snprintf(err, elen, "%s: missing \"port\" (the pool's control "
+                     "port)", where);
+            return -1;
+        }
+        v = 0;
+        if (get_u64(e, "port", &v, 1, 65535, err, elen)) {
+            return -1;
+        }
+        d->port = (int) v;
+        if (!dns_name_ok(d->name)) {
+            snprintf(err, elen, "%s: name \"%s\" is not a DNS name or an "
+                     "address", where, d->name);
+            return -1;
+        }
+        d->role = kv_role_parse(role);
+        if (d->role == DPD_ROLE_UNKNOWN) {
+            snprintf(err, elen, "%s: role \"%s\" is not prefill, decode or "
+                     "router", where, role);
+            return -1;
+        }
+        t = strstr(d->key_file, KV_DNS_PEER_TOKEN);
+        if (t == NULL || strstr(t + 1, KV_DNS_PEER_TOKEN) != NULL) {
+            snprintf(err, elen, "%s: key_file \"%s\" must contain \"%s\" "
+                     "exactly once (the id each peer claims: one key per "
+                     "link, never one for the pool)", where, d->key_file,
+                     KV_DNS_PEER_TOKEN);
+            return -1;
+        }
+        if (d->key_file[0] != '/') {
+            snprintf(err, elen, "%s: key_file \"%s\" must be an absolute "
+                     "path", where, d->key_file);
+            return -1;
+        }
+        if (strlen(d->key_file) - strlen(KV_DNS_PEER_TOKEN) + KV_ID_LEN
+            >= KV_PATH_LEN)
+        {
+            snprintf(err, elen, "%s: key_file pattern is too long (a path "
+                     "with the longest id must stay under %d bytes)", where,
+                     KV_PATH_LEN);
+            return -1;
+        }
+        for (i = 0; i < c->ndns; i++) {
+            if (strcmp(c->dns[i].name, d->name) == 0
+                && c->dns[i].port == d->port)
+            {
+                snprintf(err, elen, "%s: %s port %d is already in "
+                         "peers_dns[%d]", where, d->name, d->port, i);
+                return -1;
+            }
+        }
+        c->ndns++;
     }
     return 0;
 }
@@ -784,7 +958,7 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
         "node_id", "role", "http", "provider", "allow_fallback", "rails",
         "listen", "token", "peers", "api_socket", "state_path", "state",
         "pool", "timeouts", "transfer", "api", "ctrl", "log_level",
-        "lmcache_notify", "kv_events", "prefix_index", NULL
+        "lmcache_notify", "kv_events", "prefix_index", "peers_dns", NULL
     };
     static const char *const ctrl_keys[] = {
         "hello_timeout_ms", "max_unauthenticated", "max_peer_connects",
@@ -881,6 +1055,11 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
     }
     if ((o = cJSON_GetObjectItemCaseSensitive(root, "peers"))
         && parse_peers(c, o, err, elen))
+    {
+        return -1;
+    }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "peers_dns"))
+        && parse_peers_dns(c, o, err, elen))
     {
         return -1;
     }

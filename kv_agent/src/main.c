@@ -56,6 +56,12 @@ check_main(int argc, char **argv)
         }
         printf("\n");
     }
+    for (i = 0; i < c->ndns; i++) {
+        printf("  peers_dns %s port %d (%s), key_file %s, every %d ms\n",
+               c->dns[i].name, c->dns[i].port,
+               dpd_state_role_name(c->dns[i].role), c->dns[i].key_file,
+               c->dns[i].resolve_ms);
+    }
     if (c->has_pool) {
         printf("pool: %u layers x %u regions x %u blocks x %llu bytes = "
                "%llu bytes on %s, x %d rank(s)\n", c->layout.layers,
