@@ -958,9 +958,10 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     }
 
     if (pc->mode == NGX_HTTP_DPD_PREFIX_APPROXIMATE && ctx->prefix_nkeys) {
-        ngx_http_dpd_prefix_zone_insert(pc, &cand[best].name, pool,
-                                        ctx->prefix_keys, ctx->prefix_nkeys,
-                                        r->connection->log);
+        /* learned when it answers (ngx_http_dpd_prefix_learn()); the
+         * name lies in cand's buffer, in the request's pool */
+        ctx->prefix_conf = pc;
+        ctx->prefix_decoder = cand[best].name;
     }
 
     return NGX_OK;
@@ -1015,12 +1016,76 @@ ngx_http_dpd_prefix_prefill(ngx_http_request_t *r, ngx_http_request_t *sr,
     }
 
     if (pc->mode == NGX_HTTP_DPD_PREFIX_APPROXIMATE && ctx->prefix_nkeys) {
-        ngx_http_dpd_prefix_zone_insert(pc, &cand[best].name, pool,
-                                        ctx->prefix_keys, ctx->prefix_nkeys,
-                                        r->connection->log);
+        /* learned when the prefill succeeded (prefill_finish) */
+        ctx->prefix_conf = pc;
+        ctx->prefix_prefiller = cand[best].name;
     }
 
     return NGX_OK;
+}
+
+
+/*
+ * A node holds a prompt's blocks only once its engine computed them: a
+ * request refused (5xx), never connected, timed out or moved to another
+ * node says nothing of the chosen node's cache, and remembering it there
+ * would draw the next turn to a node that must recompute everything.
+ * So the choice waits in ctx until the node answered: the decoder's 2xx
+ * response header (ngx_http_dpd_header_filter(); a stream that breaks
+ * later still had its prompt prefilled), the prefiller's 2xx reply.
+ */
+
+void
+ngx_http_dpd_prefix_learn(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_uint_t prefill, ngx_str_t *peer)
+{
+    uint64_t                       pool;
+    ngx_str_t                      name;
+    ngx_http_dpd_prefix_conf_t    *pc;
+    ngx_http_upstream_srv_conf_t  *us;
+
+    pc = ctx->prefix_conf;
+    name = prefill ? ctx->prefix_prefiller : ctx->prefix_decoder;
+
+    if (pc == NULL || name.len == 0
+        || pc->mode != NGX_HTTP_DPD_PREFIX_APPROXIMATE
+        || ctx->prefix_nkeys == 0)
+    {
+        return;
+    }
+
+    /* once: a second header (an error page after a 2xx) learns nothing */
+
+    if (prefill) {
+        ctx->prefix_prefiller.len = 0;
+
+    } else {
+        ctx->prefix_decoder.len = 0;
+    }
+
+    if (peer == NULL) {
+        return;
+    }
+
+    if (peer->len != name.len
+        || ngx_strncmp(peer->data, name.data, name.len) != 0)
+    {
+        ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "dpd prefix: %V answered, not the chosen %V: "
+                       "nothing learned", peer, &name);
+        return;
+    }
+
+    us = prefill ? pc->prefill : pc->decode;
+
+    if (us == NULL) {
+        return;
+    }
+
+    pool = dpd_prefix_hash_str(us->host.data, us->host.len);
+
+    ngx_http_dpd_prefix_zone_insert(pc, &name, pool, ctx->prefix_keys,
+                                    ctx->prefix_nkeys, r->connection->log);
 }
 
 
