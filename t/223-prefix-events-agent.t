@@ -223,10 +223,10 @@ sub init_1 {
     waitpid $AGENT->{pid}, 0;
     my ($c11) = chat(\@conv);
     is $c11, 200, 'agent killed: answered';
-    # its heartbeat stops: after stale= (2s) and nginx's next look at the
+    # its heartbeat stops: after stale= (3s) and nginx's next look at the
     # file, the index counts nothing (the engines go on evicting and
     # storing without it following)
-    sleep 3.5;
+    sleep 4.5;
     my ($c14, $d14, $k14) = chat(\@live, salt => 'live');
     is $c14, 200, 'agent dead past stale=: answered';
     is $k14, 0, '... cache-blind: $dpd_cached_tokens 0';
@@ -269,7 +269,7 @@ _EOC_
         dpd on;
         dpd_threshold 1000000;
         dpd_decode_upstream pool;
-        dpd_prefix_cache events file=$TEST_NGINX_IDX stale=2s;
+        dpd_prefix_cache events file=$TEST_NGINX_IDX stale=3s;
         add_header X-Cached $dpd_cached_tokens always;
         add_header X-Up $upstream_addr always;
         proxy_pass http://pool;
