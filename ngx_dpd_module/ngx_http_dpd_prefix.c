@@ -1767,7 +1767,8 @@ ngx_http_dpd_prefix_refresh(ngx_http_dpd_prefix_reader_t *rd, ngx_log_t *log)
 
     if (h.magic == DPD_PFX_MAGIC && h.version != DPD_PFX_VERSION) {
         /* an agent of another release: its layout or slot positions
-         * differ, reading it would only miss (or hit wrongly) */
+         * differ (version 1 had unsalted homes): every probe would look
+         * in the wrong place; refused, said once per change */
         p = ngx_snprintf(why, sizeof(why) - 1, "index ABI version %uD, "
                          "this module reads version %d (kv_agent and "
                          "nginx module of different releases)",
