@@ -8,7 +8,11 @@ differs from the C one makes the nginx tests miss, so they check the port
 too).  Standard library only.
 
   prefix_index.py create PATH --node ADDR [--node ADDR ...] [--slots N]
-                  [--block 16] [--probe 16]
+                  [--block 16] [--probe 16] [--version V]
+  prefix_index.py beat PATH [--age MS] [--dead]
+                  the writer's heartbeat: updated_ms = now - MS (every
+                  write below beats too); --dead: writer_alive = 0 (a
+                  clean exit)
   prefix_index.py store PATH --node-index I --model M [--salt S]
                   (--ids 1,2,3 | --ids @FILE | --repeat ID:COUNT) [--lower]
   prefix_index.py clear-node PATH --node-index I
@@ -29,6 +33,7 @@ import argparse
 import os
 import struct
 import sys
+import time
 
 M64 = (1 << 64) - 1
 P1 = 0x9E3779B185EBCA87
@@ -36,9 +41,10 @@ P2 = 0xC2B2AE3D27D4EB4F
 P3 = 0x165667B19E3779F9
 
 MAGIC = 0x3130584650445044     # "DPDPFX01"
-VERSION = 1
+VERSION = 2                    # 2: the home slot salted per file
 KEY_VERSION = 1
-HEADER = struct.Struct('<QIIIIIIQQQQQIIIIQ160s')
+HEADER = struct.Struct('<QIIIIIIQQQQQIIIIQQ152s')
+ALIVE_OFF, UPDATED_OFF = 84, 88   # writer_alive, updated_ms
 NODE = struct.Struct('<IIQQQQ64s128s24s')
 SLOT = struct.Struct('<IIQQQ')
 NODE_USED, NODE_READY = 1, 2
@@ -110,7 +116,16 @@ class Index:
             h = HEADER.unpack(f.read(HEADER.size))
         (self.magic, self.version, _, _, _, self.max_nodes, self.max_probe,
          self.nslots, self.nodes_off, self.slots_off, self.file_size,
-         self.generation, _, self.block, _, _, _, _) = h
+         self.generation, _, self.block, _, _, _, self.salt, _) = h
+
+    def home(self, key):
+        # dpd_prefix_index.h dpd_pfx_home(): the key mixed with the salt
+        return fmix(key ^ self.salt) & (self.nslots - 1)
+
+    def beat(self, f, age_ms=0, alive=True):
+        f.seek(ALIVE_OFF)
+        f.write(struct.pack('<IQ', 1 if alive else 0,
+                            now_ms() - age_ms))
 
     def slot_off(self, i):
         return self.slots_off + i * SLOT.size
@@ -125,7 +140,7 @@ class Index:
 
     def find(self, f, key, create):
         for p in range(self.max_probe):
-            i = (key + p) & (self.nslots - 1)
+            i = (self.home(key) + p) & (self.nslots - 1)
             seq, _, k, gpu, lower = self.read_slot(f, i)
             if k == key:
                 return i, seq, gpu, lower
@@ -140,6 +155,7 @@ class Index:
     def store(self, ks, node, lower=False, torn=None):
         bit = 1 << node
         with open(self.path, 'r+b') as f:
+            self.beat(f)
             for n, key in enumerate(ks):
                 i, seq, gpu, low = self.find(f, key, True)
                 if lower:
@@ -188,24 +204,30 @@ class Index:
     def clear_node(self, node):
         bit = 1 << node
         with open(self.path, 'r+b') as f:
+            self.beat(f)
             for i in range(self.nslots):
                 seq, _, k, gpu, low = self.read_slot(f, i)
                 if k and (gpu | low) & bit:
                     self.write_slot(f, i, seq + 2, k, gpu & ~bit, low & ~bit)
 
 
-def create(path, nodes, nslots, block, probe):
+def now_ms():
+    return int(time.time() * 1000)
+
+
+def create(path, nodes, nslots, block, probe, version=VERSION):
     max_nodes = 64
     nodes_off = HEADER.size
     slots_off = nodes_off + max_nodes * NODE.size
     size = slots_off + nslots * SLOT.size
     gen = int.from_bytes(os.urandom(8), 'little')
+    salt = int.from_bytes(os.urandom(8), 'little')
     tmp = path + '.tmp'
     with open(tmp, 'wb') as f:
-        f.write(HEADER.pack(MAGIC, VERSION, HEADER.size, NODE.size,
+        f.write(HEADER.pack(MAGIC, version, HEADER.size, NODE.size,
                             SLOT.size, max_nodes, probe, nslots, nodes_off,
                             slots_off, size, gen, KEY_VERSION, block,
-                            os.getpid(), 1, 0, b''))
+                            os.getpid(), 1, now_ms(), salt, b''))
         for i in range(max_nodes):
             if i < len(nodes):
                 f.write(NODE.pack(2, NODE_USED | NODE_READY, 1, 0, 0, 0,
@@ -247,10 +269,16 @@ def main():
     ap.add_argument('--ids')
     ap.add_argument('--repeat')
     ap.add_argument('--lower', action='store_true')
+    ap.add_argument('--version', type=int, default=VERSION)
+    ap.add_argument('--age', type=int, default=0)
+    ap.add_argument('--dead', action='store_true')
     a = ap.parse_args()
 
     if a.cmd == 'create':
-        create(a.path, a.node, a.slots, a.block, a.probe)
+        create(a.path, a.node, a.slots, a.block, a.probe, a.version)
+    elif a.cmd == 'beat':
+        with open(a.path, 'r+b') as f:
+            Index(a.path).beat(f, a.age, not a.dead)
     elif a.cmd in ('store', 'tear'):
         ix = Index(a.path)
         ks = keys(a.model, a.salt, parse_ids(a), ix.block)

@@ -82,6 +82,8 @@ typedef struct {
     int             have_held;
     kv_evs_src_stats_t st;
     uint64_t        t_warn;
+    uint64_t        t_clear;           /* the last clear line */
+    uint64_t        clear_quiet;       /* clears not logged since */
 } evs_src_t;
 
 struct kv_evs {
@@ -110,14 +112,28 @@ static void
 evs_clear(struct kv_evs *e, evs_src_t *s, uint64_t seq, kv_ev_clear_t why)
 {
     kv_ev_origin_t o;
+    uint64_t now;
 
     evs_origin(s, seq, &o);
     s->st.clears++;
-    kv_info("kv_events: %s: %s at seq %llu: its entries are dropped",
-            s->c->node, why == KV_EV_CLEAR_RESTART ? "publisher restarted"
-                        : why == KV_EV_CLEAR_RECONNECT
-                        ? "reconnected elsewhere in the stream"
-                        : "messages lost", (unsigned long long) seq);
+    /* one line a second per source, as "message dropped": a publisher
+     * that restarts in a loop must not flood the log; the lines left out
+     * are counted in the next one */
+    now = kv_now_ms();
+    if (s->t_clear != 0 && now - s->t_clear < 1000) {
+        s->clear_quiet++;
+    } else {
+        s->t_clear = now;
+        kv_info("kv_events: %s: %s at seq %llu: its entries are dropped "
+                "(%llu clears not logged in the last second, %llu in "
+                "all)", s->c->node, why == KV_EV_CLEAR_RESTART
+                ? "publisher restarted" : why == KV_EV_CLEAR_RECONNECT
+                ? "reconnected elsewhere in the stream" : "messages lost",
+                (unsigned long long) seq,
+                (unsigned long long) s->clear_quiet,
+                (unsigned long long) s->st.clears);
+        s->clear_quiet = 0;
+    }
     if (e->sink.cleared) {
         e->sink.cleared(e->sink.data, &o, why);
     }

@@ -261,6 +261,9 @@ housekeeping(kv_ctx_t *ctx, uint64_t now)
     kv_ctrl_tick(ctx, now);
     kv_xfer_timeouts(ctx, now);
     kv_api_waiters_tick(ctx, now);
+    if (ctx->pfx != NULL) {
+        kv_pfx_heartbeat(ctx->pfx, kv_wall_ms());
+    }
     for (i = 0; i < ctx->nclients; i++) {
         kv_client_t *c = &ctx->clients[i];
         if (!c->used) {

@@ -306,19 +306,35 @@ feed_removed(void *data, const kv_ev_origin_t *o, const kv_ev_removed_t *ev)
 static void
 feed_cleared(void *data, const kv_ev_origin_t *o, kv_ev_clear_t why)
 {
-    uint64_t        held;
+    uint32_t        i;
+    uint64_t        held, now;
     kv_pfx_feed_t  *f;
 
     f = data;
-    if (o->idx >= KV_EVS_MAX_SOURCES) {
+    i = o->idx;
+    if (i >= KV_EVS_MAX_SOURCES) {
         return;
     }
-    held = kv_pfx_node_clear(f->ix, f->node_of[o->idx]);
-    if (held) {
-        /* only when something went: a storm of clears is one line */
-        kv_info("prefix index: node %s cleared (%s): %llu blocks dropped",
-                o->node, kv_ev_clear_name(why), (unsigned long long) held);
+    held = kv_pfx_node_clear(f->ix, f->node_of[i]);
+    if (held == 0) {
+        return;                        /* nothing went: nothing to say */
     }
+    /* at most one line a second per source (a publisher restarting in a
+     * loop with blocks stored between restarts clears every time) */
+    now = kv_now_ms();
+    if (f->clear_t[i] != 0 && now - f->clear_t[i] < 1000) {
+        f->clear_quiet[i]++;
+        f->clear_quiet_blocks[i] += held;
+        return;
+    }
+    kv_info("prefix index: node %s cleared (%s): %llu blocks dropped "
+            "(%llu clears, %llu blocks, not logged in the last second)",
+            o->node, kv_ev_clear_name(why), (unsigned long long) held,
+            (unsigned long long) f->clear_quiet[i],
+            (unsigned long long) f->clear_quiet_blocks[i]);
+    f->clear_t[i] = now;
+    f->clear_quiet[i] = 0;
+    f->clear_quiet_blocks[i] = 0;
 }
 
 

@@ -16,6 +16,11 @@ typedef struct kv_pfx_feed {
     int        node_of[KV_EVS_MAX_SOURCES];  /* source -> index node */
     uint64_t  *ids;                          /* KV_PFX_FEED_MAX_BLOCKS */
     uint64_t   unkeyable;   /* blocks whose keys we cannot reproduce */
+    /* the "node cleared" line, one a second per source: a flapping
+     * publisher's clears are counted into the next line */
+    uint64_t   clear_t[KV_EVS_MAX_SOURCES];
+    uint64_t   clear_quiet[KV_EVS_MAX_SOURCES];
+    uint64_t   clear_quiet_blocks[KV_EVS_MAX_SOURCES];
 } kv_pfx_feed_t;
 
 /* Index nodes for every source of c; sink set to feed ix.  0 / -1. */

@@ -7,8 +7,9 @@
  * it and never map it.  The agent keeps its own map from (node, engine
  * block id) to the gateway key in process memory: readers never need it.
  *
- * Slots: open addressing, home = key & (nslots - 1), at most max_probe
- * slots probed.  Key 0 ends a probe, so a slot's key is never reset to 0;
+ * Slots: open addressing, home = dpd_pfx_home() (the key mixed with the
+ * file's random salt: a client choosing prompts cannot aim their keys at
+ * one probe window), at most max_probe slots probed.  Key 0 ends a probe, so a slot's key is never reset to 0;
  * a slot whose masks are both 0 is a tombstone, reused for the same key
  * or, when a key is inserted and no earlier slot of its probe holds it,
  * for another one (a reader probing for the old key then misses, which
@@ -244,28 +245,29 @@ map_del(kv_pfx_t *x, pfx_map_ent_t *e)
 static int
 slot_update(kv_pfx_t *x, uint64_t key, uint64_t bit, int lower, int on)
 {
-    uint64_t         p, free_i;
+    uint64_t         p, home, free_i;
     int              have_free;
     dpd_pfx_slot_t  *s;
 
     have_free = 0;
     free_i = 0;
+    home = dpd_pfx_home(x->hdr, key);
 
     for (p = 0; p < x->hdr->max_probe; p++) {
-        s = &x->slots[(key + p) & x->smask];
+        s = &x->slots[(home + p) & x->smask];
         if (s->key == key) {
             goto found;
         }
         if (s->key == 0) {
             if (!have_free) {
                 have_free = 1;
-                free_i = (key + p) & x->smask;
+                free_i = (home + p) & x->smask;
             }
             break;
         }
         if (!have_free && s->gpu_mask == 0 && s->lower_mask == 0) {
             have_free = 1;
-            free_i = (key + p) & x->smask;
+            free_i = (home + p) & x->smask;
         }
     }
     if (!on) {
@@ -305,7 +307,25 @@ node_publish(kv_pfx_t *x, int node)
     r->lower_blocks = x->node[node].lower_blocks;
     r->updated_ms = kv_wall_ms();
     seq_end(&r->seq);
-    x->hdr->updated_ms = r->updated_ms;
+    __atomic_store_n(&x->hdr->updated_ms, r->updated_ms, __ATOMIC_RELAXED);
+}
+
+
+void
+kv_pfx_heartbeat(kv_pfx_t *x, uint64_t wall_ms)
+{
+    uint64_t  last;
+
+    if (x == NULL) {
+        return;
+    }
+    /* at most once a second (DPD_PFX_HEARTBEAT_MS, readers allow several
+     * missed beats); a clock stepped back counts as due */
+    last = __atomic_load_n(&x->hdr->updated_ms, __ATOMIC_RELAXED);
+    if (wall_ms >= last && wall_ms - last < DPD_PFX_HEARTBEAT_MS / 2) {
+        return;
+    }
+    __atomic_store_n(&x->hdr->updated_ms, wall_ms, __ATOMIC_RELAXED);
 }
 
 
@@ -395,6 +415,9 @@ kv_pfx_open(const char *path, uint64_t nslots, uint32_t max_nodes,
         != sizeof(h->generation))
     {
         h->generation = kv_wall_ms() ^ ((uint64_t) getpid() << 32) ^ rnd;
+    }
+    if (getrandom(&h->salt, sizeof(h->salt), 0) != sizeof(h->salt)) {
+        h->salt = dpd_prefix_fmix(h->generation ^ rnd ^ kv_now_us());
     }
     h->key_version = DPD_PFX_KEY_VERSION;
     h->block_size = block_size;

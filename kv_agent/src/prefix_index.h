@@ -66,6 +66,10 @@ uint64_t kv_pfx_bytes_id(const void *p, size_t n);
 kv_pfx_t *kv_pfx_open(const char *path, uint64_t nslots, uint32_t max_nodes,
     uint32_t block_size, uint64_t map_cap);
 void kv_pfx_close(kv_pfx_t *x, int clean);
+/* The writer's heartbeat: header.updated_ms refreshed about every
+ * DPD_PFX_HEARTBEAT_MS / 2 (call it from the loop, idle or not); readers
+ * treat an index without one as stale. */
+void kv_pfx_heartbeat(kv_pfx_t *x, uint64_t wall_ms);
 
 /* A node record: index >= 0, -1 when the table is full (no record
  * free, see kv_pfx_node_release()).  model seeds its
