@@ -140,7 +140,9 @@ main(int argc, char **argv)
     store(ix, 0, 4000, 50000, 3, 0);
     kv_pfx_removed(ix, 1, (uint64_t[]) { 2019 }, 1, 0);
     store(ix, 1, 5000, 60000, 2, 0);
-    return dump(argv[1]);
+    fd = dump(argv[1]);
+    kv_pfx_close(ix, 0);
+    return fd;
 }
 _C_
 close $fh;
