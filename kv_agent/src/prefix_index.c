@@ -106,6 +106,7 @@ static struct {
     char                  *base;
     size_t                 len;
     int                    fd;
+    dpd_pfx_header_t      *hdr0;
     volatile sig_atomic_t  hit;
     int                    installed;
     struct sigaction       prev;
@@ -124,7 +125,11 @@ pfx_on_sigbus(int sig, siginfo_t *si, void *uc)
         && a < pfx_bus.base + pfx_bus.len
         && ftruncate(pfx_bus.fd, (off_t) pfx_bus.len) == 0)
     {
-        pfx_bus.hit = 1;               /* the store is retried, and lands */
+        /* the access is retried and lands; the header is back at once
+         * (block size, probes, slots: what every call reads first), the
+         * rest at the next call (pfx_rewrite) */
+        memcpy(pfx_bus.base, pfx_bus.hdr0, sizeof(dpd_pfx_header_t));
+        pfx_bus.hit = 1;
         return;
     }
     /* not ours: the previous disposition, on the same fault again */
@@ -140,6 +145,7 @@ pfx_bus_watch(kv_pfx_t *x)
     pfx_bus.base = NULL;
     pfx_bus.len = x->size;
     pfx_bus.fd = x->fd;
+    pfx_bus.hdr0 = &x->hdr0;
     pfx_bus.base = x->map;
     if (pfx_bus.installed) {
         return;
@@ -169,9 +175,15 @@ pfx_rewrite(kv_pfx_t *x)
     uint64_t          k;
     pfx_map_ent_t    *e;
     dpd_pfx_node_t   *r;
+    dpd_pfx_header_t  h;
 
     pfx_bus.hit = 0;
     __atomic_store_n(&x->hdr->magic, 0, __ATOMIC_RELEASE);
+    /* the header first (without its magic): the slots' places depend
+     * on it (max_probe, and a salted home) */
+    h = x->hdr0;
+    h.magic = 0;
+    memcpy(x->hdr, &h, sizeof(h));
     memset((char *) x->map + sizeof(dpd_pfx_header_t), 0,
            x->size - sizeof(dpd_pfx_header_t));
     for (i = 0; i < x->nnodes; i++) {
@@ -188,8 +200,6 @@ pfx_rewrite(kv_pfx_t *x)
                                1);
         }
     }
-    memcpy(x->hdr, &x->hdr0, sizeof(dpd_pfx_header_t));
-    x->hdr->magic = 0;
     x->hdr->updated_ms = kv_wall_ms();
     __atomic_store_n(&x->hdr->magic, DPD_PFX_MAGIC, __ATOMIC_RELEASE);
     kv_warn("prefix index: %s was cut short under the agent: rewritten "

@@ -6,7 +6,8 @@
 # the file then says what one never cut says: the same header, node
 # records and (key, GPU mask, lower mask) set.  A SIGBUS elsewhere still
 # kills the process as before.  A harness compiled here from the real
-# sources (prefix_index.c) runs the same stores with and without the cut.
+# sources (prefix_index.c) runs the same stores with and without the cut
+# (to nothing, inside the header, the node records, the slots).
 use strict;
 use warnings;
 use FindBin;
@@ -133,7 +134,7 @@ main(int argc, char **argv)
     store(ix, 0, 1000, 1, 50, 0);      /* a 50-block prompt on d0 */
     store(ix, 1, 2000, 1, 20, 0);      /* its first 20 on d1 too */
     store(ix, 1, 3000, 90000, 5, 1);   /* a lower tier */
-    if (cut && truncate(argv[1], 100) != 0) {
+    if (cut && truncate(argv[1], atoi(argv[3])) != 0) {
         return 4;
     }
     /* the store that faults (past the cut), and the call that rewrites */
@@ -151,15 +152,8 @@ my $out = `$cc -O2 -std=c11 -D_GNU_SOURCE -I$root/kv_agent/include -I$src \\
     $dir/cut.c $src/prefix_index.c $src/util.c -o $dir/cut -lcjson 2>&1`;
 is $?, 0, 'the harness builds' or diag $out;
 
-my $ref = `$dir/cut $dir/ref.idx ref`;
+my $ref = `$dir/cut $dir/ref.idx ref 0`;
 is $?, 0, 'stores into an index never cut';
-my $got = `$dir/cut $dir/cut.idx cut 2>$dir/cut.err`;
-is $?, 0, 'the same stores, the file cut to 100 bytes under them: alive'
-    or diag(`cat $dir/cut.err`);
-my $err = `cat $dir/cut.err`;
-like $err, qr/cut short under the agent: rewritten from memory/,
-     '... said so';
-
 sub canon {
     my @l = split /\n/, $_[0];
     return join("\n", grep(!/^slot/, @l), sort grep(/^slot/, @l)) . "\n";
@@ -167,8 +161,18 @@ sub canon {
 like $ref, qr/^size \d+ magic 1 /, 'the reference index';
 is scalar(() = $ref =~ /^slot/mg), 50 + 5 + 3 + 2,
    '... with a slot per distinct block';
-is canon($got), canon($ref),
-   'the file rewritten: header, nodes and slots as the uncut one';
+
+# cut to nothing, inside the header, inside the node records, in the slots
+for my $cut (0, 100, 256 + 300, 40000) {
+    my $got = `$dir/cut $dir/cut$cut.idx cut $cut 2>$dir/cut.err`;
+    is $?, 0, "the same stores, the file cut to $cut bytes under them: "
+       . "alive" or diag(`cat $dir/cut.err`);
+    my $err = `cat $dir/cut.err`;
+    like $err, qr/cut short under the agent: rewritten from memory/,
+         '... said so';
+    is canon($got), canon($ref),
+       '... the file rewritten: header, nodes and slots as the uncut one';
+}
 
 {
     open my $save, '>&', \*STDERR or die;
