@@ -152,7 +152,7 @@ my $out = `$cc -O2 -std=c11 -D_GNU_SOURCE -I$root/kv_agent/include -I$src \\
     $dir/cut.c $src/prefix_index.c $src/util.c -o $dir/cut -lcjson 2>&1`;
 is $?, 0, 'the harness builds' or diag $out;
 
-my $ref = `$dir/cut $dir/ref.idx ref 0`;
+my $ref = `$dir/cut $dir/ref.idx ref 0 2>/dev/null`;
 is $?, 0, 'stores into an index never cut';
 sub canon {
     my @l = split /\n/, $_[0];
