@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "..", "..", "bench"))
-from prefix_load import WORDS   # noqa: E402  (one Llama 3 token each)
+from sse_load import WORDS   # noqa: E402  (one Llama 3 token each)
 
 
 def words(rng, n):
