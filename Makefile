@@ -131,9 +131,17 @@ fuzz-nginx: all
 # files (gcc's libubsan writes to stderr, i.e. nginx's error log).
 SAN_BUILD   ?= build-asan
 SAN_CC      ?= clang
+# -asan-use-private-alias: the module's generated ngx_modules[] (and
+# ngx_module_names[], ngx_module_order[]: nginx's dlsym() names) share their
+# names with nginx's own exported arrays; ASan registered the module's
+# redzones at the interposed symbol, i.e. on nginx's arrays, and the next
+# SIGHUP's ngx_cycle_modules() copy of them read into those "redzones"
+# (a false global-buffer-overflow; README.md "Sanitizers").  A private
+# alias registers the module's own copy (clang; later LLVMs default to it).
 SAN_FLAGS   ?= -fsanitize=address,undefined -fno-sanitize-recover=all \
                -fno-omit-frame-pointer \
-               $(if $(findstring clang,$(SAN_CC)),-shared-libsan)
+               $(if $(findstring clang,$(SAN_CC)),-shared-libsan \
+                 -mllvm -asan-use-private-alias=1)
 SAN_RUNTIME ?= $(shell $(SAN_CC) -print-file-name=$(if $(findstring \
                  clang,$(SAN_CC)),libclang_rt.asan-x86_64.so,libasan.so))
 SAN_TESTS   ?= $(sort $(wildcard t/[1-4]*.t))

@@ -12,99 +12,22 @@ then prints p50/p99 per class, and one JSON line with everything.
 """
 
 import argparse
-import http.client
 import json
 import random
 import sys
 import threading
 import time
-import urllib.parse
 
-WORDS = ("the of and to in is that for it as was with be by on not he this "
-         "are or his from at which but have an they you were their one all "
-         "we can her has there been if more when will would who so no model "
-         "token cache prefill decode engine latency request stream network "
-         "memory transfer block layer attention batch queue gateway pod node "
-         "river mountain history science music garden window silver orange "
-         "quickly slowly bright quiet ancient modern simple complex").split()
+import sse_load
+from sse_load import Result, one_request, words
 
 
 def make_text(rng, n_words):
-    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+    return words(rng, n_words)
 
 
 def percentile(values, q):
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-class Result:
-    __slots__ = ("cls", "ttft", "gaps", "status", "error", "prompt_tokens",
-                 "cached_tokens", "tokens", "route")
-
-    def __init__(self, cls):
-        self.cls = cls
-        self.ttft = None
-        self.gaps = []
-        self.status = None
-        self.error = None
-        self.prompt_tokens = None
-        self.cached_tokens = None
-        self.tokens = 0
-        self.route = None
-
-
-def one_request(url, body, res, timeout):
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port or 80,
-                                      timeout=timeout)
-    data = json.dumps(body).encode()
-    t0 = time.monotonic()
-    try:
-        conn.request("POST", "/v1/chat/completions", body=data,
-                     headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        res.status = r.status
-        res.route = r.getheader("X-DPD-Route")
-        if r.status != 200:
-            res.error = r.read(300).decode("utf-8", "replace")
-            return
-        last = None
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:]
-            if payload == b"[DONE]":
-                break
-            now = time.monotonic()
-            ev = json.loads(payload)
-            if ev.get("usage"):
-                u_ = ev["usage"]
-                res.prompt_tokens = u_.get("prompt_tokens")
-                det = u_.get("prompt_tokens_details") or {}
-                res.cached_tokens = det.get("cached_tokens")
-            choices = ev.get("choices") or []
-            if not choices:
-                continue
-            delta = choices[0].get("delta") or {}
-            if not delta.get("content"):
-                continue
-            res.tokens += 1
-            if last is None:
-                res.ttft = now - t0
-            else:
-                res.gaps.append(now - last)
-            last = now
-    except Exception as e:  # noqa: BLE001 - reported per request
-        res.error = repr(e)
-    finally:
-        conn.close()
+    return sse_load.percentile(values, q, float("nan"))
 
 
 def main():

@@ -34,7 +34,6 @@ line ("JSON {...}") with everything.
 
 import argparse
 import heapq
-import http.client
 import itertools
 import json
 import queue
@@ -42,111 +41,8 @@ import random
 import sys
 import threading
 import time
-import urllib.parse
 
-# common English words, each one token of the Llama 3 vocabulary with its
-# leading space
-WORDS = ("the of and to in is that for it as was with be by on not he this "
-         "are or his from at which but have an they you were their one all "
-         "we can her has there been if more when will would who so no model "
-         "token cache prefill decode engine latency request stream network "
-         "memory transfer block layer attention batch queue gateway pod node "
-         "river mountain history science music garden window silver orange "
-         "quickly slowly bright quiet ancient modern simple complex").split()
-
-
-def words(rng, n):
-    return " ".join(rng.choice(WORDS) for _ in range(max(1, n)))
-
-
-def percentile(values, q):
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-class Result:
-    __slots__ = ("cls", "session", "turn", "ttft", "gaps", "status", "error",
-                 "prompt_tokens", "cached_tokens", "completion_tokens",
-                 "text", "route", "gw_cached", "decoder", "t_start")
-
-    def __init__(self, cls, session=None, turn=None):
-        self.cls = cls
-        self.session = session
-        self.turn = turn
-        self.ttft = None
-        self.gaps = []
-        self.status = None
-        self.error = None
-        self.prompt_tokens = None
-        self.cached_tokens = None
-        self.completion_tokens = None
-        self.text = ""
-        self.route = None
-        self.gw_cached = None
-        self.decoder = None
-        self.t_start = None
-
-
-def one_request(url, body, res, timeout):
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port or 80,
-                                      timeout=timeout)
-    data = json.dumps(body).encode()
-    t0 = time.monotonic()
-    res.t_start = t0
-    parts = []
-    try:
-        conn.request("POST", "/v1/chat/completions", body=data,
-                     headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        res.status = r.status
-        res.route = r.getheader("X-DPD-Route")
-        res.gw_cached = r.getheader("X-DPD-Cached")
-        res.decoder = r.getheader("X-DPD-Decoder")
-        if r.status != 200:
-            res.error = "%d %s" % (r.status,
-                                   r.read(300).decode("utf-8", "replace"))
-            return
-        last = None
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:]
-            if payload == b"[DONE]":
-                break
-            now = time.monotonic()
-            ev = json.loads(payload)
-            if ev.get("usage"):
-                us = ev["usage"]
-                res.prompt_tokens = us.get("prompt_tokens")
-                res.completion_tokens = us.get("completion_tokens")
-                det = us.get("prompt_tokens_details") or {}
-                res.cached_tokens = det.get("cached_tokens")
-            choices = ev.get("choices") or []
-            if not choices:
-                continue
-            content = (choices[0].get("delta") or {}).get("content")
-            if not content:
-                continue
-            parts.append(content)
-            if last is None:
-                res.ttft = now - t0
-            else:
-                res.gaps.append(now - last)
-            last = now
-        if res.ttft is None:
-            res.error = "no content"
-    except Exception as e:  # noqa: BLE001 - reported per request
-        res.error = repr(e)
-    finally:
-        conn.close()
-        res.text = "".join(parts)
+from sse_load import Result, one_request, percentile, words
 
 
 def body(messages, max_tokens, model):
@@ -344,7 +240,15 @@ def summarize(results, cls_list):
         decoders[r.decoder or "-"] = decoders.get(r.decoder or "-", 0) + 1
     gw = [int(r.gw_cached) for r in ok
           if r.gw_cached and r.gw_cached.isdigit()]
+    # a direct route the index got wrong: the decoder held less than the
+    # gateway counted on (it prefilled the difference beside its streams)
+    stale = [int(r.gw_cached) - (r.cached_tokens or 0) for r in ok
+             if r.route == "direct" and r.gw_cached
+             and r.gw_cached.isdigit()
+             and int(r.gw_cached) - (r.cached_tokens or 0) >= 16]
     return {
+        "direct_stale": len(stale),
+        "direct_stale_tokens": sum(stale),
         "n": len(allr), "ok": len(ok),
         "errors": [r.error for r in allr if r not in ok][:3],
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
@@ -412,6 +316,11 @@ def main():
                  fmt(s["ttft_ms_p99"], "%.0f"), fmt(s["ttft_ms_mean"], "%.0f"),
                  fmt(s["itl_ms_p50"]), fmt(s["itl_ms_p99"]),
                  " ".join("%s=%d" % kv for kv in sorted(s["routes"].items()))))
+        if s["direct_stale"]:
+            print("%-12s %-5s %d direct routes found less cached than the "
+                  "index said (%d tokens prefilled on the decoder)"
+                  % (a.label, name, s["direct_stale"],
+                     s["direct_stale_tokens"]))
         for e in s["errors"]:
             print("%-12s %-5s error: %s" % (a.label, name, e))
     print("JSON " + json.dumps(summary))

@@ -11,8 +11,8 @@ KVA_OBJDIR := $(BUILD)/obj/kv_agent
 KVA_SRCS   := util.c layout.c config.c config_env.c auth.c state.c status.c fabric.c \
               topo.c copy.c stage.c ring.c \
               bench.c pool.c ctrl.c xfer.c api.c loop.c main.c \
-              lmcache_notify.c prefix_index.c prefix_events.c \
-              kv_events.c kv_events_sub.c kv_events_dump.c
+              lmcache_notify.c prefix_index.c prefix_events.c peers_dns.c \
+              kv_events.c kv_events_sub.c kv_events_dump.c kv_events_dns.c resolve.c
 KVA_OBJS   := $(addprefix $(KVA_OBJDIR)/,$(KVA_SRCS:.c=.o))
 KVA_CLI_OBJS := $(KVA_OBJDIR)/client.o
 KVA_HDRS   := $(wildcard $(KVA_DIR)/src/*.h $(KVA_DIR)/include/*.h)

@@ -20,6 +20,14 @@ module: $(MODULE_SO)
 $(BUILD)/module-srcs.txt: FORCE | $(BUILD)
 	@echo "$(MODULE_CSRC)" | cmp -s - $@ || echo "$(MODULE_CSRC)" > $@
 
+# nginx's objs/Makefile rebuilds on sources only: a change of compiler or
+# flags (the sanitizer build's SAN_FLAGS) drops the module's objects
+$(BUILD)/module-cc.txt: FORCE | $(BUILD)
+	@echo "$(MODULE_CC)" | cmp -s - $@ || { \
+	    rm -f $(NGX_BUILD)/objs/addon/ngx_dpd_module/*.o \
+	        $(NGX_BUILD)/objs/ngx_http_dpd_module_modules.o; \
+	    echo "$(MODULE_CC)" > $@; }
+
 $(NGX_BUILD)/objs/Makefile: config $(BUILD)/module-srcs.txt | $(BUILD)
 	@test -f $(NGX_BUILD)/configure || cp -r $(NGX_SRC) $(NGX_BUILD)
 	@# nginx's own compiler flags (-Werror ...): configure would take
@@ -29,7 +37,8 @@ $(NGX_BUILD)/objs/Makefile: config $(BUILD)/module-srcs.txt | $(BUILD)
 	    --add-dynamic-module=$(CURDIR) >configure.log 2>&1 \
 	    || { tail -30 configure.log; exit 1; }
 
-$(MODULE_SO): $(NGX_BUILD)/objs/Makefile $(MODULE_DEPS) $(TOK_PIC_LIB)
+$(MODULE_SO): $(NGX_BUILD)/objs/Makefile $(MODULE_DEPS) $(TOK_PIC_LIB) \
+              $(BUILD)/module-cc.txt
 	rm -f $(NGX_BUILD)/objs/ngx_http_dpd_module.so
 	$(MAKE) --no-print-directory -C $(NGX_BUILD) -f objs/Makefile modules \
 	    CC="$(MODULE_CC)"
@@ -51,9 +60,12 @@ MODULE_FUZZ_SRCS := ngx_dpd_module/ngx_http_dpd_protocol.c \
 
 $(MODULE_FUZZ): ngx_dpd_module/fuzz/dpd_fuzz_request.c $(MODULE_FUZZ_SRCS) \
                 ngx_dpd_module/ngx_http_dpd_protocol.h \
-                ngx_dpd_module/ngx_http_dpd_count.h $(TOK_SRCS) $(TOK_HDRS)
+                ngx_dpd_module/ngx_http_dpd_count.h $(TOK_SRCS) $(TOK_HDRS) \
+                kv_agent/include/dpd_prefix.h
 	@mkdir -p $(@D)
-	$(FUZZ_CC) $(FUZZ_FLAGS) -Ingx_dpd_module $< $(MODULE_FUZZ_SRCS) \
+	@# the count makes dpd_prefix_cache's keys (kv_agent/include)
+	$(FUZZ_CC) $(FUZZ_FLAGS) -Ingx_dpd_module -Ikv_agent/include \
+	    $< $(MODULE_FUZZ_SRCS) \
 	    $(TOK_SRCS) -o $@ $(TOK_LIBS) -lm
 
 # the request body's tree builder against libcjson's parser

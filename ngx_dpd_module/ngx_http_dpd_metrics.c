@@ -846,11 +846,13 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
 
     p = ngx_sprintf(p,
             "# HELP dpd_prefix_lookups_total Prefix-cache lookups "
-            "(dpd_prefix_cache), and those that found cached blocks on "
-            "the chosen decoder.\n"
+            "(dpd_prefix_cache), those that found cached blocks on the "
+            "chosen decoder, and those in an index whose writer is gone "
+            "(stale: nothing counted as cached).\n"
             "# TYPE dpd_prefix_lookups_total counter\n"
             "dpd_prefix_lookups_total{result=\"all\"} %uA\n"
             "dpd_prefix_lookups_total{result=\"hit\"} %uA\n"
+            "dpd_prefix_lookups_total{result=\"stale\"} %uA\n"
             "# HELP dpd_prefix_cached_tokens_total Prompt tokens the chosen "
             "decoder held, by the index.\n"
             "# TYPE dpd_prefix_cached_tokens_total counter\n"
@@ -867,6 +869,7 @@ ngx_http_dpd_metrics_render(ngx_http_dpd_metrics_t *m, u_char *p)
             "dpd_prefix_imbalanced_total %uA\n",
             m->counters[NGX_HTTP_DPD_M_PREFIX_LOOKUPS],
             m->counters[NGX_HTTP_DPD_M_PREFIX_HITS],
+            m->counters[NGX_HTTP_DPD_M_PREFIX_STALE],
             m->counters[NGX_HTTP_DPD_M_PREFIX_CACHED_TOKENS],
             m->counters[NGX_HTTP_DPD_M_PREFIX_ROUTE_SHORT],
             m->counters[NGX_HTTP_DPD_M_PREFIX_ROUTE_CACHED],

@@ -59,6 +59,8 @@ typedef enum {
     NGX_HTTP_DPD_M_PREFIX_ROUTE_CACHED,  /* short, direct cached, */
     NGX_HTTP_DPD_M_PREFIX_ROUTE_DISAGG,  /* disaggregated */
     NGX_HTTP_DPD_M_PREFIX_IMBALANCED,    /* the load guard overrode */
+    NGX_HTTP_DPD_M_PREFIX_STALE,         /* lookups in a dead writer's
+                                            index: nothing counted */
     NGX_HTTP_DPD_M_N
 } ngx_http_dpd_counter_e;
 

@@ -1091,10 +1091,11 @@ ngx_http_dpd_set_request_id(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx)
 static ngx_int_t
 ngx_http_dpd_header_filter(ngx_http_request_t *r)
 {
-    ngx_uint_t           i;
-    ngx_list_part_t     *part;
-    ngx_table_elt_t     *h;
-    ngx_http_dpd_ctx_t  *ctx;
+    ngx_uint_t            i;
+    ngx_list_part_t      *part;
+    ngx_table_elt_t      *h;
+    ngx_http_upstream_t  *u;
+    ngx_http_dpd_ctx_t   *ctx;
 
     if (r != r->main) {
         return ngx_http_next_header_filter(r);
@@ -1102,9 +1103,28 @@ ngx_http_dpd_header_filter(ngx_http_request_t *r)
 
     ctx = ngx_http_get_module_ctx(r, ngx_http_dpd_module);
 
-    if (ctx == NULL || ctx->kv_id.len == 0
-        || ctx->request_id.data == ctx->kv_id.data)
-    {
+    if (ctx == NULL) {
+        return ngx_http_next_header_filter(r);
+    }
+
+    if (ctx->prefix_decoder.len) {
+        /* dpd_prefix_cache approximate: the decoder answered; learn its
+         * prompt only on success (ngx_http_dpd_prefix_learn()) */
+        u = r->upstream;
+
+        if (u && r->headers_out.status >= NGX_HTTP_OK
+            && r->headers_out.status < NGX_HTTP_SPECIAL_RESPONSE)
+        {
+            ngx_http_dpd_prefix_learn(r, ctx, 0,
+                                      (u->state && u->state->peer)
+                                      ? u->state->peer : u->peer.name);
+
+        } else {
+            ctx->prefix_decoder.len = 0;
+        }
+    }
+
+    if (ctx->kv_id.len == 0 || ctx->request_id.data == ctx->kv_id.data) {
         return ngx_http_next_header_filter(r);
     }
 

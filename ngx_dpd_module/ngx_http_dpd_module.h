@@ -193,6 +193,11 @@ struct ngx_http_dpd_ctx_s {
                                                    -1: no lookup */
     ngx_int_t                    uncached_tokens;
     ngx_uint_t                   prefix_reason; /* NGX_HTTP_DPD_PR_* */
+    /* approximate: the nodes chosen, learned once they answered (a 2xx
+     * header, a 2xx prefill reply); len 0: nothing pending */
+    ngx_http_dpd_prefix_conf_t  *prefix_conf;
+    ngx_str_t                    prefix_decoder;
+    ngx_str_t                    prefix_prefiller;
     ngx_uint_t                   route;         /* NGX_HTTP_DPD_ROUTE_* */
     ngx_uint_t                   kind;          /* NGX_HTTP_DPD_KIND_* */
     ngx_uint_t                   state;         /* NGX_HTTP_DPD_STATE_* */

@@ -437,11 +437,15 @@ ngx_http_dpd_job_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     ngx_http_dpd_job_t *job)
 {
     if (job->count.keys) {
-        /* dpd_prefix_cache: the keys into the request's pool */
+        /*
+         * dpd_prefix_cache: the keys into the request's pool, aligned
+         * (ngx_pnalloc is not: a misaligned uint64_t load is undefined,
+         * a trap on strict-alignment machines, an abort under UBSan)
+         */
 
         if (job->count_rc == 0 && job->count.bad == 0) {
-            ctx->prefix_keys = ngx_pnalloc(r->pool,
-                                     job->count.nkeys * sizeof(uint64_t));
+            ctx->prefix_keys = ngx_palloc(r->pool,
+                                    job->count.nkeys * sizeof(uint64_t));
 
             if (ctx->prefix_keys) {
                 ngx_memcpy(ctx->prefix_keys, job->count.keys,

@@ -941,6 +941,10 @@ ngx_http_dpd_prefill_finish(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
                                          NULL);
     }
 
+    /* the prefiller computed the prompt: dpd_prefix_cache approximate
+     * remembers it there now, not when it was chosen */
+    ngx_http_dpd_prefix_learn(r, ctx, 1, &p->peer);
+
     tree = ngx_http_dpd_tree_scope(r->pool);
     rc = ngx_http_dpd_proto(pcf)->reply(r, ctx, pcf, &why);
     (void) ngx_http_dpd_tree_scope(tree);

@@ -19,7 +19,10 @@
  * Events mode: the file the router-role kv_agent writes
  * (kv_agent/include/dpd_prefix_index.h), read with pread() into private
  * copies, never mapped, seqlock per record; a missing, shrunk, torn or
- * foreign file means "nothing cached" (a warning when that changes).
+ * foreign file, one of another ABI version, or one whose writer exited
+ * or has not beaten its heartbeat for stale= (a killed agent: its file
+ * no longer follows the engines) means "nothing cached" (a warning when
+ * that changes, a notice when it is usable again).
  *
  * Lookup: for each candidate decoder, the number of leading blocks of the
  * prompt it holds.  Approximate: a walk from block 0 that stops when no
@@ -50,6 +53,10 @@
 #define NGX_HTTP_DPD_PREFIX_PROBE_CHUNK   4       /* slots per pread */
 #define NGX_HTTP_DPD_PREFIX_MEMO          160     /* probed blocks kept */
 #define NGX_HTTP_DPD_PREFIX_LOCK_STEP     2048    /* keys per mutex hold */
+#define NGX_HTTP_DPD_PREFIX_STALE         5000    /* ms without heartbeat */
+#define NGX_HTTP_DPD_PREFIX_MIN_STALE     2000    /* the writer beats each
+                                                     second, we look each
+                                                     second */
 
 
 typedef struct ngx_http_dpd_prefix_entry_s  ngx_http_dpd_prefix_entry_t;
@@ -104,12 +111,15 @@ typedef struct {
 
 struct ngx_http_dpd_prefix_reader_s {
     ngx_str_t                        path;       /* NUL-terminated */
+    ngx_msec_t                       stale;      /* stale= */
 
     /* per worker */
     ngx_fd_t                         fd;         /* NGX_INVALID_FILE */
     dev_t                            dev;
     ino_t                            ino;
     ngx_uint_t                       valid;      /* hdr, nodes usable */
+    ngx_uint_t                       dead;       /* writer gone, or its
+                                                    heartbeat too old */
     ngx_msec_t                       checked;
     ngx_uint_t                       ever;       /* checked once */
     dpd_pfx_header_t                 hdr;
@@ -187,7 +197,8 @@ ngx_http_dpd_prefix_init_conf(ngx_http_dpd_prefix_conf_t *conf)
 /*
  * dpd_prefix_cache off | approximate [zone=NAME[:SIZE]] [block=N]
  *     [ttl=TIME] [weights=U:L] [imbalance=ABS:REL]
- *   | events file=PATH [block=N] [weights=U:L] [imbalance=ABS:REL]
+ *   | events file=PATH [block=N] [stale=TIME] [weights=U:L]
+ *     [imbalance=ABS:REL]
  */
 
 char *
@@ -199,6 +210,7 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     double                         rel, frac;
     ssize_t                        size;
     ngx_int_t                      n;
+    ngx_msec_t                     stale;
     ngx_str_t                     *value, s, name, file;
     ngx_uint_t                     i;
     ngx_shm_zone_t                *shm_zone;
@@ -246,6 +258,7 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
     ngx_str_null(&name);
     ngx_str_null(&file);
     size = NGX_CONF_UNSET;
+    stale = NGX_HTTP_DPD_PREFIX_STALE;
 
     for (i = 2; i < cf->args->nelts; i++) {
 
@@ -293,6 +306,26 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
 
             if (file.len == 0) {
                 return "has an empty \"file=\"";
+            }
+
+            continue;
+        }
+
+        if (ngx_strncmp(value[i].data, "stale=", 6) == 0
+            && pc->mode == NGX_HTTP_DPD_PREFIX_EVENTS)
+        {
+            s.data = value[i].data + 6;
+            s.len = value[i].len - 6;
+
+            stale = ngx_parse_time(&s, 0);
+
+            if (stale == (ngx_msec_t) NGX_ERROR
+                || stale < NGX_HTTP_DPD_PREFIX_MIN_STALE)
+            {
+                ngx_conf_log_error(NGX_LOG_EMERG, cf, 0,
+                                   "invalid \"%V\" (at least 2s: the "
+                                   "agent beats once a second)", &value[i]);
+                return NGX_CONF_ERROR;
             }
 
             continue;
@@ -449,6 +482,7 @@ ngx_http_dpd_prefix_cache(ngx_conf_t *cf, ngx_command_t *cmd, void *conf)
         rd->path.data[file.len] = '\0';
         rd->path.len = file.len;
         rd->fd = NGX_INVALID_FILE;
+        rd->stale = stale;
 
         /* the index says its block size; block= must agree (checked at
          * read time: a mismatch means no cache information) */
@@ -863,6 +897,13 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
         ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_PREFIX_IMBALANCED);
     }
 
+    if (pc->mode == NGX_HTTP_DPD_PREFIX_EVENTS && ctx->prefix_nkeys
+        && pc->reader->dead)
+    {
+        /* looked up in an index whose writer is gone: counted nothing */
+        ngx_http_dpd_metrics_inc(r, NGX_HTTP_DPD_M_PREFIX_STALE);
+    }
+
     cached = blocks[best] * pc->block;
 
     if ((ngx_int_t) cached > ctx->prompt_tokens) {
@@ -917,9 +958,10 @@ ngx_http_dpd_prefix_route(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
     }
 
     if (pc->mode == NGX_HTTP_DPD_PREFIX_APPROXIMATE && ctx->prefix_nkeys) {
-        ngx_http_dpd_prefix_zone_insert(pc, &cand[best].name, pool,
-                                        ctx->prefix_keys, ctx->prefix_nkeys,
-                                        r->connection->log);
+        /* learned when it answers (ngx_http_dpd_prefix_learn()); the
+         * name lies in cand's buffer, in the request's pool */
+        ctx->prefix_conf = pc;
+        ctx->prefix_decoder = cand[best].name;
     }
 
     return NGX_OK;
@@ -974,12 +1016,76 @@ ngx_http_dpd_prefix_prefill(ngx_http_request_t *r, ngx_http_request_t *sr,
     }
 
     if (pc->mode == NGX_HTTP_DPD_PREFIX_APPROXIMATE && ctx->prefix_nkeys) {
-        ngx_http_dpd_prefix_zone_insert(pc, &cand[best].name, pool,
-                                        ctx->prefix_keys, ctx->prefix_nkeys,
-                                        r->connection->log);
+        /* learned when the prefill succeeded (prefill_finish) */
+        ctx->prefix_conf = pc;
+        ctx->prefix_prefiller = cand[best].name;
     }
 
     return NGX_OK;
+}
+
+
+/*
+ * A node holds a prompt's blocks only once its engine computed them: a
+ * request refused (5xx), never connected, timed out or moved to another
+ * node says nothing of the chosen node's cache, and remembering it there
+ * would draw the next turn to a node that must recompute everything.
+ * So the choice waits in ctx until the node answered: the decoder's 2xx
+ * response header (ngx_http_dpd_header_filter(); a stream that breaks
+ * later still had its prompt prefilled), the prefiller's 2xx reply.
+ */
+
+void
+ngx_http_dpd_prefix_learn(ngx_http_request_t *r, ngx_http_dpd_ctx_t *ctx,
+    ngx_uint_t prefill, ngx_str_t *peer)
+{
+    uint64_t                       pool;
+    ngx_str_t                      name;
+    ngx_http_dpd_prefix_conf_t    *pc;
+    ngx_http_upstream_srv_conf_t  *us;
+
+    pc = ctx->prefix_conf;
+    name = prefill ? ctx->prefix_prefiller : ctx->prefix_decoder;
+
+    if (pc == NULL || name.len == 0
+        || pc->mode != NGX_HTTP_DPD_PREFIX_APPROXIMATE
+        || ctx->prefix_nkeys == 0)
+    {
+        return;
+    }
+
+    /* once: a second header (an error page after a 2xx) learns nothing */
+
+    if (prefill) {
+        ctx->prefix_prefiller.len = 0;
+
+    } else {
+        ctx->prefix_decoder.len = 0;
+    }
+
+    if (peer == NULL) {
+        return;
+    }
+
+    if (peer->len != name.len
+        || ngx_strncmp(peer->data, name.data, name.len) != 0)
+    {
+        ngx_log_debug2(NGX_LOG_DEBUG_HTTP, r->connection->log, 0,
+                       "dpd prefix: %V answered, not the chosen %V: "
+                       "nothing learned", peer, &name);
+        return;
+    }
+
+    us = prefill ? pc->prefill : pc->decode;
+
+    if (us == NULL) {
+        return;
+    }
+
+    pool = dpd_prefix_hash_str(us->host.data, us->host.len);
+
+    ngx_http_dpd_prefix_zone_insert(pc, &name, pool, ctx->prefix_keys,
+                                    ctx->prefix_nkeys, r->connection->log);
 }
 
 
@@ -1499,7 +1605,7 @@ ngx_http_dpd_prefix_probe(ngx_http_dpd_prefix_reader_t *rd, uint64_t key,
     uint64_t *mask)
 {
     ssize_t          want;
-    uint64_t         i, idx, nslots;
+    uint64_t         i, idx, home, nslots;
     uint32_t         seqs[NGX_HTTP_DPD_PREFIX_PROBE_CHUNK];
     ngx_uint_t       j, n, tries, ok;
     dpd_pfx_slot_t   chunk[NGX_HTTP_DPD_PREFIX_PROBE_CHUNK];
@@ -1507,10 +1613,11 @@ ngx_http_dpd_prefix_probe(ngx_http_dpd_prefix_reader_t *rd, uint64_t key,
 
     *mask = 0;
     nslots = rd->hdr.nslots;
+    home = dpd_pfx_home(&rd->hdr, key);   /* salted: dpd_prefix_index.h */
 
     for (i = 0; i < rd->hdr.max_probe; i += n) {
 
-        idx = (key + i) & (nslots - 1);
+        idx = (home + i) & (nslots - 1);
 
         /* a chunk of consecutive slots, not past the array's end */
         n = ngx_min(NGX_HTTP_DPD_PREFIX_PROBE_CHUNK, nslots - idx);
@@ -1594,10 +1701,14 @@ ngx_http_dpd_prefix_refresh(ngx_http_dpd_prefix_reader_t *rd, ngx_log_t *log)
     dpd_pfx_node_t    nd;
     dpd_pfx_header_t  h;
     uint32_t          s2;
-    uint64_t          off;
+    uint64_t          off, now;
+    ngx_time_t       *tp;
+    u_char           *p;
+    u_char            why[160];
 
     rd->checked = ngx_current_msec;
     rd->ever = 1;
+    rd->dead = 0;
 
     if (ngx_file_info(rd->path.data, &fi) == NGX_FILE_ERROR) {
         err = ngx_errno;
@@ -1654,9 +1765,45 @@ ngx_http_dpd_prefix_refresh(ngx_http_dpd_prefix_reader_t *rd, ngx_log_t *log)
         return;
     }
 
+    if (h.magic == DPD_PFX_MAGIC && h.version != DPD_PFX_VERSION) {
+        /* an agent of another release: its layout or slot positions
+         * differ (version 1 had unsalted homes): every probe would look
+         * in the wrong place; refused, said once per change */
+        p = ngx_snprintf(why, sizeof(why) - 1, "index ABI version %uD, "
+                         "this module reads version %d (kv_agent and "
+                         "nginx module of different releases)",
+                         h.version, DPD_PFX_VERSION);
+        *p = '\0';
+        ngx_http_dpd_prefix_fail(rd, log, (char *) why);
+        return;
+    }
+
     if (dpd_pfx_check(&h, (uint64_t) fi.st_size) != 0) {
         ngx_http_dpd_prefix_fail(rd, log, "corrupt, foreign or truncated "
                                  "(header does not describe the file)");
+        return;
+    }
+
+    /*
+     * The writer's liveness (dpd_prefix_index.h): a clean exit clears
+     * writer_alive, a kill leaves the heartbeat behind.  Either way the
+     * engines go on evicting and storing without the file following:
+     * what it says would pin requests on decoders that no longer hold
+     * their prefix.  Cache-blind until a writer beats again.
+     */
+    tp = ngx_timeofday();
+    now = (uint64_t) tp->sec * 1000 + tp->msec;
+
+    if (!h.writer_alive
+        || (now > h.updated_ms && now - h.updated_ms > rd->stale))
+    {
+        rd->dead = 1;
+        p = ngx_snprintf(why, sizeof(why) - 1, "%s (kv_agent pid %uD): "
+                         "stale", h.writer_alive
+                         ? "no writer heartbeat within stale="
+                         : "the writer exited", h.writer_pid);
+        *p = '\0';
+        ngx_http_dpd_prefix_fail(rd, log, (char *) why);
         return;
     }
 

@@ -87,4 +87,15 @@ ngx_int_t ngx_http_dpd_prefix_prefill(ngx_http_request_t *r,
     ngx_http_dpd_prefix_conf_t *pc);
 
 
+/*
+ * Approximate mode: the prompt's keys are remembered for the decoder
+ * (prefill = 0) or the prefiller (1) chosen for it only once that node
+ * answered successfully; peer is the upstream peer that did (a retry on
+ * another node learns nothing).  A no-op in the other modes, or when
+ * nothing is pending.
+ */
+void ngx_http_dpd_prefix_learn(ngx_http_request_t *r,
+    ngx_http_dpd_ctx_t *ctx, ngx_uint_t prefill, ngx_str_t *peer);
+
+
 #endif /* _NGX_HTTP_DPD_PREFIX_H_INCLUDED_ */

@@ -5,8 +5,12 @@
 # disagreed with the C keys would miss every block below).  Faults: a
 # missing file, a shrunk file, a torn slot (odd seq: a writer killed
 # mid-update), a broken header, a foreign block size, a node cleared, a
-# file replaced by rename; nginx answers every request, routing as if
-# nothing were cached while the index is unusable, and warns.
+# file replaced by rename, a file of another ABI version (refused with one
+# clear line), a writer that exited or stopped beating its heartbeat
+# (stale=: cache-blind, counted as result="stale", one warning per
+# transition, used again when it beats); nginx answers every request,
+# routing as if nothing were cached while the index is unusable, and
+# warns.
 use strict;
 use warnings;
 
@@ -52,9 +56,19 @@ sub ids {
                            max_tokens => 1 });
 }
 
+# The writer's heartbeat, as the real agent beats every second: before
+# each request (nginx under valgrind starts and answers slowly), unless a
+# test stops it to play a dead writer
+our $BEAT = 1;
+
+sub beat {
+    system("$TOOL beat $IDX >/dev/null 2>&1") if $BEAT && -f $IDX;
+}
+
 # (status, decoder port, X-Cached)
 sub post {
     my ($body) = @_;
+    beat();
     my $req = HTTP::Request->new(POST => "http://127.0.0.1:"
                                          . server_port() . "/v1/completions");
     $req->content($body);
@@ -161,6 +175,80 @@ sub init_2 {
     is $k, 0, '... nothing cached';
 }
 
+sub metric {
+    my ($name) = @_;
+    my $res = $UA->get("http://127.0.0.1:" . server_port() . "/metrics");
+    return $res->content =~ /^\Q$name\E (\d+)$/m ? $1 : undef;
+}
+
+sub log_count {
+    my ($re) = @_;
+    my @l = grep { /$re/ } `cat ${\ server_root()}/logs/error.log`;
+    return scalar @l;
+}
+
+sub init_3 {
+    fresh();
+    tool("store $IDX --node-index 1 --model m --repeat 100:64");
+    my ($c, $d, $k) = post(ids(runs => [[100, 64]]));
+    is $k, 64, 'a live writer: cached';
+    is metric('dpd_prefix_lookups_total{result="stale"}'), 0,
+       'metrics: no stale lookup yet';
+
+    # a writer killed: its heartbeat stops (here: 10 s old, stale=3s)
+    $BEAT = 0;
+    tool("beat $IDX --age 10000");
+    tick();
+    for (1 .. 3) {
+        ($c, $d, $k) = post(ids(runs => [[100, 64]]));
+        is $c, 200, "no heartbeat within stale=: answered ($_)";
+        is $k, 0, '... cache-blind (nothing counted as cached)';
+    }
+    is metric('dpd_prefix_lookups_total{result="stale"}'), 3,
+       'metrics: 3 lookups result="stale"';
+    tick();
+    ($c, $d, $k) = post(ids(runs => [[100, 64]]));
+    is $k, 0, '... still stale a second later';
+    is log_count(qr/no writer heartbeat within stale=/), 1,
+       '... one warning for the transition, not one a lookup or a second';
+
+    # it beats again: used again, one notice
+    $BEAT = 1;
+    tool("beat $IDX");
+    tick();
+    ($c, $d, $k) = post(ids(runs => [[100, 64]]));
+    is $k, 64, 'heartbeat back: cached again';
+    is log_count(qr/usable again/), 1, '... said once';
+
+    # a clean exit: writer_alive 0, however fresh its last beat
+    $BEAT = 0;
+    tool("beat $IDX --dead");
+    tick();
+    ($c, $d, $k) = post(ids(runs => [[100, 64]]));
+    is $k, 0, 'the writer exited: cache-blind';
+    is log_count(qr/the writer exited/), 1, '... warned';
+
+    # an index of another ABI version (version 1: unsalted slots) is
+    # refused, not read
+    $BEAT = 1;
+    fresh("--version 1");
+    tool("store $IDX --node-index 1 --model m --repeat 100:64");
+    tick();
+    ($c, $d, $k) = post(ids(runs => [[100, 64]]));
+    is $c, 200, 'another index version: answered';
+    is $k, 0, '... refused: nothing cached';
+    ($c, $d, $k) = post(ids(runs => [[100, 64]]));
+    tick();
+    ($c, $d, $k) = post(ids(runs => [[100, 64]]));
+    is log_count(qr/index ABI version 1, this module reads version 2/), 1,
+       '... one clear line, not one a request';
+    fresh();
+    tool("store $IDX --node-index 1 --model m --repeat 100:64");
+    tick();
+    ($c, $d, $k) = post(ids(runs => [[100, 64]]));
+    is $k, 64, 'this version again: read';
+}
+
 add_block_preprocessor(sub {
     my $block = shift;
 
@@ -187,11 +275,12 @@ _EOC_
         dpd on;
         dpd_threshold 1000000;
         dpd_decode_upstream pool;
-        dpd_prefix_cache events file=$TEST_NGINX_IDX;
+        dpd_prefix_cache events file=$TEST_NGINX_IDX stale=3s;
         add_header X-Cached $dpd_cached_tokens always;
         proxy_pass http://pool;
     }
     location = /ok { return 200 "ok\n"; }
+    location = /metrics { dpd_metrics; }
 _EOC_
 });
 
@@ -223,3 +312,17 @@ routing as if nothing were cached
 ": missing: routing
 corrupt, foreign or truncated
 block size differs
+
+
+
+=== TEST 3: a dead writer's index (stale=, writer gone) and one of another ABI version: cache-blind, one line per transition
+--- init
+main::init_3();
+--- no_error_log
+[error]
+[alert]
+--- error_log
+no writer heartbeat within stale=
+usable again
+the writer exited
+index ABI version 1, this module reads version 2

@@ -7,7 +7,9 @@
 # to the full blocks the engine itself reports cached (usage
 # prompt_tokens_details.cached_tokens) or more; cache_salt isolates; the
 # engine's reset (AllBlocksCleared) and a publisher restart (seq back to 0)
-# clear that node; a killed agent leaves nginx answering every request.
+# clear that node; a killed agent leaves nginx answering every request,
+# cache-blind once its heartbeat is older than stale=, and a new agent's
+# index is used again.
 use strict;
 use warnings;
 
@@ -202,6 +204,15 @@ sub init_1 {
     is $c10, 200, 'after the clear: answered';
     is $k10, 0, '... nothing of the old stream counted as cached';
 
+    # a conversation cached on a decoder, the index says so
+    my @live = ({ role => 'user', content => words('live', 300) });
+    my ($c12, $d12) = chat(\@live, salt => 'live');
+    settle();
+    push @live, { role => 'assistant', content => 'ok' },
+                { role => 'user', content => 'more?' };
+    my ($c13, $d13, $k13) = chat(\@live, salt => 'live');
+    ok $k13 >= 256, "before the kill: $k13 tokens cached on $d13";
+
     # the agent killed: the index stays as it was, nginx answers
     if ($ENV{KV_TEST_VALGRIND}) {      # a clean exit, then memcheck's verdict
         stop_agent($AGENT);
@@ -212,6 +223,27 @@ sub init_1 {
     waitpid $AGENT->{pid}, 0;
     my ($c11) = chat(\@conv);
     is $c11, 200, 'agent killed: answered';
+    # its heartbeat stops: after stale= (3s) and nginx's next look at the
+    # file, the index counts nothing (the engines go on evicting and
+    # storing without it following)
+    sleep 4.5;
+    my ($c14, $d14, $k14) = chat(\@live, salt => 'live');
+    is $c14, 200, 'agent dead past stale=: answered';
+    is $k14, 0, '... cache-blind: $dpd_cached_tokens 0';
+
+    # a new agent: a new file, used again (what it hears from now on)
+    $AGENT = agent();
+    log_wait($AGENT, qr/subscribed to tcp.*\n(?s:.*)subscribed to tcp/, 10)
+        or die "the router agent did not subscribe: " . log_text($AGENT);
+    my @again = ({ role => 'user', content => words('again', 300) });
+    my ($c15, $d15) = chat(\@again, salt => 'again');
+    settle();
+    push @again, { role => 'assistant', content => 'ok' },
+                 { role => 'user', content => 'and?' };
+    my ($c16, $d16, $k16) = chat(\@again, salt => 'again');
+    is $d16, $d15, 'agent restarted: the next turn follows its decoder';
+    ok $k16 >= 256, "... $k16 tokens cached by the new agent's index";
+    stop_agent($AGENT);
 
     $_->stop for @EMU;
 }
@@ -237,7 +269,7 @@ _EOC_
         dpd on;
         dpd_threshold 1000000;
         dpd_decode_upstream pool;
-        dpd_prefix_cache events file=$TEST_NGINX_IDX;
+        dpd_prefix_cache events file=$TEST_NGINX_IDX stale=3s;
         add_header X-Cached $dpd_cached_tokens always;
         add_header X-Up $upstream_addr always;
         proxy_pass http://pool;
@@ -258,3 +290,6 @@ main::init_1();
 --- no_error_log
 [alert]
 [emerg]
+--- error_log
+: stale: routing as if nothing were cached
+usable again

@@ -8,7 +8,11 @@ differs from the C one makes the nginx tests miss, so they check the port
 too).  Standard library only.
 
   prefix_index.py create PATH --node ADDR [--node ADDR ...] [--slots N]
-                  [--block 16] [--probe 16]
+                  [--block 16] [--probe 16] [--version V]
+  prefix_index.py beat PATH [--age MS] [--dead]
+                  the writer's heartbeat: updated_ms = now - MS (every
+                  write below beats too); --dead: writer_alive = 0 (a
+                  clean exit)
   prefix_index.py store PATH --node-index I --model M [--salt S]
                   (--ids 1,2,3 | --ids @FILE | --repeat ID:COUNT) [--lower]
   prefix_index.py clear-node PATH --node-index I
@@ -19,12 +23,17 @@ too).  Standard library only.
   prefix_index.py tear-header PATH          break the magic
   prefix_index.py keys --model M [--salt S] (--ids ... | --repeat ...)
                   print the keys, one per line (hex)
+  prefix_index.py nodes PATH     the USED node records as JSON, one a
+                  line (index, id, http, flags, epoch, blocks, lower, and
+                  "bits": the slots that have the node's bit), as a
+                  reader sees them (a record being written is retried)
 """
 
 import argparse
 import os
 import struct
 import sys
+import time
 
 M64 = (1 << 64) - 1
 P1 = 0x9E3779B185EBCA87
@@ -32,9 +41,10 @@ P2 = 0xC2B2AE3D27D4EB4F
 P3 = 0x165667B19E3779F9
 
 MAGIC = 0x3130584650445044     # "DPDPFX01"
-VERSION = 1
+VERSION = 2                    # 2: the home slot salted per file
 KEY_VERSION = 1
-HEADER = struct.Struct('<QIIIIIIQQQQQIIIIQ160s')
+HEADER = struct.Struct('<QIIIIIIQQQQQIIIIQQ152s')
+ALIVE_OFF, UPDATED_OFF = 84, 88   # writer_alive, updated_ms
 NODE = struct.Struct('<IIQQQQ64s128s24s')
 SLOT = struct.Struct('<IIQQQ')
 NODE_USED, NODE_READY = 1, 2
@@ -106,7 +116,16 @@ class Index:
             h = HEADER.unpack(f.read(HEADER.size))
         (self.magic, self.version, _, _, _, self.max_nodes, self.max_probe,
          self.nslots, self.nodes_off, self.slots_off, self.file_size,
-         self.generation, _, self.block, _, _, _, _) = h
+         self.generation, _, self.block, _, _, _, self.salt, _) = h
+
+    def home(self, key):
+        # dpd_prefix_index.h dpd_pfx_home(): the key mixed with the salt
+        return fmix(key ^ self.salt) & (self.nslots - 1)
+
+    def beat(self, f, age_ms=0, alive=True):
+        f.seek(ALIVE_OFF)
+        f.write(struct.pack('<IQ', 1 if alive else 0,
+                            now_ms() - age_ms))
 
     def slot_off(self, i):
         return self.slots_off + i * SLOT.size
@@ -121,7 +140,7 @@ class Index:
 
     def find(self, f, key, create):
         for p in range(self.max_probe):
-            i = (key + p) & (self.nslots - 1)
+            i = (self.home(key) + p) & (self.nslots - 1)
             seq, _, k, gpu, lower = self.read_slot(f, i)
             if k == key:
                 return i, seq, gpu, lower
@@ -136,6 +155,7 @@ class Index:
     def store(self, ks, node, lower=False, torn=None):
         bit = 1 << node
         with open(self.path, 'r+b') as f:
+            self.beat(f)
             for n, key in enumerate(ks):
                 i, seq, gpu, low = self.find(f, key, True)
                 if lower:
@@ -148,27 +168,66 @@ class Index:
                     continue
                 self.write_slot(f, i, seq + 2, key, gpu, low)
 
+    def nodes(self):
+        out = []
+        with open(self.path, 'rb') as f:
+            for i in range(self.max_nodes):
+                for _ in range(64):
+                    f.seek(self.nodes_off + i * NODE.size)
+                    raw = f.read(NODE.size)
+                    seq = struct.unpack_from('<I', raw)[0]
+                    f.seek(self.nodes_off + i * NODE.size)
+                    if seq % 2 == 0 and f.read(4) == raw[:4]:
+                        break
+                (seq, flags, epoch, blocks, lower, _, nid, http,
+                 _) = NODE.unpack(raw)
+                if not flags & NODE_USED:
+                    continue
+                out.append({'index': i, 'flags': flags, 'epoch': epoch,
+                            'blocks': blocks, 'lower': lower,
+                            'id': nid.split(b'\0')[0].decode(),
+                            'http': http.split(b'\0')[0].decode(),
+                            'bits': 0})
+            byidx = {n['index']: n for n in out}
+            f.seek(self.slots_off)
+            data = f.read(self.nslots * SLOT.size)
+            for k in range(self.nslots):
+                _, _, key, gpu, low = SLOT.unpack_from(data, k * SLOT.size)
+                m = gpu | low
+                while key and m:
+                    b = (m & -m).bit_length() - 1
+                    m &= m - 1
+                    if b in byidx:
+                        byidx[b]['bits'] += 1
+        return out
+
     def clear_node(self, node):
         bit = 1 << node
         with open(self.path, 'r+b') as f:
+            self.beat(f)
             for i in range(self.nslots):
                 seq, _, k, gpu, low = self.read_slot(f, i)
                 if k and (gpu | low) & bit:
                     self.write_slot(f, i, seq + 2, k, gpu & ~bit, low & ~bit)
 
 
-def create(path, nodes, nslots, block, probe):
+def now_ms():
+    return int(time.time() * 1000)
+
+
+def create(path, nodes, nslots, block, probe, version=VERSION):
     max_nodes = 64
     nodes_off = HEADER.size
     slots_off = nodes_off + max_nodes * NODE.size
     size = slots_off + nslots * SLOT.size
     gen = int.from_bytes(os.urandom(8), 'little')
+    salt = int.from_bytes(os.urandom(8), 'little')
     tmp = path + '.tmp'
     with open(tmp, 'wb') as f:
-        f.write(HEADER.pack(MAGIC, VERSION, HEADER.size, NODE.size,
+        f.write(HEADER.pack(MAGIC, version, HEADER.size, NODE.size,
                             SLOT.size, max_nodes, probe, nslots, nodes_off,
                             slots_off, size, gen, KEY_VERSION, block,
-                            os.getpid(), 1, 0, b''))
+                            os.getpid(), 1, now_ms(), salt, b''))
         for i in range(max_nodes):
             if i < len(nodes):
                 f.write(NODE.pack(2, NODE_USED | NODE_READY, 1, 0, 0, 0,
@@ -210,10 +269,16 @@ def main():
     ap.add_argument('--ids')
     ap.add_argument('--repeat')
     ap.add_argument('--lower', action='store_true')
+    ap.add_argument('--version', type=int, default=VERSION)
+    ap.add_argument('--age', type=int, default=0)
+    ap.add_argument('--dead', action='store_true')
     a = ap.parse_args()
 
     if a.cmd == 'create':
-        create(a.path, a.node, a.slots, a.block, a.probe)
+        create(a.path, a.node, a.slots, a.block, a.probe, a.version)
+    elif a.cmd == 'beat':
+        with open(a.path, 'r+b') as f:
+            Index(a.path).beat(f, a.age, not a.dead)
     elif a.cmd in ('store', 'tear'):
         ix = Index(a.path)
         ks = keys(a.model, a.salt, parse_ids(a), ix.block)
@@ -226,6 +291,10 @@ def main():
     elif a.cmd == 'tear-header':
         with open(a.path, 'r+b') as f:
             f.write(b'XXXXXXXX')
+    elif a.cmd == 'nodes':
+        import json
+        for n in Index(a.path).nodes():
+            print(json.dumps(n, sort_keys=True))
     elif a.cmd == 'keys':
         for k in keys(a.model, a.salt, parse_ids(a), a.block):
             print('%016x' % k)

@@ -117,7 +117,11 @@ EMULATOR ENDPOINTS (tests)
         "dropped","restarts","replays","replayed","buffered",..}; POST
         {"drop":N} publishes the next N batches to the replay buffer only
         (their seq is used: subscribers see a gap), {"restart":true}
-        reopens the sockets with seq from 0 and an empty replay buffer.
+        reopens the sockets with seq from 0 and an empty replay buffer,
+        {"inject":KIND} publishes one bad batch in the stream (next seq,
+        kept for replay as any other): "garbage" (not msgpack), "huge" (a
+        batch of 17 MiB, over a subscriber's 16 MiB bound), "many" (70000
+        events, over its 65536), "unknown" (events of unknown types only).
   GET|POST|DELETE /emu/fault fault rules (see FAULTS)
 
 FAULTS  (flags apply one rule from the start; POST /emu/fault replaces the
@@ -173,6 +177,8 @@ PREFIX CACHING (vLLM v1; --no-enable-prefix-caching turns it off)
   lora_id], BlockRemoved [name, hashes], batch [ts, events]).  Hashes: the
   digest's last 8 bytes as uint64 or the 32 bytes (--kv-events-hash).
   --data-parallel-rank N: the batches' rank; both ports shifted by N.
+  --kv-events-bind-host ADDR: tcp://*:P bound on ADDR only (a pod's own
+  address: several emulators share the ports, as pods behind a name).
   replay_endpoint: ROUTER; a request [identity, "", start_seq] gets every
   kept batch (buffer_steps) from start_seq on, then the end marker.
 
@@ -1694,8 +1700,11 @@ class KvEventPublisher(threading.Thread):
     answers a request [identity, "", start_seq] with every kept batch from
     start_seq on and an end marker (seq = eight 0xFF bytes, empty payload).
     Fault knobs (POST /emu/kv_events): drop the next N batches (their seq
-    is used and they stay replayable: the subscriber sees a gap) and
-    restart (sockets reopened, seq from 0, replay buffer empty)."""
+    is used and they stay replayable: the subscriber sees a gap), restart
+    (sockets reopened, seq from 0, replay buffer empty) and inject one bad
+    batch (INJECT: garbage, huge, many, unknown)."""
+
+    INJECT = ("garbage", "huge", "many", "unknown")
 
     END_SEQ = b"\xff" * 8
 
@@ -1708,8 +1717,10 @@ class KvEventPublisher(threading.Thread):
         self.dp_rank = dp_rank
         self.bs = emu.args.block_size
         self.topic = cfg["topic"].encode("utf-8")
-        self.endpoint = self.offset(cfg["endpoint"], dp_rank)
-        self.replay_ep = self.offset(cfg["replay_endpoint"], dp_rank)
+        self.pinned = False
+        self.endpoint = self.pod(self.offset(cfg["endpoint"], dp_rank))
+        self.replay_ep = self.pod(self.offset(cfg["replay_endpoint"],
+                                              dp_rank))
         self.cv = threading.Condition()
         self.q = deque()
         self.buffer = deque(maxlen=cfg["buffer_steps"])
@@ -1721,6 +1732,16 @@ class KvEventPublisher(threading.Thread):
         self.ctx = zmq.Context()
         self.pub = self.rep = None
         self._open()
+
+    def pod(self, ep):
+        """--kv-events-bind-host: tcp://*:P bound on that host only."""
+        host = getattr(self.emu.args, "kv_events_bind_host", None)
+        if not ep or not host or not ep.startswith("tcp://*:"):
+            return ep
+        self.pinned = True            # bound, not connected
+        if ":" in host:
+            host = "[%s]" % host
+        return "tcp://%s:%s" % (host, ep[len("tcp://*:"):])
 
     @staticmethod
     def offset(ep, rank):
@@ -1737,13 +1758,17 @@ class KvEventPublisher(threading.Thread):
         pub.setsockopt(zmq.SNDHWM, self.cfg["hwm"])
         pub.setsockopt(zmq.LINGER, 0)
         ep = self.endpoint
+        if "[" in ep or "::" in ep:
+            pub.setsockopt(zmq.IPV6, 1)   # libzmq's sockets are v4-only
         bind = ("*" in ep or "::" in ep or ep.startswith("ipc://")
-                or ep.startswith("inproc://"))
+                or ep.startswith("inproc://") or self.pinned)
         self._retry(lambda: pub.bind(ep) if bind else pub.connect(ep), pub)
         self.pub = pub
         if self.replay_ep:
             rep = self.ctx.socket(zmq.ROUTER)
             rep.setsockopt(zmq.LINGER, 0)
+            if "[" in self.replay_ep or "::" in self.replay_ep:
+                rep.setsockopt(zmq.IPV6, 1)
             self._retry(lambda: rep.bind(self.replay_ep), rep)
             self.rep = rep
 
@@ -1776,13 +1801,16 @@ class KvEventPublisher(threading.Thread):
         with self.cv:
             while len(self.q) >= self.cfg["max_queue_size"]:
                 self.cv.wait(0.05)   # vLLM's Queue.put blocks too
-            self.q.append((time.time(), events))
+            self.q.append((time.time(), events, None))
             self.cv.notify_all()
 
-    def fault(self, drop=None, restart=False):
+    def fault(self, drop=None, restart=False, inject=None):
         with self.cv:
             if drop is not None:
                 self.drop_left = drop
+            if inject is not None:
+                self.q.append((time.time(), None, inject))
+                self.cv.notify_all()
             if restart:
                 self.restart_req = True
                 self.cv.notify_all()
@@ -1865,6 +1893,22 @@ class KvEventPublisher(threading.Thread):
             b.append(self.dp_rank)
         return mp_pack(b)
 
+    def bad_batch(self, ts, kind):
+        """One batch a subscriber must survive (the inject fault)."""
+        if kind == "garbage":
+            return b"\xc1\xc1\xc1 not msgpack \xff"   # 0xc1: never used
+        tail = [self.dp_rank] if self.form != "array0" else []
+        if kind == "huge":
+            return mp_pack([ts, ["x" * (17 << 20)]] + tail)
+        if self.form in ("array", "array0"):
+            odd = [["BlockFrobbed", 1, 2], ["KVCacheMoved", [3], "CPU"]]
+        else:
+            odd = [{"type": "BlockFrobbed", "x": 1},
+                   {"type": "KVCacheMoved", "block_hashes": [3]}]
+        if kind == "many":
+            return mp_pack([ts, odd[:1] * 70000] + tail)
+        return mp_pack([ts, odd] + tail)
+
     # -- thread ------------------------------------------------------------
 
     def run(self):
@@ -1896,14 +1940,15 @@ class KvEventPublisher(threading.Thread):
                     if self.rep is None:
                         self.cv.wait(0.2)
                     continue
-                ts, events = self.q.popleft()
+                ts, events, bad = self.q.popleft()
                 self.cv.notify_all()
                 seq = self.seq
                 self.seq += 1
                 drop = self.drop_left > 0
                 if drop:
                     self.drop_left -= 1
-            payload = self.batch(ts, events)
+            payload = self.batch(ts, events) if bad is None \
+                else self.bad_batch(ts, bad)
             sb = seq.to_bytes(8, "big")
             if not drop:
                 try:
@@ -2597,10 +2642,16 @@ class Conn(socketserver.BaseRequestHandler):
         if method == "POST":
             try:
                 spec = json.loads(body.decode("utf-8") or "{}")
-                if not isinstance(spec, dict) or set(spec) - {"drop",
-                                                               "restart"}:
-                    raise ValueError("expected {\"drop\": N} and/or "
-                                     "{\"restart\": true}")
+                if not isinstance(spec, dict) or set(spec) - {
+                        "drop", "restart", "inject"}:
+                    raise ValueError("expected {\"drop\": N}, "
+                                     "{\"restart\": true} and/or "
+                                     "{\"inject\": KIND}")
+                inject = spec.get("inject")
+                if inject is not None and \
+                        inject not in KvEventPublisher.INJECT:
+                    raise ValueError("inject: expected one of %s" %
+                                     ", ".join(KvEventPublisher.INJECT))
                 drop = spec.get("drop")
                 if drop is not None and (not isinstance(drop, int) or
                                          isinstance(drop, bool) or
@@ -2611,7 +2662,8 @@ class Conn(socketserver.BaseRequestHandler):
             except (ValueError, UnicodeDecodeError) as e:
                 self.respond(400, jdump({"ok": False, "error": str(e)}))
                 return True
-            emu.kv_pub.fault(drop=drop, restart=spec.get("restart", False))
+            emu.kv_pub.fault(drop=drop, restart=spec.get("restart", False),
+                             inject=inject)
         elif method != "GET":
             self.respond(405, jdump({"detail": "Method Not Allowed"}))
             return True
@@ -3495,6 +3547,10 @@ def parse_args(argv):
     g.add_argument("--data-parallel-rank", type=int, default=0,
                    help="the events' data_parallel_rank; the KV event "
                    "endpoints' ports are shifted by it, as vLLM does")
+    g.add_argument("--kv-events-bind-host", default=None, metavar="HOST",
+                   help="bind the KV event endpoints' wildcard (tcp://*:P) "
+                   "on HOST only: one pod of several sharing a port, each "
+                   "on its own address (tests of DNS sources)")
     g.add_argument("--kv-events-hash", choices=("int", "bytes"),
                    default=None,
                    help="block hashes on the wire: uint64 (the digest's "

@@ -37,13 +37,26 @@
  * gateway's own chained key over the block's token ids, seeded by model,
  * LoRA name and cache_salt; the engine's block hash is only the agent's
  * private id for parent links and BlockRemoved).  nslots is a power of
- * two; home slot = key & (nslots - 1), linear probing over at most
- * header.max_probe (<= DPD_PFX_MAX_PROBE) slots.  Key 0 = never used
+ * two; home slot = dpd_pfx_home() (the key mixed with header.salt, a
+ * random value the writer draws per file), linear probing over at most
+ * header.max_probe (<= DPD_PFX_MAX_PROBE) slots.  The key function is
+ * public and a client may send token ids, so a home taken from the key's
+ * own bits would let it aim prompts at one probe window and fill it (its
+ * blocks, and everyone else's that hash there, go unindexed); the salt
+ * leaves nothing to aim at (version 2; version 1 had no salt).  Key 0 = never used
  * (ends a probe); a slot whose masks are both 0 is a tombstone (probing
  * continues past it; the writer may reuse it for the same key or, when
  * no probe can run through it any more, for another).  gpu_mask bit i:
  * node i holds the block in GPU memory (medium "GPU" or absent); lower_mask
  * bit i: in a lower tier (CPU, STORAGE; counted apart, not routed on).
+ *
+ * Liveness: the writer sets writer_alive while it runs (0 on a clean
+ * exit) and stores updated_ms (CLOCK_REALTIME) at least every
+ * DPD_PFX_HEARTBEAT_MS even when idle.  A reader treats an index whose
+ * writer is gone, or whose heartbeat is older than its own stale limit
+ * (nginx: dpd_prefix_cache events stale=), as holding nothing: a killed
+ * agent stops following the engines, and what its file says drifts away
+ * from what they hold.
  *
  * Prefix closure: vLLM stores a block only after its parent and evicts a
  * request's tail blocks first, so the blocks a node holds of a prompt are
@@ -58,8 +71,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dpd_prefix.h"
+
 #define DPD_PFX_MAGIC          0x3130584650445044ULL  /* "DPDPFX01" LE */
-#define DPD_PFX_VERSION        1u
+#define DPD_PFX_VERSION        2u    /* 2: salted home slot */
 #define DPD_PFX_KEY_VERSION    1u    /* dpd_prefix.h's key function */
 #define DPD_PFX_READ_TRIES     64
 #define DPD_PFX_MAX_PROBE      64
@@ -67,6 +82,8 @@
 #define DPD_PFX_ID_LEN         64
 #define DPD_PFX_ADDR_LEN       128
 #define DPD_PFX_DEFAULT_PATH   "/dev/shm/dpd_prefix"
+#define DPD_PFX_HEARTBEAT_MS   1000  /* writer: updated_ms at least this
+                                        often */
 
 /* node flags */
 #define DPD_PFX_NODE_USED      0x1u  /* slot holds a node */
@@ -91,8 +108,10 @@ typedef struct {
     uint32_t block_size;       /* tokens per block the keys cover */
     uint32_t writer_pid;
     uint32_t writer_alive;     /* 1 while the writer runs, 0 after exit */
-    uint64_t updated_ms;       /* CLOCK_REALTIME, last write */
-    uint8_t  reserved[160];    /* pads the header to 256 bytes */
+    uint64_t updated_ms;       /* CLOCK_REALTIME, last write or
+                                  heartbeat (DPD_PFX_HEARTBEAT_MS) */
+    uint64_t salt;             /* random per file: dpd_pfx_home() */
+    uint8_t  reserved[152];    /* pads the header to 256 bytes */
 } dpd_pfx_header_t;
 
 
@@ -123,6 +142,15 @@ _Static_assert(sizeof(dpd_pfx_header_t) == 256, "dpd_pfx_header_t size");
 _Static_assert(sizeof(dpd_pfx_node_t) == 256, "dpd_pfx_node_t size");
 _Static_assert(sizeof(dpd_pfx_slot_t) == 32, "dpd_pfx_slot_t size");
 #endif
+
+
+/* the home slot of key (nslots a power of two, checked) */
+
+static inline uint64_t
+dpd_pfx_home(const dpd_pfx_header_t *h, uint64_t key)
+{
+    return dpd_prefix_fmix(key ^ h->salt) & (h->nslots - 1);
+}
 
 
 /* byte offset of slot i (the caller checked i < nslots) */

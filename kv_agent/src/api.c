@@ -297,8 +297,15 @@ verb_info(kv_ctx_t *ctx)
     }
     arr = cJSON_AddArrayToObject(j, "peers");
     for (i = 0; i < ctx->npeers; i++) {
+        if (!kv_peer_visible(&ctx->peers[i])) {
+            continue;                  /* gone, or a claim not proven */
+        }
         o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "id", ctx->peers[i].conf.id);
+        cJSON_AddBoolToObject(o, "discovered", ctx->peers[i].dyn != 0);
+        cJSON_AddStringToObject(o, "ctrl", ctx->peers[i].dyn
+                                ? ctx->peers[i].dyn_ip
+                                : ctx->peers[i].conf.ctrl);
         cJSON_AddStringToObject(o, "role",
                                 dpd_state_role_name(ctx->peers[i].conf.role));
         cJSON_AddBoolToObject(o, "connected",

@@ -255,3 +255,10 @@ kv_auth_forget(kv_config_t *c)
 {
     OPENSSL_cleanse(c->peers, sizeof(c->peers));
 }
+
+
+void
+kv_auth_forget_peer(kv_peer_conf_t *p)
+{
+    OPENSSL_cleanse(p->key, sizeof(p->key));
+}

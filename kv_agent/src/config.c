@@ -3,10 +3,13 @@
  * Unknown keys are rejected so a typo never silently changes behaviour.
  */
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <cjson/cJSON.h>
@@ -365,6 +368,179 @@ parse_peers(kv_config_t *c, cJSON *arr, char *err, size_t elen)
 }
 
 
+int
+kv_peer_id_safe(const char *id, size_t len)
+{
+    size_t i;
+
+    if (len == 0 || len >= KV_ID_LEN || id[0] == '.' || id[0] == '-') {
+        return 0;
+    }
+    for (i = 0; i < len; i++) {
+        unsigned char ch = (unsigned char) id[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z')
+              || (ch >= '0' && ch <= '9') || ch == '.' || ch == '_'
+              || ch == '-'))
+        {
+            return 0;                  /* '/', NUL, controls, UTF-8 */
+        }
+        if (ch == '.' && i + 1 < len && id[i + 1] == '.') {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+
+/* A DNS name (letters, digits, '-', '.'; 253 bytes) or a numeric
+ * address: what a Service's name looks like.  Checked here so that a
+ * typo is found by `check`, not by a resolver that fails forever. */
+static int
+dns_name_ok(const char *s)
+{
+    size_t n = strlen(s), i, label = 0;
+
+    if (n == 0 || n > 253) {
+        return 0;
+    }
+    if (strchr(s, ':') != NULL) {      /* IPv6 literal */
+        for (i = 0; i < n; i++) {
+            if (!isxdigit((unsigned char) s[i]) && s[i] != ':'
+                && s[i] != '.')
+            {
+                return 0;
+            }
+        }
+        return 1;
+    }
+    for (i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char) s[i];
+        if (ch == '.') {
+            if (label == 0 && i + 1 < n) {
+                return 0;              /* empty label */
+            }
+            label = 0;
+            continue;
+        }
+        if (!isalnum(ch) && ch != '-' && ch != '_') {
+            return 0;
+        }
+        if (++label > 63) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+
+/*
+ * "peers_dns": [{"name": "dpd-decode-hl.ns.svc.cluster.local",
+ *                "port": 7100, "role": "decode",
+ *                "key_file": "/etc/dpd/keys/${POD_NAME}+{peer}.key",
+ *                "resolve_ms": 5000}]
+ * The pattern must name the peer ("{peer}" exactly once, replaced by the
+ * id the peer claims): one key for a whole pool would let any pod of it
+ * claim any other's id.
+ */
+static int
+parse_peers_dns(kv_config_t *c, cJSON *arr, char *err, size_t elen)
+{
+    static const char *const keys[] = {
+        "name", "port", "role", "key_file", "resolve_ms", NULL
+    };
+    kv_dns_conf_t *d;
+    char role[32], where[32];
+    const char *t;
+    uint64_t v;
+    cJSON *e;
+    int i;
+
+    if (!cJSON_IsArray(arr)) {
+        snprintf(err, elen, "\"peers_dns\" must be an array");
+        return -1;
+    }
+    cJSON_ArrayForEach(e, arr) {
+        snprintf(where, sizeof(where), "peers_dns[%d]", c->ndns);
+        if (c->ndns == KV_DNS_MAX) {
+            snprintf(err, elen, "peers_dns: at most %d names", KV_DNS_MAX);
+            return -1;
+        }
+        if (!cJSON_IsObject(e)) {
+            snprintf(err, elen, "%s must be an object", where);
+            return -1;
+        }
+        if (only_keys(e, where, keys, err, elen)) {
+            return -1;
+        }
+        d = &c->dns[c->ndns];
+        role[0] = '\0';
+        d->resolve_ms = 5000;
+        if (get_str(e, "name", d->name, sizeof(d->name), 1, err, elen)
+            || get_str(e, "role", role, sizeof(role), 1, err, elen)
+            || get_str(e, "key_file", d->key_file, sizeof(d->key_file), 1,
+                       err, elen)
+            || get_int(e, "resolve_ms", &d->resolve_ms, 100, 3600000, err,
+                       elen))
+        {
+            return -1;
+        }
+        if (cJSON_GetObjectItemCaseSensitive(e, "port") == NULL) {
+            snprintf(err, elen, "%s: missing \"port\" (the pool's control "
+                     "port)", where);
+            return -1;
+        }
+        v = 0;
+        if (get_u64(e, "port", &v, 1, 65535, err, elen)) {
+            return -1;
+        }
+        d->port = (int) v;
+        if (!dns_name_ok(d->name)) {
+            snprintf(err, elen, "%s: name \"%s\" is not a DNS name or an "
+                     "address", where, d->name);
+            return -1;
+        }
+        d->role = kv_role_parse(role);
+        if (d->role == DPD_ROLE_UNKNOWN) {
+            snprintf(err, elen, "%s: role \"%s\" is not prefill, decode or "
+                     "router", where, role);
+            return -1;
+        }
+        t = strstr(d->key_file, KV_DNS_PEER_TOKEN);
+        if (t == NULL || strstr(t + 1, KV_DNS_PEER_TOKEN) != NULL) {
+            snprintf(err, elen, "%s: key_file \"%s\" must contain \"%s\" "
+                     "exactly once (the id each peer claims: one key per "
+                     "link, never one for the pool)", where, d->key_file,
+                     KV_DNS_PEER_TOKEN);
+            return -1;
+        }
+        if (d->key_file[0] != '/') {
+            snprintf(err, elen, "%s: key_file \"%s\" must be an absolute "
+                     "path", where, d->key_file);
+            return -1;
+        }
+        if (strlen(d->key_file) - strlen(KV_DNS_PEER_TOKEN) + KV_ID_LEN
+            >= KV_PATH_LEN)
+        {
+            snprintf(err, elen, "%s: key_file pattern is too long (a path "
+                     "with the longest id must stay under %d bytes)", where,
+                     KV_PATH_LEN);
+            return -1;
+        }
+        for (i = 0; i < c->ndns; i++) {
+            if (strcmp(c->dns[i].name, d->name) == 0
+                && c->dns[i].port == d->port)
+            {
+                snprintf(err, elen, "%s: %s port %d is already in "
+                         "peers_dns[%d]", where, d->name, d->port, i);
+                return -1;
+            }
+        }
+        c->ndns++;
+    }
+    return 0;
+}
+
+
 /* transfer.staging: "auto" (GPU pools without FI_HMEM), "off", or
  * "host" (every pool through the ring with the host copy engine: tests,
  * benchmarks); stage_chunk bytes per slot, stage_slots slots per rank. */
@@ -471,8 +647,120 @@ evs_endpoint_ok(const char *ep)
 }
 
 
+/* A name to resolve: letters, digits, '-', '_' and '.' (a host name, a
+ * Service's DNS name) or a numeric address; nothing a log line or the
+ * resolver could take for something else. */
+static int
+evs_dns_name_ok(const char *n)
+{
+    size_t len = strlen(n), i;
+
+    if (len == 0 || len > 253 || n[0] == '.' || n[0] == '-') {
+        return 0;
+    }
+    for (i = 0; i < len; i++) {
+        if (!((n[i] >= 'a' && n[i] <= 'z') || (n[i] >= 'A' && n[i] <= 'Z')
+              || (n[i] >= '0' && n[i] <= '9') || n[i] == '-' || n[i] == '_'
+              || n[i] == '.' || n[i] == ':'))
+        {
+            return 0;
+        }
+    }
+    return strstr(n, "..") == NULL;
+}
+
+
+/* {"dns", "port", "replay_port", "http_port", "family", "resolve_ms",
+ * "topic", "model", "replay_timeout_ms"}: every address of the name is a
+ * source (kv_events_dns.c) */
+static int
+parse_kv_events_dns(kv_config_t *c, cJSON *e, const char *where, char *err,
+    size_t elen)
+{
+    static const char *const keys[] = {
+        "dns", "port", "replay_port", "http_port", "family", "resolve_ms",
+        "topic", "model", "replay_timeout_ms", NULL
+    };
+    static const char *const fixed[] = { "node", "http", "endpoint",
+                                         "replay", NULL };
+    kv_evs_dns_conf_t *d;
+    char fam[16];
+    int i;
+
+    for (i = 0; fixed[i]; i++) {
+        if (cJSON_GetObjectItemCaseSensitive(e, fixed[i]) != NULL) {
+            snprintf(err, elen, "%s: \"dns\" and \"%s\" exclude each "
+                     "other (a DNS source's nodes, \"http\" and endpoints "
+                     "are its addresses with \"http_port\", \"port\" and "
+                     "\"replay_port\")", where, fixed[i]);
+            return -1;
+        }
+    }
+    d = &c->evs.dns[c->evs.ndns];
+    memset(d, 0, sizeof(*d));
+    d->replay_timeout_ms = 2000;
+    d->resolve_ms = 5000;
+    d->family = AF_UNSPEC;
+    snprintf(fam, sizeof(fam), "any");
+    if (only_keys(e, where, keys, err, elen)
+        || get_str(e, "dns", d->name, sizeof(d->name), 1, err, elen)
+        || get_int(e, "port", &d->port, 1, 65535, err, elen)
+        || get_int(e, "replay_port", &d->replay_port, 1, 65535, err, elen)
+        || get_int(e, "http_port", &d->http_port, 1, 65535, err, elen)
+        || get_str(e, "family", fam, sizeof(fam), 0, err, elen)
+        || get_int(e, "resolve_ms", &d->resolve_ms, 100, 3600000, err,
+                   elen)
+        || get_str(e, "topic", d->topic, sizeof(d->topic), 0, err, elen)
+        || get_str(e, "model", d->model, sizeof(d->model), 0, err, elen)
+        || get_int(e, "replay_timeout_ms", &d->replay_timeout_ms, 10,
+                   600000, err, elen))
+    {
+        return -1;
+    }
+    if (!evs_dns_name_ok(d->name)) {
+        snprintf(err, elen, "%s: \"dns\" must be a host name (letters, "
+                 "digits, '-', '_', '.'; 253 bytes at most) or an address",
+                 where);
+        return -1;
+    }
+    if (d->port == 0 || d->http_port == 0) {
+        snprintf(err, elen, "%s: a \"dns\" source needs \"port\" (the "
+                 "engines' KV-event publisher) and \"http_port\" (their "
+                 "vLLM, as nginx's upstream names each address)", where);
+        return -1;
+    }
+    if (d->replay_port == d->port) {
+        snprintf(err, elen, "%s: \"replay_port\" is \"port\"", where);
+        return -1;
+    }
+    if (strcmp(fam, "any") == 0) {
+        d->family = AF_UNSPEC;
+    } else if (strcmp(fam, "ipv4") == 0) {
+        d->family = AF_INET;
+    } else if (strcmp(fam, "ipv6") == 0) {
+        d->family = AF_INET6;
+    } else {
+        snprintf(err, elen, "%s: \"family\" must be \"any\", \"ipv4\" or "
+                 "\"ipv6\"", where);
+        return -1;
+    }
+    for (i = 0; i < c->evs.ndns; i++) {
+        if (strcasecmp(c->evs.dns[i].name, d->name) == 0
+            && c->evs.dns[i].port == d->port)
+        {
+            snprintf(err, elen, "kv_events: \"dns\" %s port %d given twice",
+                     d->name, d->port);
+            return -1;
+        }
+    }
+    c->evs.ndns++;
+    return 0;
+}
+
+
 /* "kv_events": [{"node", "http", "endpoint", "replay", "topic",
- * "replay_timeout_ms"}, ...] (kv_events_sub.c) */
+ * "replay_timeout_ms"} or {"dns", ...}, ...] (kv_events_sub.c,
+ * kv_events_dns.c) */
 static int
 parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
 {
@@ -483,11 +771,12 @@ parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
     kv_evs_src_conf_t *s;
     cJSON *e;
     char where[64 + KV_ID_LEN];
-    int i, n = 0;
+    int i, n = 0, k = 0;
 
     if (!cJSON_IsArray(arr)) {
         snprintf(err, elen, "\"kv_events\" must be a list of sources "
-                 "({\"node\", \"http\", \"endpoint\", ...})");
+                 "({\"node\", \"http\", \"endpoint\", ...} or {\"dns\", "
+                 "\"port\", \"http_port\", ...})");
         return -1;
     }
     if (c->role != DPD_ROLE_ROUTER) {
@@ -501,15 +790,26 @@ parse_kv_events(kv_config_t *c, cJSON *arr, char *err, size_t elen)
                  KV_EVS_MAX_SOURCES);
         return -1;
     }
+    c->evs.ndns = 0;
     cJSON_ArrayForEach(e, arr) {
-        s = &c->evs.src[n];
-        memset(s, 0, sizeof(*s));
-        s->replay_timeout_ms = 2000;
-        snprintf(where, sizeof(where), "kv_events[%d]", n);
+        snprintf(where, sizeof(where), "kv_events[%d]", k++);
         if (!cJSON_IsObject(e)) {
             snprintf(err, elen, "%s must be an object", where);
             return -1;
         }
+        if (cJSON_GetObjectItemCaseSensitive(e, "dns") != NULL) {
+            if (parse_kv_events_dns(c, e, where, err, elen) != 0) {
+                size_t l = strlen(err);
+                if (strstr(err, where) == NULL && l + 1 < elen) {
+                    snprintf(err + l, elen - l, " (%s)", where);
+                }
+                return -1;
+            }
+            continue;
+        }
+        s = &c->evs.src[n];
+        memset(s, 0, sizeof(*s));
+        s->replay_timeout_ms = 2000;
         if (only_keys(e, where, keys, err, elen)
             || get_str(e, "node", s->node, sizeof(s->node), 1, err, elen)
             || get_str(e, "http", s->http, sizeof(s->http), 1, err, elen)
@@ -593,7 +893,7 @@ parse_prefix_index(kv_config_t *c, cJSON *o, char *err, size_t elen)
                  "({\"path\", \"slots\", \"block\", \"map_entries\"})");
         return -1;
     }
-    if (c->evs.nsrc == 0) {
+    if (c->evs.nsrc == 0 && c->evs.ndns == 0) {
         snprintf(err, elen, "\"prefix_index\" needs \"kv_events\" sources "
                  "(the index holds what their engines cache)");
         return -1;
@@ -635,6 +935,15 @@ parse_prefix_index(kv_config_t *c, cJSON *o, char *err, size_t elen)
             return -1;
         }
     }
+    for (i = 0; i < c->evs.ndns; i++) {
+        if (c->evs.dns[i].model[0] == '\0') {
+            snprintf(err, elen, "kv_events \"dns\" %s: \"model\" is needed "
+                     "with \"prefix_index\" (the name requests use for the "
+                     "model: it seeds the block keys as nginx does)",
+                     c->evs.dns[i].name);
+            return -1;
+        }
+    }
     if (p->map_entries == 0) {
         p->map_entries = p->slots / 2;  /* the slots' load bound */
     }
@@ -649,7 +958,7 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
         "node_id", "role", "http", "provider", "allow_fallback", "rails",
         "listen", "token", "peers", "api_socket", "state_path", "state",
         "pool", "timeouts", "transfer", "api", "ctrl", "log_level",
-        "lmcache_notify", "kv_events", "prefix_index", NULL
+        "lmcache_notify", "kv_events", "prefix_index", "peers_dns", NULL
     };
     static const char *const ctrl_keys[] = {
         "hello_timeout_ms", "max_unauthenticated", "max_peer_connects",
@@ -746,6 +1055,11 @@ parse_root(kv_config_t *c, cJSON *root, char *err, size_t elen)
     }
     if ((o = cJSON_GetObjectItemCaseSensitive(root, "peers"))
         && parse_peers(c, o, err, elen))
+    {
+        return -1;
+    }
+    if ((o = cJSON_GetObjectItemCaseSensitive(root, "peers_dns"))
+        && parse_peers_dns(c, o, err, elen))
     {
         return -1;
     }
@@ -864,6 +1178,36 @@ defaults(kv_config_t *c)
 }
 
 
+/*
+ * A "\u0000" escape inside a JSON string: cJSON ends the C string there,
+ * so "a\u0000b" would be read as "a" and the rest dropped without a word.
+ * Returns its byte offset, or -1.  Outside strings, and "\\u0000" (an
+ * escaped backslash), are not one.
+ */
+static long
+json_nul_escape(const char *p, size_t n)
+{
+    size_t i;
+    int in = 0;
+
+    for (i = 0; i < n; i++) {
+        if (!in) {
+            in = p[i] == '"';
+        } else if (p[i] == '"') {
+            in = 0;
+        } else if (p[i] == '\\' && i + 1 < n) {
+            if (p[i + 1] == 'u' && i + 5 < n
+                && memcmp(p + i + 2, "0000", 4) == 0)
+            {
+                return (long) i;
+            }
+            i++;                       /* the escaped character */
+        }
+    }
+    return -1;
+}
+
+
 int
 kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
 {
@@ -897,6 +1241,13 @@ kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen)
     }
     fclose(f);
     buf[n] = '\0';
+    if (json_nul_escape(buf, (size_t) n) >= 0) {
+        snprintf(err, elen, "%s: a NUL character (\\u0000) in a string "
+                 "near byte %ld: no value may hold one", path,
+                 json_nul_escape(buf, (size_t) n));
+        free(buf);
+        return -1;
+    }
     root = cJSON_ParseWithLength(buf, n);
     if (root == NULL) {
         const char *at = cJSON_GetErrorPtr();

@@ -32,10 +32,12 @@
 #include <cjson/cJSON.h>
 
 #include "kv.h"
+#include "resolve.h"
 
 #define KV_CTRL_VERSION 2
 
 static void hs_fail(kv_ctx_t *ctx, int peer, const char *why);
+static void out_challenge(kv_ctx_t *ctx, int peer, cJSON *j);
 
 int kv_fault_short_addr;               /* tests: advertise a cut address */
 
@@ -252,7 +254,9 @@ kv_ctrl_peer_find(kv_ctx_t *ctx, const char *id)
     int i;
 
     for (i = 0; i < ctx->npeers; i++) {
-        if (strcmp(ctx->peers[i].conf.id, id) == 0) {
+        if (kv_peer_visible(&ctx->peers[i])
+            && strcmp(ctx->peers[i].conf.id, id) == 0)
+        {
             return i;
         }
     }
@@ -688,8 +692,12 @@ void
 kv_ctrl_update_node(kv_ctx_t *ctx, int peer)
 {
     kv_peer_t *pe = &ctx->peers[peer];
-    dpd_node_rec_t *r = kv_state_node(&ctx->st, pe->conf.id);
+    dpd_node_rec_t *r;
 
+    if (!kv_peer_visible(pe)) {
+        return;                        /* an unproven claim, or gone */
+    }
+    r = kv_state_node(&ctx->st, pe->conf.id);
     if (r == NULL) {
         return;
     }
@@ -776,6 +784,14 @@ kv_ctrl_link_down(kv_ctx_t *ctx, int peer, const char *why)
     snprintf(msg, sizeof(msg), "peer %s disconnected (%s)", pe->conf.id, why);
     kv_push_peer_down(ctx, peer, msg);
     av_forget(ctx, pe);
+    if (pe->res_id) {
+        kv_res_cancel(ctx->res, pe->res_id);
+        pe->res_id = 0;
+    }
+    if (pe->dyn) {
+        /* its address is probed again by peers_dns.c */
+        kv_pdns_link_down(ctx, peer);
+    }
 }
 
 
@@ -787,6 +803,9 @@ kv_ctrl_rekeyed(kv_ctx_t *ctx, const char *why)
     int i;
 
     for (i = 0; i < ctx->npeers; i++) {
+        if (ctx->peers[i].retired) {
+            continue;
+        }
         if (ctx->peers[i].out_state != KV_LINK_DOWN) {
             kv_ctrl_link_down(ctx, i, why);
         }
@@ -799,37 +818,159 @@ kv_ctrl_rekeyed(kv_ctx_t *ctx, const char *why)
 }
 
 
-static void
-connect_peer(kv_ctx_t *ctx, int peer)
+/* With peers_dns, outbound control connections leave from the listen
+ * address when it is one (not a wildcard): a peer that checks our source
+ * address against its DNS answers sees the address those answers name,
+ * also on a host or pod with several.  Static configs keep the kernel's
+ * choice. */
+void
+kv_ctrl_bind_source(kv_ctx_t *ctx, int fd, int family)
 {
-    kv_peer_t *pe = &ctx->peers[peer];
-    struct addrinfo *res;
-    int fd, one = 1;
+    struct addrinfo hints, *res;
+    char host[KV_ADDR_LEN];
+    int port;
 
-    if (resolve(pe->conf.ctrl, &res, 0) != 0) {
-        kv_ctrl_link_down(ctx, peer, "cannot resolve address");
+    if (ctx->cfg.ndns == 0
+        || kv_parse_hostport(ctx->cfg.listen, host, sizeof(host), &port) != 0
+        || host[0] == '\0' || strcmp(host, "0.0.0.0") == 0
+        || strcmp(host, "::") == 0)
+    {
         return;
     }
-    fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC,
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = family;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICHOST;
+    if (getaddrinfo(host, "0", &hints, &res) != 0) {
+        return;                        /* a name, or another family */
+    }
+    if (bind(fd, res->ai_addr, res->ai_addrlen) != 0) {
+        kv_debug("ctrl: cannot bind the source address %s: %s", host,
+                 strerror(errno));
+    }
+    freeaddrinfo(res);
+}
+
+
+static void
+connect_addr(kv_ctx_t *ctx, int peer, const struct sockaddr *sa,
+    socklen_t sl)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+    int fd, one = 1;
+
+    fd = socket(sa->sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC,
                 0);
     if (fd < 0) {
-        freeaddrinfo(res);
         kv_ctrl_link_down(ctx, peer, strerror(errno));
         return;
     }
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    kv_ctrl_bind_source(ctx, fd, sa->sa_family);
     kv_conn_init(&pe->out, fd);
-    pe->t_connect_s = kv_now_s();
-    if (connect(fd, res->ai_addr, res->ai_addrlen) != 0
-        && errno != EINPROGRESS)
-    {
-        freeaddrinfo(res);
-        pe->out_state = KV_LINK_CONNECTING;
+    pe->out_state = KV_LINK_CONNECTING;
+    if (connect(fd, sa, sl) != 0 && errno != EINPROGRESS) {
         kv_ctrl_link_down(ctx, peer, strerror(errno));
+    }
+}
+
+
+/* A name in "ctrl" resolved off the loop (resolve.c): connect to the
+ * first address of the answer. */
+static void
+ctrl_resolved(void *data, const kv_res_result_t *res)
+{
+    kv_ctx_t *ctx = data;
+    struct sockaddr_storage ss;
+    struct sockaddr_in *s4 = (struct sockaddr_in *) &ss;
+    struct sockaddr_in6 *s6 = (struct sockaddr_in6 *) &ss;
+    const kv_res_addr_t *a;
+    char why[200];
+    int i;
+
+    for (i = 0; i < ctx->npeers && ctx->peers[i].res_id != res->id; i++) {
+    }
+    if (i == ctx->npeers) {
         return;
     }
-    freeaddrinfo(res);
-    pe->out_state = KV_LINK_CONNECTING;
+    ctx->peers[i].res_id = 0;
+    if (res->status != KV_RES_OK || res->naddrs == 0) {
+        snprintf(why, sizeof(why), "cannot resolve %s: %s", res->name,
+                 res->status != KV_RES_OK ? res->error : "no address");
+        kv_ctrl_link_down(ctx, i, why);
+        return;
+    }
+    a = &res->addrs[0];
+    memset(&ss, 0, sizeof(ss));
+    if (a->family == AF_INET) {
+        s4->sin_family = AF_INET;
+        s4->sin_port = htons((uint16_t) a->port);
+        memcpy(&s4->sin_addr, a->addr, 4);
+        connect_addr(ctx, i, (struct sockaddr *) s4, sizeof(*s4));
+    } else {
+        s6->sin6_family = AF_INET6;
+        s6->sin6_port = htons((uint16_t) a->port);
+        memcpy(&s6->sin6_addr, a->addr, 16);
+        s6->sin6_scope_id = a->scope_id;
+        connect_addr(ctx, i, (struct sockaddr *) s6, sizeof(*s6));
+    }
+}
+
+
+/* A numeric address connects at once; a name is resolved by resolve.c's
+ * threads (a slow cluster DNS must not stall the loop), then connected. */
+static void
+connect_peer(kv_ctx_t *ctx, int peer)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+    struct addrinfo hints, *res;
+    char host[KV_ADDR_LEN], port[16], why[200];
+    int p;
+
+    pe->t_connect_s = kv_now_s();
+    if (kv_parse_hostport(pe->conf.ctrl, host, sizeof(host), &p) != 0) {
+        kv_ctrl_link_down(ctx, peer, "bad address");
+        return;
+    }
+    snprintf(port, sizeof(port), "%d", p);
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV | AI_NUMERICHOST;
+    if (getaddrinfo(host, port, &hints, &res) == 0) {
+        connect_addr(ctx, peer, res->ai_addr, res->ai_addrlen);
+        freeaddrinfo(res);
+        return;
+    }
+    if (ctx->res == NULL) {
+        kv_ctrl_link_down(ctx, peer, "no resolver");
+        return;
+    }
+    pe->res_id = kv_res_start(ctx->res, host, p, AF_UNSPEC, ctrl_resolved,
+                              ctx);
+    if (pe->res_id == 0) {
+        snprintf(why, sizeof(why), "cannot resolve %s: %s", host,
+                 strerror(errno));
+        kv_ctrl_link_down(ctx, peer, why);
+    }
+}
+
+
+/* peers_dns.c read a discovered listener's challenge on conn and found
+ * the claimed id's slot: the slot answers it as its own connection. */
+void
+kv_ctrl_adopt(kv_ctx_t *ctx, int peer, kv_conn_t *conn, cJSON *challenge)
+{
+    kv_peer_t *pe = &ctx->peers[peer];
+
+    pe->out = *conn;
+    memset(conn, 0, sizeof(*conn));
+    conn->fd = -1;
+    pe->t_connect_s = kv_now_s();
+    pe->out_state = KV_LINK_HELLO;
+    pe->got_challenge = 0;
+    pe->hs_deadline_ms = kv_now_ms() + ctx->cfg.hello_timeout_ms;
+    out_challenge(ctx, peer, challenge);
 }
 
 
@@ -865,7 +1006,12 @@ kv_ctrl_tick(kv_ctx_t *ctx, uint64_t now)
 
     for (i = 0; i < ctx->npeers; i++) {
         pe = &ctx->peers[i];
-        if (pe->out_state == KV_LINK_DOWN && now >= pe->next_connect_ms) {
+        if (pe->retired) {
+            continue;
+        }
+        if (pe->out_state == KV_LINK_DOWN && now >= pe->next_connect_ms
+            && !pe->dyn && pe->res_id == 0)
+        {
             connect_peer(ctx, i);
         } else if (pe->out_state == KV_LINK_HELLO
                    && now > pe->hs_deadline_ms)
@@ -1004,6 +1150,9 @@ out_hello_ok(kv_ctx_t *ctx, int peer, cJSON *j)
         return;
     }
     pe->out_state = KV_LINK_UP;
+    if (pe->dyn) {
+        kv_pdns_link_up(ctx, peer);    /* the claim is proven */
+    }
     pe->warned_down = 0;
     pe->warned_auth = 0;
     pe->link_gen++;
@@ -1301,9 +1450,17 @@ in_hello(kv_ctx_t *ctx, int client, cJSON *j)
         goto reject;
     }
     peer = kv_ctrl_peer_find(ctx, jn->valuestring);
+    if (peer < 0 && strcmp(jp->valuestring, ctx->cfg.node_id) == 0) {
+        /* not configured: a peers_dns key may prove it */
+        peer = kv_pdns_inbound(ctx, client, jn->valuestring,
+                               jk->valuestring, nc, c->nonce_s, got, err,
+                               sizeof(err));
+    }
     if (peer < 0) {
-        snprintf(err, sizeof(err), "node %.64s is not an allowed peer",
-                 jn->valuestring);
+        if (err[0] == '\0') {
+            snprintf(err, sizeof(err), "node %.64s is not an allowed peer",
+                     jn->valuestring);
+        }
         goto reject;
     }
     pe = &ctx->peers[peer];

@@ -152,9 +152,25 @@ typedef struct {
                                         * model: the prefix index's seed */
     int      replay_timeout_ms;        /* no reply this long: given up */
 } kv_evs_src_conf_t;
+/* a DNS source: every address its name resolves to is one engine
+ * (kv_events_dns.c), e.g. a Kubernetes headless Service's pods */
+#define KV_EVS_DNS_LEN      254        /* a name: 253 bytes at most */
 typedef struct {
-    kv_evs_src_conf_t src[KV_EVS_MAX_SOURCES];
+    char     name[KV_EVS_DNS_LEN];     /* "dns" */
+    int      port;                     /* the PUB's on each address */
+    int      replay_port;              /* the ROUTER's; 0 = none */
+    int      http_port;                /* its vLLM's: node = IP:http_port */
+    int      family;                   /* AF_UNSPEC, AF_INET, AF_INET6 */
+    int      resolve_ms;               /* re-resolved this often */
+    char     topic[KV_EVS_TOPIC_LEN];
+    char     model[KV_EVS_TOPIC_LEN];
+    int      replay_timeout_ms;
+} kv_evs_dns_conf_t;
+typedef struct {
+    kv_evs_src_conf_t src[KV_EVS_MAX_SOURCES];   /* static sources */
     int               nsrc;
+    kv_evs_dns_conf_t dns[KV_EVS_MAX_SOURCES];   /* DNS sources */
+    int               ndns;
 } kv_evs_conf_t;
 
 /* "prefix_index": the KV-events prefix index nginx reads for
@@ -165,6 +181,21 @@ typedef struct {
     uint64_t  map_entries;             /* engine ids remembered */
     int       block;                   /* tokens a block: the engines' */
 } kv_pfx_conf_t;
+
+/* "peers_dns": a pool's members from a (headless Service's) DNS name
+ * (peers_dns.c; parsed in config.c).  An answer names addresses, never
+ * identities: each node claims its id in the handshake and proves it with
+ * the key of the link, read from key_file with "{peer}" replaced. */
+#define KV_DNS_MAX        8
+#define KV_DNS_NAME_LEN   256
+#define KV_DNS_PEER_TOKEN "{peer}"
+typedef struct {
+    char     name[KV_DNS_NAME_LEN];    /* resolved every resolve_ms */
+    int      port;                     /* the pool's control port */
+    uint32_t role;
+    char     key_file[KV_PATH_LEN];    /* pattern with one "{peer}" */
+    int      resolve_ms;
+} kv_dns_conf_t;
 
 typedef struct {
     char     id[KV_ID_LEN];
@@ -197,6 +228,8 @@ typedef struct {
     char           listen[KV_ADDR_LEN];
     kv_peer_conf_t peers[KV_MAX_PEERS];
     int            npeers;
+    kv_dns_conf_t  dns[KV_DNS_MAX];    /* peers_dns */
+    int            ndns;
     char           api_socket[108];
     char           state_path[512];
     uint32_t       max_nodes, max_reqs;
@@ -227,6 +260,9 @@ enum { KV_STAGE_AUTO = 0, KV_STAGE_HOST_TEST = 1, KV_STAGE_OFF = 2 };
 
 int kv_config_load(kv_config_t *c, const char *path, char *err, size_t elen);
 uint32_t kv_role_parse(const char *s);
+/* a node id a peer may claim (peers_dns): [A-Za-z0-9._-], no "..", not
+ * starting with '.' or '-', under KV_ID_LEN bytes: safe in a file name */
+int kv_peer_id_safe(const char *id, size_t len);
 /* config_env.c: ${VAR} substitution; the config as `check` shows it */
 struct cJSON;
 #define KV_ENV_USED            1   /* *used: some value was substituted */
@@ -250,6 +286,7 @@ int  kv_auth_key_hex(kv_peer_conf_t *p, const char *hex, const char *where,
 int  kv_auth_key_file(kv_peer_conf_t *p, const char *path, char *err,
     size_t elen);
 void kv_auth_forget(kv_config_t *c);
+void kv_auth_forget_peer(kv_peer_conf_t *p);
 
 /* ---- state table writer ---------------------------------------------- */
 
@@ -269,6 +306,7 @@ int  kv_state_open(kv_state_t *s, const char *path, const char *self_id,
     uint32_t max_nodes, uint32_t max_reqs);
 void kv_state_close(kv_state_t *s, int clean);
 dpd_node_rec_t *kv_state_node(kv_state_t *s, const char *id);
+void kv_state_node_remove(kv_state_t *s, const char *id);
 void kv_state_node_begin(dpd_node_rec_t *r);
 void kv_state_node_end(kv_state_t *s, dpd_node_rec_t *r);
 dpd_req_rec_t *kv_state_req(kv_state_t *s, const char *req_id, int create);
@@ -461,6 +499,15 @@ typedef struct {
     /* the vLLM address it announced in its authenticated hello(_ok): its
      * state record's when our config gives it no "http" (a pod's IP) */
     char           http_seen[KV_ADDR_LEN];
+    uint64_t       res_id;            /* its ctrl name being resolved, 0 */
+    /* peers_dns (peers_dns.c): found from a DNS answer, not configured */
+    int            dyn;               /* its peers_dns entry + 1, or 0 */
+    int            dyn_proven;        /* its claimed id was proven */
+    int            retired;           /* gone: hidden, its slot reusable
+                                       * once nothing refers to it */
+    int            dyn_addr;          /* the answer it is linked at, -1 */
+    char           dyn_ip[64];        /* its address (answers, inbound) */
+    int            dyn_missing;       /* answers in a row without it */
 } kv_peer_t;
 
 /* A slot of a receiver's ring granted to one of our pushes: chunk `chunk`
@@ -718,7 +765,10 @@ struct kv_ctx {
     uint32_t     free_blocks;
 
     kv_peer_t    peers[KV_MAX_PEERS];
-    int          npeers;
+    int          npeers;               /* slots in use (configured first) */
+    int          npeers_static;        /* the configured ones */
+    struct kv_res  *res;               /* resolve.c: names, off the loop */
+    struct kv_pdns *pdns;              /* peers_dns.c, or NULL */
 
     int          ctrl_lfd, api_lfd;
     /* out of descriptors (EMFILE/ENFILE): a listener is not polled until
@@ -769,9 +819,28 @@ struct kv_ctx {
     int          copy_backoff_us;      /* polling a slow copy's event */
     struct kv_lmc *lmc;                /* lmcache_notify.c, or NULL */
     struct kv_evs *evs;                /* kv_events_sub.c, or NULL */
+    struct kv_evs_dns *evs_dns;        /* kv_events_dns.c, or NULL */
     struct kv_pfx *pfx;                /* prefix_index.c, or NULL */
     struct kv_pfx_feed *pfx_feed;      /* prefix_events.c: evs -> pfx */
 };
+
+/* ---- peers from DNS answers (peers_dns.c) ---------------------------- */
+#define KV_PDNS_MAX_ADDRS  128         /* addresses followed, all names */
+int  kv_pdns_open(kv_ctx_t *ctx);
+void kv_pdns_close(kv_ctx_t *ctx);
+int  kv_pdns_pollfds(kv_ctx_t *ctx, struct pollfd *pfd, int *who, int base);
+void kv_pdns_event(kv_ctx_t *ctx, int i, short revents);
+void kv_pdns_tick(kv_ctx_t *ctx, uint64_t now);
+/* a discovered peer's outbound link went down / came up (ctrl.c) */
+void kv_pdns_link_down(kv_ctx_t *ctx, int peer);
+void kv_pdns_link_up(kv_ctx_t *ctx, int peer);
+/* an inbound hello from an id no slot holds: a slot if one peers_dns
+ * entry's key for it proves the hello, else -1 and why */
+int  kv_pdns_inbound(kv_ctx_t *ctx, int client, const char *id,
+    const char *kid, const uint8_t nc[KV_NONCE_LEN],
+    const uint8_t ns[KV_NONCE_LEN], const uint8_t proof[KV_MAC_LEN],
+    char *err, size_t elen);
+int  kv_peer_visible(const kv_peer_t *pe);  /* listed, in the table */
 
 /* ---- LMCache notices (lmcache_notify.c) -------------------------------- */
 struct pollfd;
@@ -794,10 +863,20 @@ typedef struct {
 } kv_evs_src_stats_t;
 
 struct kv_evs;
-/* connects every source of c (kept by reference: c must outlive it);
+/* connects every static source of c (copied);
  * lim NULL: kv_events.h's bounds.  NULL on failure (logged). */
 struct kv_evs *kv_evs_open(const kv_evs_conf_t *c, const kv_ev_sink_t *sink,
     const kv_ev_limits_t *lim);
+/* A source added at run time (kv_events_dns.c): its slot index (the
+ * origin's idx of its events), or -1 (no slot free, or no socket; logged).
+ * c is copied. */
+int  kv_evs_add(struct kv_evs *e, const kv_evs_src_conf_t *c);
+/* ... closed: nothing more is delivered for slot i */
+void kv_evs_remove(struct kv_evs *e, int i);
+/* the slot of a source with this endpoint or (http not NULL) this http,
+ * else -1 */
+int  kv_evs_find(struct kv_evs *e, const char *endpoint, const char *http);
+int  kv_evs_free_slots(struct kv_evs *e);
 int  kv_evs_pollfds(struct kv_evs *e, struct pollfd *pfd, int max);
 void kv_evs_process(struct kv_evs *e);   /* never blocks */
 int  kv_evs_nsrc(struct kv_evs *e);
@@ -871,6 +950,11 @@ int  kv_ctrl_accepted(kv_ctx_t *ctx, int client);
 int  kv_ctrl_unauth_count(kv_ctx_t *ctx);
 void kv_ctrl_rekeyed(kv_ctx_t *ctx, const char *why);
 uint64_t kv_proc_start(int pid);      /* 0: gone (or a zombie) */
+/* a discovered peer's probe connection, its challenge read: the slot
+ * takes the connection over and answers it (peers_dns.c) */
+void kv_ctrl_adopt(kv_ctx_t *ctx, int peer, kv_conn_t *conn,
+    struct cJSON *challenge);
+void kv_ctrl_bind_source(kv_ctx_t *ctx, int fd, int family);
 
 /* xfer.c */
 int  kv_xfer_init(kv_ctx_t *ctx);

@@ -321,6 +321,17 @@ kv_events_main(int argc, char **argv)
             goto usage;
         }
     }
+    if (conf != NULL && conf->ndns > 0) {
+        /* a subscriber of fixed endpoints: no resolver here */
+        fprintf(stderr, "kv_agent events: %d \"dns\" source%s of the config "
+                "not followed here (`kv_agent run` follows them)%s\n",
+                conf->ndns, conf->ndns == 1 ? "" : "s",
+                conf->nsrc ? "" : "; no other source");
+        if (conf->nsrc == 0) {
+            free(cfg);
+            return 2;
+        }
+    }
     if (conf == NULL || conf->nsrc == 0) {
         goto usage;
     }

@@ -65,7 +65,9 @@
 
 
 typedef struct {
-    const kv_evs_src_conf_t *c;
+    const kv_evs_src_conf_t *c;        /* &own */
+    kv_evs_src_conf_t own;
+    int             used;
     uint32_t        idx;
     void           *sub, *dealer;
     void           *mon;               /* the SUB's connection events */
@@ -80,12 +82,15 @@ typedef struct {
     int             have_held;
     kv_evs_src_stats_t st;
     uint64_t        t_warn;
+    uint64_t        t_clear;           /* the last clear line */
+    uint64_t        clear_quiet;       /* clears not logged since */
 } evs_src_t;
 
 struct kv_evs {
     void             *zctx;
-    evs_src_t        *src;
-    int               nsrc;
+    evs_src_t        *src;             /* KV_EVS_MAX_SOURCES slots */
+    int               nsrc;            /* slots [0, nsrc) may be used */
+    uint64_t          gen;             /* names monitor endpoints */
     kv_ev_decoder_t   dec;
     kv_ev_sink_t      sink;
 };
@@ -107,14 +112,28 @@ static void
 evs_clear(struct kv_evs *e, evs_src_t *s, uint64_t seq, kv_ev_clear_t why)
 {
     kv_ev_origin_t o;
+    uint64_t now;
 
     evs_origin(s, seq, &o);
     s->st.clears++;
-    kv_info("kv_events: %s: %s at seq %llu: its entries are dropped",
-            s->c->node, why == KV_EV_CLEAR_RESTART ? "publisher restarted"
-                        : why == KV_EV_CLEAR_RECONNECT
-                        ? "reconnected elsewhere in the stream"
-                        : "messages lost", (unsigned long long) seq);
+    /* one line a second per source, as "message dropped": a publisher
+     * that restarts in a loop must not flood the log; the lines left out
+     * are counted in the next one */
+    now = kv_now_ms();
+    if (s->t_clear != 0 && now - s->t_clear < 1000) {
+        s->clear_quiet++;
+    } else {
+        s->t_clear = now;
+        kv_info("kv_events: %s: %s at seq %llu: its entries are dropped "
+                "(%llu clears not logged in the last second, %llu in "
+                "all)", s->c->node, why == KV_EV_CLEAR_RESTART
+                ? "publisher restarted" : why == KV_EV_CLEAR_RECONNECT
+                ? "reconnected elsewhere in the stream" : "messages lost",
+                (unsigned long long) seq,
+                (unsigned long long) s->clear_quiet,
+                (unsigned long long) s->st.clears);
+        s->clear_quiet = 0;
+    }
     if (e->sink.cleared) {
         e->sink.cleared(e->sink.data, &o, why);
     }
@@ -501,101 +520,216 @@ evs_sub_poll(struct kv_evs *e, evs_src_t *s)
 }
 
 
+/* slot i: the SUB (+ its monitor) connected to s->own; 0 / -1 */
+static int
+evs_src_open(struct kv_evs *e, int i)
+{
+    evs_src_t *s = &e->src[i];
+    char mep[64];
+    int v;
+
+    s->c = &s->own;
+    s->idx = (uint32_t) i;
+    s->sub = zmq_socket(e->zctx, ZMQ_SUB);
+    if (s->sub == NULL) {
+        kv_err("kv_events: %s: no socket: %s", s->c->node,
+               zmq_strerror(errno));
+        return -1;
+    }
+    v = 0;
+    zmq_setsockopt(s->sub, ZMQ_LINGER, &v, sizeof(v));
+    v = KV_EVS_RCVHWM;
+    zmq_setsockopt(s->sub, ZMQ_RCVHWM, &v, sizeof(v));
+    {
+        int64_t max = (int64_t) e->dec.lim.max_payload + 4096;
+        zmq_setsockopt(s->sub, ZMQ_MAXMSGSIZE, &max, sizeof(max));
+    }
+    /* a publisher that froze or vanished without a FIN (a pod gone
+     * with its address) shows up as a dropped connection within
+     * KV_EVS_HB_TIMEOUT: ZMTP heartbeats, which vLLM's libzmq
+     * answers by itself; TCP keepalive for peers without them */
+    v = KV_EVS_HB_IVL;
+    zmq_setsockopt(s->sub, ZMQ_HEARTBEAT_IVL, &v, sizeof(v));
+    v = KV_EVS_HB_TIMEOUT;
+    zmq_setsockopt(s->sub, ZMQ_HEARTBEAT_TIMEOUT, &v, sizeof(v));
+    v = 1;
+    zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE, &v, sizeof(v));
+    v = 30;
+    zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE_IDLE, &v, sizeof(v));
+    v = 5;
+    zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE_INTVL, &v, sizeof(v));
+    v = 3;
+    zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE_CNT, &v, sizeof(v));
+    v = 100;
+    zmq_setsockopt(s->sub, ZMQ_RECONNECT_IVL, &v, sizeof(v));
+    v = 5000;
+    zmq_setsockopt(s->sub, ZMQ_RECONNECT_IVL_MAX, &v, sizeof(v));
+    v = 1;
+    if (strchr(s->c->endpoint, '[')) {
+        zmq_setsockopt(s->sub, ZMQ_IPV6, &v, sizeof(v));
+    }
+    /* ZMQ filters by prefix; evs_topic_ok() then wants it exact */
+    zmq_setsockopt(s->sub, ZMQ_SUBSCRIBE, s->c->topic, strlen(s->c->topic));
+    /* a slot used again gets a monitor endpoint of its own: the old one
+     * may still be bound while libzmq's reaper closes the old socket */
+    snprintf(mep, sizeof(mep), "inproc://kv-events-mon-%d-%llu", i,
+             (unsigned long long) e->gen++);
+    if (zmq_socket_monitor(s->sub, mep, ZMQ_EVENT_DISCONNECTED) == 0) {
+        s->mon = zmq_socket(e->zctx, ZMQ_PAIR);
+        if (s->mon && zmq_connect(s->mon, mep) != 0) {
+            zmq_close(s->mon);
+            s->mon = NULL;
+        }
+        v = 0;
+        if (s->mon) {
+            zmq_setsockopt(s->mon, ZMQ_LINGER, &v, sizeof(v));
+        }
+    }
+    if (zmq_connect(s->sub, s->c->endpoint) != 0) {
+        kv_err("kv_events: %s: cannot connect to %s: %s", s->c->node,
+               s->c->endpoint, zmq_strerror(errno));
+        return -1;
+    }
+    kv_info("kv_events: %s (%s): subscribed to %s topic \"%s\"%s%s",
+            s->c->node, s->c->http, s->c->endpoint, s->c->topic,
+            s->c->replay[0] ? ", replay " : "", s->c->replay);
+    return 0;
+}
+
+
+/* slot s: sockets closed, counters logged, the slot free */
+static void
+evs_src_close(evs_src_t *s)
+{
+    if (s->used) {
+        kv_info("kv_events: %s: %llu messages (%llu refused), %llu "
+                "gaps, %llu restarts, %llu replays (%llu ok, %llu "
+                "abandoned), %llu malformed", s->c->node,
+                (unsigned long long) s->st.msgs,
+                (unsigned long long) s->st.refused_msgs,
+                (unsigned long long) s->st.gaps,
+                (unsigned long long) s->st.restarts,
+                (unsigned long long) s->st.replays,
+                (unsigned long long) s->st.replays_ok,
+                (unsigned long long) s->st.replays_failed,
+                (unsigned long long) s->st.bad_frames);
+    }
+    if (s->sub) {
+        zmq_close(s->sub);
+    }
+    if (s->dealer) {
+        zmq_close(s->dealer);
+    }
+    if (s->mon) {
+        zmq_close(s->mon);
+    }
+    evs_hold_free(s);
+    memset(s, 0, sizeof(*s));
+}
+
+
 struct kv_evs *
 kv_evs_open(const kv_evs_conf_t *c, const kv_ev_sink_t *sink,
     const kv_ev_limits_t *lim)
 {
     struct kv_evs *e;
-    evs_src_t *s;
-    int i, v;
+    int i;
 
     e = calloc(1, sizeof(*e));
     if (e == NULL) {
         return NULL;
     }
     e->sink = *sink;
-    e->nsrc = c->nsrc;
-    e->src = calloc(c->nsrc ? c->nsrc : 1, sizeof(evs_src_t));
+    e->src = calloc(KV_EVS_MAX_SOURCES, sizeof(evs_src_t));
     e->zctx = zmq_ctx_new();
     if (e->src == NULL || e->zctx == NULL
         || kv_ev_decoder_init(&e->dec, lim) != 0)
     {
         goto failed;
     }
-    for (i = 0; i < c->nsrc; i++) {
-        s = &e->src[i];
-        s->c = &c->src[i];
-        s->idx = (uint32_t) i;
-        s->sub = zmq_socket(e->zctx, ZMQ_SUB);
-        if (s->sub == NULL) {
+    for (i = 0; i < c->nsrc && i < KV_EVS_MAX_SOURCES; i++) {
+        e->src[i].own = c->src[i];
+        e->src[i].used = 1;
+        e->nsrc = i + 1;
+        if (evs_src_open(e, i) != 0) {
             goto failed;
         }
-        v = 0;
-        zmq_setsockopt(s->sub, ZMQ_LINGER, &v, sizeof(v));
-        v = KV_EVS_RCVHWM;
-        zmq_setsockopt(s->sub, ZMQ_RCVHWM, &v, sizeof(v));
-        {
-            int64_t max = (int64_t) e->dec.lim.max_payload + 4096;
-            zmq_setsockopt(s->sub, ZMQ_MAXMSGSIZE, &max, sizeof(max));
-        }
-        /* a publisher that froze or vanished without a FIN (a pod gone
-         * with its address) shows up as a dropped connection within
-         * KV_EVS_HB_TIMEOUT: ZMTP heartbeats, which vLLM's libzmq
-         * answers by itself; TCP keepalive for peers without them */
-        v = KV_EVS_HB_IVL;
-        zmq_setsockopt(s->sub, ZMQ_HEARTBEAT_IVL, &v, sizeof(v));
-        v = KV_EVS_HB_TIMEOUT;
-        zmq_setsockopt(s->sub, ZMQ_HEARTBEAT_TIMEOUT, &v, sizeof(v));
-        v = 1;
-        zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE, &v, sizeof(v));
-        v = 30;
-        zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE_IDLE, &v, sizeof(v));
-        v = 5;
-        zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE_INTVL, &v, sizeof(v));
-        v = 3;
-        zmq_setsockopt(s->sub, ZMQ_TCP_KEEPALIVE_CNT, &v, sizeof(v));
-        v = 100;
-        zmq_setsockopt(s->sub, ZMQ_RECONNECT_IVL, &v, sizeof(v));
-        v = 5000;
-        zmq_setsockopt(s->sub, ZMQ_RECONNECT_IVL_MAX, &v, sizeof(v));
-        v = 1;
-        if (strchr(s->c->endpoint, '[')) {
-            zmq_setsockopt(s->sub, ZMQ_IPV6, &v, sizeof(v));
-        }
-        /* ZMQ filters by prefix; evs_topic_ok() then wants it exact */
-        zmq_setsockopt(s->sub, ZMQ_SUBSCRIBE, s->c->topic,
-                       strlen(s->c->topic));
-        {
-            char mep[64];
-            snprintf(mep, sizeof(mep), "inproc://kv-events-mon-%d", i);
-            if (zmq_socket_monitor(s->sub, mep, ZMQ_EVENT_DISCONNECTED)
-                == 0)
-            {
-                s->mon = zmq_socket(e->zctx, ZMQ_PAIR);
-                if (s->mon && zmq_connect(s->mon, mep) != 0) {
-                    zmq_close(s->mon);
-                    s->mon = NULL;
-                }
-                v = 0;
-                if (s->mon) {
-                    zmq_setsockopt(s->mon, ZMQ_LINGER, &v, sizeof(v));
-                }
-            }
-        }
-        if (zmq_connect(s->sub, s->c->endpoint) != 0) {
-            kv_err("kv_events: %s: cannot connect to %s: %s", s->c->node,
-                   s->c->endpoint, zmq_strerror(errno));
-            goto failed;
-        }
-        kv_info("kv_events: %s (%s): subscribed to %s topic \"%s\"%s%s",
-                s->c->node, s->c->http, s->c->endpoint, s->c->topic,
-                s->c->replay[0] ? ", replay " : "", s->c->replay);
     }
     return e;
 
 failed:
     kv_evs_close(e);
     return NULL;
+}
+
+
+int
+kv_evs_add(struct kv_evs *e, const kv_evs_src_conf_t *c)
+{
+    int i;
+
+    for (i = 0; i < KV_EVS_MAX_SOURCES; i++) {
+        if (!e->src[i].used) {
+            break;
+        }
+    }
+    if (i == KV_EVS_MAX_SOURCES) {
+        return -1;
+    }
+    memset(&e->src[i], 0, sizeof(evs_src_t));
+    e->src[i].own = *c;
+    e->src[i].used = 1;
+    if (i >= e->nsrc) {
+        e->nsrc = i + 1;
+    }
+    if (evs_src_open(e, i) != 0) {
+        e->src[i].used = 0;            /* nothing to count: no log line */
+        evs_src_close(&e->src[i]);
+        return -1;
+    }
+    return i;
+}
+
+
+void
+kv_evs_remove(struct kv_evs *e, int i)
+{
+    if (e == NULL || i < 0 || i >= e->nsrc || !e->src[i].used) {
+        return;
+    }
+    evs_src_close(&e->src[i]);
+    while (e->nsrc > 0 && !e->src[e->nsrc - 1].used) {
+        e->nsrc--;
+    }
+}
+
+
+int
+kv_evs_find(struct kv_evs *e, const char *endpoint, const char *http)
+{
+    int i;
+
+    for (i = 0; e != NULL && i < e->nsrc; i++) {
+        if (e->src[i].used
+            && (strcmp(e->src[i].own.endpoint, endpoint) == 0
+                || (http != NULL && strcmp(e->src[i].own.http, http) == 0)))
+        {
+            return i;
+        }
+    }
+    return -1;
+}
+
+
+int
+kv_evs_free_slots(struct kv_evs *e)
+{
+    int i, n = 0;
+
+    for (i = 0; e != NULL && i < KV_EVS_MAX_SOURCES; i++) {
+        n += !e->src[i].used;
+    }
+    return n;
 }
 
 
@@ -611,6 +745,9 @@ kv_evs_pollfds(struct kv_evs *e, struct pollfd *pfd, int max)
     for (i = 0; i < e->nsrc && n < max; i++) {
         evs_src_t *s = &e->src[i];
         void *sock = s->replaying ? s->dealer : s->sub;
+        if (!s->used) {
+            continue;
+        }
         sz = sizeof(fd);
         if (sock && zmq_getsockopt(sock, ZMQ_FD, &fd, &sz) == 0) {
             pfd[n].fd = fd;
@@ -633,6 +770,9 @@ kv_evs_process(struct kv_evs *e)
     }
     for (i = 0; i < e->nsrc; i++) {
         evs_src_t *s = &e->src[i];
+        if (!s->used) {
+            continue;
+        }
         evs_monitor(s);
         if (s->replaying) {
             evs_replay_poll(e, s);
@@ -673,30 +813,7 @@ kv_evs_close(struct kv_evs *e)
         return;
     }
     for (i = 0; e->src && i < e->nsrc; i++) {
-        evs_src_t *s = &e->src[i];
-        if (s->c) {
-            kv_info("kv_events: %s: %llu messages (%llu refused), %llu "
-                    "gaps, %llu restarts, %llu replays (%llu ok, %llu "
-                    "abandoned), %llu malformed", s->c->node,
-                    (unsigned long long) s->st.msgs,
-                    (unsigned long long) s->st.refused_msgs,
-                    (unsigned long long) s->st.gaps,
-                    (unsigned long long) s->st.restarts,
-                    (unsigned long long) s->st.replays,
-                    (unsigned long long) s->st.replays_ok,
-                    (unsigned long long) s->st.replays_failed,
-                    (unsigned long long) s->st.bad_frames);
-        }
-        if (s->sub) {
-            zmq_close(s->sub);
-        }
-        if (s->dealer) {
-            zmq_close(s->dealer);
-        }
-        if (s->mon) {
-            zmq_close(s->mon);
-        }
-        evs_hold_free(s);
+        evs_src_close(&e->src[i]);
     }
     if (e->zctx) {
         zmq_ctx_term(e->zctx);

@@ -19,7 +19,9 @@
 #include <cjson/cJSON.h>
 
 #include "kv.h"
+#include "resolve.h"
 #include "prefix_events.h"
+#include "kv_events_dns.h"
 
 #define KV_IDLE_POLL_MS     5      /* CQ without a wait fd, idle */
 #define KV_SPIN_US          1000   /* busy-poll this long after an event */
@@ -252,9 +254,16 @@ housekeeping(kv_ctx_t *ctx, uint64_t now)
 {
     int i;
 
+    if (ctx->res) {
+        kv_res_process(ctx->res);      /* answers, and their timeouts */
+    }
+    kv_pdns_tick(ctx, now);
     kv_ctrl_tick(ctx, now);
     kv_xfer_timeouts(ctx, now);
     kv_api_waiters_tick(ctx, now);
+    if (ctx->pfx != NULL) {
+        kv_pfx_heartbeat(ctx->pfx, kv_wall_ms());
+    }
     for (i = 0; i < ctx->nclients; i++) {
         kv_client_t *c = &ctx->clients[i];
         if (!c->used) {
@@ -488,7 +497,8 @@ run_loop(kv_ctx_t *ctx)
     uint64_t now;
     struct timespec ts;
     size_t cap = 2 + KV_LMC_NFDS + KV_MAX_RAILS + 2 * KV_MAX_RANKS
-                 + KV_MAX_PEERS + KV_EVS_MAX_SOURCES + ctx->nclients;
+                 + KV_MAX_PEERS + KV_EVS_MAX_SOURCES + 1 + ctx->nclients
+                 + 1 + KV_PDNS_MAX_ADDRS;
 
     pfd = calloc(cap, sizeof(*pfd));
     who = calloc(cap, sizeof(*who));
@@ -545,6 +555,15 @@ run_loop(kv_ctx_t *ctx)
         {
             who[n++] = -5;                /* kv_events: drained below */
         }
+        for (i = kv_evs_dns_pollfds(ctx->evs_dns, pfd + n, 1); i > 0; i--) {
+            who[n++] = -5;                /* its resolver: below */
+        }
+        if (ctx->res) {
+            pfd[n].fd = kv_res_fd(ctx->res);
+            pfd[n].events = POLLIN;
+            who[n++] = -6;                /* answers: housekeeping */
+        }
+        n += kv_pdns_pollfds(ctx, pfd + n, who + n, -100);
         timeout = fabric_wait_setup(ctx, pfd, who, &n);
         ts.tv_sec = (time_t) (timeout / 1000000);
         ts.tv_nsec = (long) (timeout % 1000000) * 1000;
@@ -556,8 +575,12 @@ run_loop(kv_ctx_t *ctx)
             if (!pfd[i].revents) {
                 continue;
             }
-            if (who[i] == -3 || who[i] == -5) {
+            if (who[i] == -3 || who[i] == -5 || who[i] == -6) {
                 continue;                 /* a CQ, lmcache: below */
+            }
+            if (who[i] <= -100) {
+                kv_pdns_event(ctx, -100 - who[i], pfd[i].revents);
+                continue;
             }
             if (who[i] == -4) {
                 uint64_t v;
@@ -583,6 +606,7 @@ run_loop(kv_ctx_t *ctx)
             }
         }
         kv_lmc_process(ctx);
+        kv_evs_dns_process(ctx->evs_dns);
         kv_evs_process(ctx->evs);
         kv_xfer_progress(ctx);
         housekeeping(ctx, kv_now_ms());
@@ -614,7 +638,14 @@ shutdown_ctx(kv_ctx_t *ctx)
             ctx->clients[i].used = 0;
         }
     }
+    kv_pdns_close(ctx);
+    if (ctx->res) {
+        kv_res_destroy(ctx->res);
+        ctx->res = NULL;
+    }
     kv_lmc_close(ctx);
+    kv_evs_dns_close(ctx->evs_dns);
+    ctx->evs_dns = NULL;
     kv_evs_close(ctx->evs);
     ctx->evs = NULL;
     kv_prefix_close(ctx);
@@ -710,7 +741,7 @@ kv_run_main(int argc, char **argv)
     sa.sa_handler = SIG_IGN;
     sigaction(SIGPIPE, &sa, NULL);
 
-    ctx->npeers = ctx->cfg.npeers;
+    ctx->npeers = ctx->npeers_static = ctx->cfg.npeers;
     for (i = 0; i < ctx->npeers; i++) {
         ctx->peers[i].conf = ctx->cfg.peers[i];
         ctx->peers[i].out.fd = -1;
@@ -759,7 +790,17 @@ kv_run_main(int argc, char **argv)
     {
         goto out;
     }
-    if (ctx->cfg.evs.nsrc > 0) {
+    /* names (peers' "ctrl", peers_dns) are resolved in resolve.c's
+     * threads: the loop never waits for a DNS server */
+    ctx->res = kv_res_create(NULL);
+    if (ctx->res == NULL) {
+        kv_err("resolver: %s", strerror(errno));
+        goto out;
+    }
+    if (kv_pdns_open(ctx) != 0) {
+        goto out;
+    }
+    if (ctx->cfg.evs.nsrc > 0 || ctx->cfg.evs.ndns > 0) {
         kv_ev_sink_t sink;
         kv_events_sink(ctx, &sink);
         if (ctx->cfg.pfx.path[0] && kv_prefix_open(ctx, &sink) != 0) {
@@ -768,6 +809,13 @@ kv_run_main(int argc, char **argv)
         ctx->evs = kv_evs_open(&ctx->cfg.evs, &sink, NULL);
         if (ctx->evs == NULL) {
             goto out;
+        }
+        if (ctx->cfg.evs.ndns > 0) {
+            ctx->evs_dns = kv_evs_dns_open(&ctx->cfg.evs, ctx->evs,
+                                           ctx->pfx_feed);
+            if (ctx->evs_dns == NULL) {
+                goto out;
+            }
         }
     }
     kv_ctrl_update_self(ctx);

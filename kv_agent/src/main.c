@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #include "kv.h"
 
@@ -55,6 +56,12 @@ check_main(int argc, char **argv)
         }
         printf("\n");
     }
+    for (i = 0; i < c->ndns; i++) {
+        printf("  peers_dns %s port %d (%s), key_file %s, every %d ms\n",
+               c->dns[i].name, c->dns[i].port,
+               dpd_state_role_name(c->dns[i].role), c->dns[i].key_file,
+               c->dns[i].resolve_ms);
+    }
     if (c->has_pool) {
         printf("pool: %u layers x %u regions x %u blocks x %llu bytes = "
                "%llu bytes on %s, x %d rank(s)\n", c->layout.layers,
@@ -70,6 +77,18 @@ check_main(int argc, char **argv)
                c->evs.src[i].node, c->evs.src[i].http, c->evs.src[i].endpoint,
                c->evs.src[i].topic, c->evs.src[i].replay[0] ? ", replay " : "",
                c->evs.src[i].replay);
+    }
+    for (i = 0; i < c->evs.ndns; i++) {
+        printf("kv_events: every address of %s (%s, every %d ms): ADDRESS:%d "
+               "from tcp://ADDRESS:%d topic \"%s\"", c->evs.dns[i].name,
+               c->evs.dns[i].family == AF_INET ? "ipv4"
+               : c->evs.dns[i].family == AF_INET6 ? "ipv6" : "any",
+               c->evs.dns[i].resolve_ms, c->evs.dns[i].http_port,
+               c->evs.dns[i].port, c->evs.dns[i].topic);
+        if (c->evs.dns[i].replay_port) {
+            printf(", replay tcp://ADDRESS:%d", c->evs.dns[i].replay_port);
+        }
+        printf("\n");
     }
     if (c->pfx.path[0]) {
         printf("prefix index: %s (%llu slots, block %d, %llu engine ids)\n",

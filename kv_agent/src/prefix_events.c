@@ -306,19 +306,35 @@ feed_removed(void *data, const kv_ev_origin_t *o, const kv_ev_removed_t *ev)
 static void
 feed_cleared(void *data, const kv_ev_origin_t *o, kv_ev_clear_t why)
 {
-    uint64_t        held;
+    uint32_t        i;
+    uint64_t        held, now;
     kv_pfx_feed_t  *f;
 
     f = data;
-    if (o->idx >= KV_EVS_MAX_SOURCES) {
+    i = o->idx;
+    if (i >= KV_EVS_MAX_SOURCES) {
         return;
     }
-    held = kv_pfx_node_clear(f->ix, f->node_of[o->idx]);
-    if (held) {
-        /* only when something went: a storm of clears is one line */
-        kv_info("prefix index: node %s cleared (%s): %llu blocks dropped",
-                o->node, kv_ev_clear_name(why), (unsigned long long) held);
+    held = kv_pfx_node_clear(f->ix, f->node_of[i]);
+    if (held == 0) {
+        return;                        /* nothing went: nothing to say */
     }
+    /* at most one line a second per source (a publisher restarting in a
+     * loop with blocks stored between restarts clears every time) */
+    now = kv_now_ms();
+    if (f->clear_t[i] != 0 && now - f->clear_t[i] < 1000) {
+        f->clear_quiet[i]++;
+        f->clear_quiet_blocks[i] += held;
+        return;
+    }
+    kv_info("prefix index: node %s cleared (%s): %llu blocks dropped "
+            "(%llu clears, %llu blocks, not logged in the last second)",
+            o->node, kv_ev_clear_name(why), (unsigned long long) held,
+            (unsigned long long) f->clear_quiet[i],
+            (unsigned long long) f->clear_quiet_blocks[i]);
+    f->clear_t[i] = now;
+    f->clear_quiet[i] = 0;
+    f->clear_quiet_blocks[i] = 0;
 }
 
 
@@ -336,6 +352,9 @@ kv_pfx_feed_init(kv_pfx_feed_t *f, kv_pfx_t *ix, const kv_evs_conf_t *c,
         return -1;
     }
 
+    for (i = 0; i < KV_EVS_MAX_SOURCES; i++) {
+        f->node_of[i] = -1;            /* a slot no source has (yet) */
+    }
     for (i = 0; i < c->nsrc; i++) {
         /* a node given once per data-parallel rank: one index node */
         for (j = 0; j < i; j++) {
@@ -361,6 +380,32 @@ kv_pfx_feed_init(kv_pfx_feed_t *f, kv_pfx_t *ix, const kv_evs_conf_t *c,
     sink->removed = feed_removed;
     sink->cleared = feed_cleared;
     return 0;
+}
+
+
+int
+kv_pfx_feed_attach(kv_pfx_feed_t *f, uint32_t idx, const char *node,
+    const char *http, const char *model)
+{
+    if (idx >= KV_EVS_MAX_SOURCES || f->node_of[idx] >= 0) {
+        return -1;
+    }
+    f->node_of[idx] = kv_pfx_node(f->ix, node, http, model);
+    return f->node_of[idx];
+}
+
+
+uint64_t
+kv_pfx_feed_detach(kv_pfx_feed_t *f, uint32_t idx)
+{
+    uint64_t  held;
+
+    if (idx >= KV_EVS_MAX_SOURCES || f->node_of[idx] < 0) {
+        return 0;
+    }
+    held = kv_pfx_node_release(f->ix, f->node_of[idx]);
+    f->node_of[idx] = -1;
+    return held;
 }
 
 

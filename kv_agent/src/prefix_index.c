@@ -7,12 +7,19 @@
  * it and never map it.  The agent keeps its own map from (node, engine
  * block id) to the gateway key in process memory: readers never need it.
  *
- * Slots: open addressing, home = key & (nslots - 1), at most max_probe
- * slots probed.  Key 0 ends a probe, so a slot's key is never reset to 0;
+ * Slots: open addressing, home = dpd_pfx_home() (the key mixed with the
+ * file's random salt: a client choosing prompts cannot aim their keys at
+ * one probe window), at most max_probe slots probed.  Key 0 ends a probe, so a slot's key is never reset to 0;
  * a slot whose masks are both 0 is a tombstone, reused for the same key
  * or, when a key is inserted and no earlier slot of its probe holds it,
  * for another one (a reader probing for the old key then misses, which
  * is what a tombstone means anyway).
+ *
+ * Cut short under the agent (a truncate(1), a copy over it): its next
+ * store into a page past the new end is SIGBUS.  A handler restores the
+ * file's size (ftruncate is async-signal-safe) so that store lands, and
+ * the next call rewrites the whole file from process memory (the header
+ * as created, the node records, every slot from the id map).
  *
  * Duplicates: vLLM may hold two physical blocks with the same content on
  * one node; the map has one entry per engine id, the slot one bit per
@@ -22,6 +29,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -59,17 +67,23 @@ typedef struct {
     size_t    model_len;
     uint64_t  gpu_blocks;
     uint64_t  lower_blocks;
+    char      id[DPD_PFX_ID_LEN];      /* its record's, for a rewrite */
+    char      http[DPD_PFX_ADDR_LEN];
     /* the ids stored since the last clear, while they fit: a clear then
      * visits them instead of scanning the whole table and map */
     pfx_recent_t  *recent;
     uint32_t       nrecent;
     int            overflow;
+    int            released;           /* kv_pfx_node_release(): free */
+    uint64_t       released_ms;        /* ... since (monotonic) */
 } pfx_node_t;
 
 struct kv_pfx {
     char               path[KV_PATH_LEN];
     void              *map;            /* the file */
     size_t             size;
+    int                fd;             /* for the SIGBUS handler */
+    dpd_pfx_header_t   hdr0;           /* the header as created */
     dpd_pfx_header_t  *hdr;
     dpd_pfx_node_t    *nodes;
     dpd_pfx_slot_t    *slots;
@@ -86,6 +100,127 @@ struct kv_pfx {
     kv_pfx_stats_t     st;
     kv_loglim_t        lim;
 };
+
+
+/* ---- a file cut short under us --------------------------------------- */
+
+/* one index per process: the mapping the handler may restore */
+static struct {
+    char                  *base;
+    size_t                 len;
+    int                    fd;
+    dpd_pfx_header_t      *hdr0;
+    volatile sig_atomic_t  hit;
+    int                    installed;
+    struct sigaction       prev;
+} pfx_bus;
+
+
+static void
+pfx_on_sigbus(int sig, siginfo_t *si, void *uc)
+{
+    char  *a;
+
+    (void) sig;
+    (void) uc;
+    a = si->si_addr;
+    if (pfx_bus.base != NULL && a >= pfx_bus.base
+        && a < pfx_bus.base + pfx_bus.len
+        && ftruncate(pfx_bus.fd, (off_t) pfx_bus.len) == 0)
+    {
+        /* the access is retried and lands; the header is back at once
+         * (block size, probes, slots: what every call reads first), the
+         * rest at the next call (pfx_rewrite) */
+        memcpy(pfx_bus.base, pfx_bus.hdr0, sizeof(dpd_pfx_header_t));
+        pfx_bus.hit = 1;
+        return;
+    }
+    /* not ours: the previous disposition, on the same fault again */
+    sigaction(SIGBUS, &pfx_bus.prev, NULL);
+}
+
+
+static void
+pfx_bus_watch(kv_pfx_t *x)
+{
+    struct sigaction  sa;
+
+    pfx_bus.base = NULL;
+    pfx_bus.len = x->size;
+    pfx_bus.fd = x->fd;
+    pfx_bus.hdr0 = &x->hdr0;
+    pfx_bus.base = x->map;
+    if (pfx_bus.installed) {
+        return;
+    }
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = pfx_on_sigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &pfx_bus.prev) == 0) {
+        pfx_bus.installed = 1;
+    }
+}
+
+
+static int slot_update(kv_pfx_t *x, uint64_t key, uint64_t bit, int lower,
+    int on);
+static void node_publish(kv_pfx_t *x, int node);
+
+
+/* After a SIGBUS: the pages past the cut came back as zeros.  Readers
+ * see no magic (a corrupt file: cache-blind) until the header is back,
+ * then the nodes and the slots as the id map has them. */
+static void
+pfx_rewrite(kv_pfx_t *x)
+{
+    uint32_t          i;
+    uint64_t          k;
+    pfx_map_ent_t    *e;
+    dpd_pfx_node_t   *r;
+    dpd_pfx_header_t  h;
+
+    pfx_bus.hit = 0;
+    __atomic_store_n(&x->hdr->magic, 0, __ATOMIC_RELEASE);
+    /* the header first (without its magic): the slots' places depend
+     * on it (max_probe, and a salted home) */
+    h = x->hdr0;
+    h.magic = 0;
+    memcpy(x->hdr, &h, sizeof(h));
+    memset((char *) x->map + sizeof(dpd_pfx_header_t), 0,
+           x->size - sizeof(dpd_pfx_header_t));
+    for (i = 0; i < x->nnodes; i++) {
+        if (x->node[i].released) {
+            continue;               /* no node's: left zero (unused) */
+        }
+        r = &x->nodes[i];
+        memcpy(r->id, x->node[i].id, sizeof(r->id));
+        memcpy(r->http_addr, x->node[i].http, sizeof(r->http_addr));
+        r->flags = DPD_PFX_NODE_USED | DPD_PFX_NODE_READY;
+        node_publish(x, (int) i);
+    }
+    for (k = 0; k <= x->emask; k++) {
+        e = &x->ents[k];
+        if (e->state == PFX_MAP_USED) {
+            (void) slot_update(x, e->key, UINT64_C(1) << e->node, e->lower,
+                               1);
+        }
+    }
+    x->hdr->updated_ms = kv_wall_ms();
+    __atomic_store_n(&x->hdr->magic, DPD_PFX_MAGIC, __ATOMIC_RELEASE);
+    kv_warn("prefix index: %s was cut short under the agent: rewritten "
+            "from memory (%u nodes, %llu blocks)", x->path, x->nnodes,
+            (unsigned long long) x->live);
+}
+
+
+static void
+pfx_check(kv_pfx_t *x)
+{
+    if (pfx_bus.hit && x->map == (void *) pfx_bus.base) {
+        pfx_rewrite(x);
+    }
+}
 
 
 /* ---- seqlock (the state table's discipline) ------------------------- */
@@ -242,28 +377,29 @@ map_del(kv_pfx_t *x, pfx_map_ent_t *e)
 static int
 slot_update(kv_pfx_t *x, uint64_t key, uint64_t bit, int lower, int on)
 {
-    uint64_t         p, free_i;
+    uint64_t         p, home, free_i;
     int              have_free;
     dpd_pfx_slot_t  *s;
 
     have_free = 0;
     free_i = 0;
+    home = dpd_pfx_home(x->hdr, key);
 
     for (p = 0; p < x->hdr->max_probe; p++) {
-        s = &x->slots[(key + p) & x->smask];
+        s = &x->slots[(home + p) & x->smask];
         if (s->key == key) {
             goto found;
         }
         if (s->key == 0) {
             if (!have_free) {
                 have_free = 1;
-                free_i = (key + p) & x->smask;
+                free_i = (home + p) & x->smask;
             }
             break;
         }
         if (!have_free && s->gpu_mask == 0 && s->lower_mask == 0) {
             have_free = 1;
-            free_i = (key + p) & x->smask;
+            free_i = (home + p) & x->smask;
         }
     }
     if (!on) {
@@ -303,7 +439,26 @@ node_publish(kv_pfx_t *x, int node)
     r->lower_blocks = x->node[node].lower_blocks;
     r->updated_ms = kv_wall_ms();
     seq_end(&r->seq);
-    x->hdr->updated_ms = r->updated_ms;
+    __atomic_store_n(&x->hdr->updated_ms, r->updated_ms, __ATOMIC_RELAXED);
+}
+
+
+void
+kv_pfx_heartbeat(kv_pfx_t *x, uint64_t wall_ms)
+{
+    uint64_t  last;
+
+    if (x == NULL) {
+        return;
+    }
+    pfx_check(x);       /* an idle agent rewrites a cut file too */
+    /* at most once a second (DPD_PFX_HEARTBEAT_MS, readers allow several
+     * missed beats); a clock stepped back counts as due */
+    last = __atomic_load_n(&x->hdr->updated_ms, __ATOMIC_RELAXED);
+    if (wall_ms >= last && wall_ms - last < DPD_PFX_HEARTBEAT_MS / 2) {
+        return;
+    }
+    __atomic_store_n(&x->hdr->updated_ms, wall_ms, __ATOMIC_RELAXED);
 }
 
 
@@ -394,6 +549,9 @@ kv_pfx_open(const char *path, uint64_t nslots, uint32_t max_nodes,
     {
         h->generation = kv_wall_ms() ^ ((uint64_t) getpid() << 32) ^ rnd;
     }
+    if (getrandom(&h->salt, sizeof(h->salt), 0) != sizeof(h->salt)) {
+        h->salt = dpd_prefix_fmix(h->generation ^ rnd ^ kv_now_us());
+    }
     h->key_version = DPD_PFX_KEY_VERSION;
     h->block_size = block_size;
     h->writer_pid = (uint32_t) getpid();
@@ -407,14 +565,16 @@ kv_pfx_open(const char *path, uint64_t nslots, uint32_t max_nodes,
         munmap(m, size);
         goto fail_fd;
     }
-    close(fd);
 
     x->map = m;
     x->size = size;
+    x->fd = fd;
+    x->hdr0 = *h;
     x->hdr = h;
     x->nodes = (dpd_pfx_node_t *) ((char *) m + nodes_off);
     x->slots = (dpd_pfx_slot_t *) ((char *) m + slots_off);
     x->smask = nslots - 1;
+    pfx_bus_watch(x);
     kv_info("prefix index: %s ready (%llu slots, %u nodes, block %u, "
             "%llu bytes, id map %llu)", path, (unsigned long long) nslots,
             max_nodes, block_size, (unsigned long long) size,
@@ -443,7 +603,11 @@ kv_pfx_close(kv_pfx_t *x, int clean)
         if (clean) {
             __atomic_store_n(&x->hdr->writer_alive, 0, __ATOMIC_RELEASE);
         }
+        if (pfx_bus.base == (char *) x->map) {
+            pfx_bus.base = NULL;
+        }
         munmap(x->map, x->size);
+        close(x->fd);
     }
     for (i = 0; i < x->nnodes; i++) {
         free(x->node[i].recent);
@@ -458,31 +622,115 @@ kv_pfx_node(kv_pfx_t *x, const char *id, const char *http_addr,
     const char *model)
 {
     int              i;
+    uint32_t         k;
+    uint64_t         now;
     dpd_pfx_node_t  *r;
 
-    if (x->nnodes >= x->hdr->max_nodes
-        || strlen(id) >= DPD_PFX_ID_LEN
+    pfx_check(x);
+    if (strlen(id) >= DPD_PFX_ID_LEN
         || strlen(http_addr) >= DPD_PFX_ADDR_LEN
         || strlen(model) >= sizeof(x->node[0].model))
     {
         return -1;
     }
-    x->node[x->nnodes].recent = calloc(PFX_RECENT, sizeof(pfx_recent_t));
-    if (x->node[x->nnodes].recent == NULL) {
-        return -1;
+    if (x->nnodes < x->hdr->max_nodes) {
+        x->node[x->nnodes].recent = calloc(PFX_RECENT, sizeof(pfx_recent_t));
+        if (x->node[x->nnodes].recent == NULL) {
+            return -1;
+        }
+        i = (int) x->nnodes++;
+
+    } else {
+        /*
+         * A released record, the one released longest ago, and only once
+         * every reader has had time to re-read the node table (the module
+         * does at most once a second, before a lookup): a reader that
+         * still maps the old engine's address to this index would credit
+         * it with the new engine's blocks for that long.  Its bits are
+         * all cleared already (kv_pfx_node_release()).
+         */
+        now = kv_now_ms();
+        i = -1;
+        for (k = 0; k < x->nnodes; k++) {
+            if (x->node[k].released
+                && now - x->node[k].released_ms >= KV_PFX_REUSE_MS
+                && (i < 0 || x->node[k].released_ms
+                             < x->node[i].released_ms))
+            {
+                i = (int) k;
+            }
+        }
+        if (i < 0) {
+            return -1;
+        }
+        x->node[i].released = 0;
+        x->node[i].gpu_blocks = 0;
+        x->node[i].lower_blocks = 0;
+        x->node[i].nrecent = 0;
+        x->node[i].overflow = 0;
     }
-    i = (int) x->nnodes++;
     snprintf(x->node[i].model, sizeof(x->node[i].model), "%s", model);
     x->node[i].model_len = strlen(model);
+    snprintf(x->node[i].id, sizeof(x->node[i].id), "%s", id);
+    snprintf(x->node[i].http, sizeof(x->node[i].http), "%s", http_addr);
 
     r = &x->nodes[i];
     seq_begin(&r->seq);
+    memset(r->id, 0, sizeof(r->id));
+    memset(r->http_addr, 0, sizeof(r->http_addr));
     snprintf(r->id, sizeof(r->id), "%s", id);
     snprintf(r->http_addr, sizeof(r->http_addr), "%s", http_addr);
     r->flags = DPD_PFX_NODE_USED | DPD_PFX_NODE_READY;
+    r->blocks = 0;
+    r->lower_blocks = 0;
     r->updated_ms = kv_wall_ms();
     seq_end(&r->seq);
     return i;
+}
+
+
+int
+kv_pfx_node_free(const kv_pfx_t *x)
+{
+    uint32_t  k;
+    uint64_t  now;
+    int       n;
+
+    n = (int) (x->hdr->max_nodes - x->nnodes);
+    now = kv_now_ms();
+    for (k = 0; k < x->nnodes; k++) {
+        n += x->node[k].released
+             && now - x->node[k].released_ms >= KV_PFX_REUSE_MS;
+    }
+    return n;
+}
+
+
+uint64_t
+kv_pfx_node_release(kv_pfx_t *x, int node)
+{
+    uint64_t         held;
+    dpd_pfx_node_t  *r;
+
+    if (node < 0 || (uint32_t) node >= x->nnodes || x->node[node].released)
+    {
+        return 0;
+    }
+    held = kv_pfx_node_clear(x, node);
+
+    /* readers skip a record without USED: the address is no longer any
+     * node's, and nothing of it is left in the slots */
+    r = &x->nodes[node];
+    seq_begin(&r->seq);
+    r->flags = 0;
+    r->epoch++;
+    memset(r->id, 0, sizeof(r->id));
+    memset(r->http_addr, 0, sizeof(r->http_addr));
+    r->updated_ms = kv_wall_ms();
+    seq_end(&r->seq);
+    x->node[node].released = 1;
+    x->node[node].released_ms = kv_now_ms();
+    return held;
 }
 
 
@@ -495,7 +743,10 @@ kv_pfx_node_clear(kv_pfx_t *x, int node)
     dpd_pfx_node_t  *r;
     dpd_pfx_slot_t  *s;
 
-    if (node < 0 || (uint32_t) node >= x->nnodes) {
+    pfx_check(x);
+    if (node < 0 || (uint32_t) node >= x->nnodes
+        || x->node[node].released)
+    {
         return 0;
     }
     bit = UINT64_C(1) << node;
@@ -593,7 +844,10 @@ kv_pfx_stored_seeded(kv_pfx_t *x, int node, const kv_pfx_stored_t *ev,
     pfx_node_t     *nd;
     pfx_map_ent_t  *e;
 
-    if (node < 0 || (uint32_t) node >= x->nnodes || ev->nblocks == 0) {
+    pfx_check(x);
+    if (node < 0 || (uint32_t) node >= x->nnodes || ev->nblocks == 0
+        || x->node[node].released)
+    {
         return;
     }
     nd = &x->node[node];
@@ -694,7 +948,10 @@ kv_pfx_removed(kv_pfx_t *x, int node, const uint64_t *ids, size_t n,
     uint64_t        bit;
     pfx_map_ent_t  *e;
 
-    if (node < 0 || (uint32_t) node >= x->nnodes) {
+    pfx_check(x);
+    if (node < 0 || (uint32_t) node >= x->nnodes
+        || x->node[node].released)
+    {
         return;
     }
     bit = UINT64_C(1) << node;

@@ -66,11 +66,24 @@ uint64_t kv_pfx_bytes_id(const void *p, size_t n);
 kv_pfx_t *kv_pfx_open(const char *path, uint64_t nslots, uint32_t max_nodes,
     uint32_t block_size, uint64_t map_cap);
 void kv_pfx_close(kv_pfx_t *x, int clean);
+/* The writer's heartbeat: header.updated_ms refreshed about every
+ * DPD_PFX_HEARTBEAT_MS / 2 (call it from the loop, idle or not); readers
+ * treat an index without one as stale. */
+void kv_pfx_heartbeat(kv_pfx_t *x, uint64_t wall_ms);
 
-/* A node record: index >= 0, -1 when the table is full.  model seeds its
+/* A node record: index >= 0, -1 when the table is full (no record
+ * free, see kv_pfx_node_release()).  model seeds its
  * keys (the name requests use for it: what the module seeds with). */
 int  kv_pfx_node(kv_pfx_t *x, const char *id, const char *http_addr,
     const char *model);
+/* A node an engine no longer is (a DNS source's address gone): all it
+ * holds dropped, its record no longer USED; the blocks it held.  The
+ * record is reused by kv_pfx_node() once readers cannot map the old
+ * address to it any more (KV_PFX_REUSE_MS later), never-used ones first. */
+#define KV_PFX_REUSE_MS  5000
+uint64_t kv_pfx_node_release(kv_pfx_t *x, int node);
+/* records kv_pfx_node() could hand out now */
+int  kv_pfx_node_free(const kv_pfx_t *x);
 /* drops all a node holds; the blocks it held (0: nothing, no scan) */
 uint64_t kv_pfx_node_clear(kv_pfx_t *x, int node);
 

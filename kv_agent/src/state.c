@@ -322,6 +322,31 @@ kv_state_node(kv_state_t *s, const char *id)
 }
 
 
+/* A node that left (a discovered peer gone from DNS): its record is
+ * freed, so readers (nginx) no longer list it at all. */
+void
+kv_state_node_remove(kv_state_t *s, const char *id)
+{
+    uint64_t hash = dpd_state_hash(id, strlen(id));
+    dpd_node_rec_t *r;
+    uint32_t i;
+
+    for (i = 0; s->map && i < s->hdr->max_nodes; i++) {
+        r = &s->nodes[i];
+        if ((r->flags & DPD_NODE_USED) && !(r->flags & DPD_NODE_SELF)
+            && r->id_hash == hash
+            && strncmp(r->id, id, sizeof(r->id)) == 0)
+        {
+            kv_state_node_begin(r);
+            memset((char *) r + sizeof(uint32_t), 0,
+                   sizeof(*r) - sizeof(uint32_t));
+            kv_state_node_end(s, r);
+            return;
+        }
+    }
+}
+
+
 static int
 req_matches(const dpd_req_rec_t *r, uint64_t hash, const char *req_id)
 {

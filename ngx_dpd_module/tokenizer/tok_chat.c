@@ -4,11 +4,12 @@
  * rendered with the variables vLLM's OpenAI server passes to
  * transformers' apply_chat_template:
  *
- *   messages     prepared as vllm/entrypoints/chat_utils.py does: content
+ *   messages     prepared as vllm/renderers/chat_utils does: content
  *                a string (text parts joined with "\n"; null -> "") or,
  *                when the template loops over message content (vLLM's
  *                "openai" content format), a list of {"type": "text",
- *                "text": ...}; assistant tool calls with
+ *                "text": ...} and {"type": "tool_reference", "name"};
+ *                assistant tool calls with
  *                function.arguments parsed from their JSON string ("" or
  *                invalid -> {}), an empty tool_calls list dropped;
  *                "reasoning" as reasoning and reasoning_content; name,
@@ -526,16 +527,61 @@ tok_set_k(tok_prep_t *p, tj_dict_t *d, const char *k, size_t n, tj_val_t v)
 
 
 
-/* the text of one content part (vLLM's MM_PARSER_MAP), NULL if none */
+/* what one content part gives the template */
+#define TOK_PART_SKIP  0    /* nothing: skipped, or a non-text part */
+#define TOK_PART_TEXT  1    /* a text (*text) */
+#define TOK_PART_NONE  2    /* a text part whose text is None */
+#define TOK_PART_REF   3    /* a tool_reference; *ref its name (or NULL) */
+
+
+/* the keys by which vLLM takes a part without a type (or with a uuid) for
+ * a media one, in its order; then "tool_reference" */
+static const char *const tok_media_keys[] = {
+    "image_url", "image_pil", "image_embeds", "audio_embeds", "video_embeds",
+    "prompt_embeds", "audio_url", "input_audio", "video_url", NULL
+};
+
+/* the media types of vLLM's MM_PARSER_MAP */
+static const char *const tok_media_types[] = {
+    "image_url", "input_image", "image_embeds", "audio_embeds",
+    "video_embeds", "prompt_embeds", "image_pil", "audio_url", "input_audio",
+    "video_url", NULL
+};
+
+
+static int
+tok_in(const char *s, const char *const *set)
+{
+    for ( ; *set; set++) {
+        if (strcmp(s, *set) == 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+
+/*
+ * One content part as vLLM's _parse_chat_message_content_part and
+ * _parse_chat_message_content_mm_part (renderers/chat_utils, be90fe165bb8)
+ * parse it: by its type, unless it has none or carries a uuid (then by the
+ * media key it holds, or "tool_reference", else "Missing 'type'"); text
+ * and refusal parts without their field are skipped, the other text types
+ * keep None.
+ */
 static int
 tok_part_text(tok_prep_t *p, const cJSON *part, size_t i, size_t j,
-    const char **text)
+    int *kind, const char **text, const cJSON **ref)
 {
-    const cJSON  *type, *t;
-    const char   *ty, *field;
+    const cJSON         *type, *uuid, *t;
+    const char          *ty, *field;
+    const char *const   *k;
 
+    *kind = TOK_PART_SKIP;
     *text = NULL;
+    *ref = NULL;
     if (cJSON_IsString(part)) {
+        *kind = TOK_PART_TEXT;
         *text = part->valuestring;
         return 0;
     }
@@ -545,25 +591,35 @@ tok_part_text(tok_prep_t *p, const cJSON *part, size_t i, size_t j,
         return -1;
     }
     type = cJSON_GetObjectItemCaseSensitive(part, "type");
-    if (type == NULL || cJSON_IsNull(type)) {
-        if (cJSON_GetObjectItemCaseSensitive(part, "image_url")
-            || cJSON_GetObjectItemCaseSensitive(part, "audio_url")
-            || cJSON_GetObjectItemCaseSensitive(part, "video_url")
-            || cJSON_GetObjectItemCaseSensitive(part, "input_audio")
-            || cJSON_GetObjectItemCaseSensitive(part, "image_embeds"))
-        {
-            goto media;
+    uuid = cJSON_GetObjectItemCaseSensitive(part, "uuid");
+    if (type == NULL || cJSON_IsNull(type)
+        || (uuid != NULL && !cJSON_IsNull(uuid)))
+    {
+        for (k = tok_media_keys; *k; k++) {
+            if (cJSON_GetObjectItemCaseSensitive(part, *k)) {
+                goto media;
+            }
         }
-        tok_err(p->err, p->errlen, "messages[%zu].content[%zu]: Missing "
-                "'type' field in multimodal part.", i, j);
-        return -1;
-    }
-    if (!cJSON_IsString(type)) {
+        if (cJSON_GetObjectItemCaseSensitive(part, "tool_reference") == NULL) {
+            tok_err(p->err, p->errlen, "messages[%zu].content[%zu]: Missing "
+                    "'type' field in multimodal part.", i, j);
+            return -1;
+        }
+        ty = "tool_reference";
+    } else if (!cJSON_IsString(type)) {
         tok_err(p->err, p->errlen, "messages[%zu].content[%zu]: Invalid "
                 "'type' field in multimodal part.", i, j);
         return -1;
+    } else {
+        ty = type->valuestring;
     }
-    ty = type->valuestring;
+    if (strcmp(ty, "tool_reference") == 0) {
+        /* a deferred tool's name, for the template to expand */
+        t = cJSON_GetObjectItemCaseSensitive(part, "name");
+        *kind = TOK_PART_REF;
+        *ref = (t == NULL || cJSON_IsNull(t)) ? NULL : t;
+        return 0;
+    }
     if (strcmp(ty, "text") == 0 || strcmp(ty, "input_text") == 0
         || strcmp(ty, "output_text") == 0)
     {
@@ -572,14 +628,7 @@ tok_part_text(tok_prep_t *p, const cJSON *part, size_t i, size_t j,
         field = "refusal";
     } else if (strcmp(ty, "thinking") == 0) {
         field = "thinking";
-    } else if (strcmp(ty, "image_url") == 0 || strcmp(ty, "input_image") == 0
-               || strcmp(ty, "image_embeds") == 0
-               || strcmp(ty, "audio_url") == 0
-               || strcmp(ty, "input_audio") == 0
-               || strcmp(ty, "audio_embeds") == 0
-               || strcmp(ty, "video_url") == 0
-               || strcmp(ty, "image_pil") == 0)
-    {
+    } else if (tok_in(ty, tok_media_types)) {
         goto media;
     } else {
         tok_err(p->err, p->errlen, "messages[%zu].content[%zu]: Unsupported "
@@ -588,13 +637,17 @@ tok_part_text(tok_prep_t *p, const cJSON *part, size_t i, size_t j,
     }
     t = cJSON_GetObjectItemCaseSensitive(part, field);
     if (t == NULL || cJSON_IsNull(t)) {
-        return 0;       /* vLLM skips a text part without text */
+        if (strcmp(ty, "text") != 0 && strcmp(ty, "refusal") != 0) {
+            *kind = TOK_PART_NONE;
+        }
+        return 0;
     }
     if (!cJSON_IsString(t)) {
         tok_err(p->err, p->errlen, "messages[%zu].content[%zu].%s: expected "
                 "a string", i, j, field);
         return -1;
     }
+    *kind = TOK_PART_TEXT;
     *text = t->valuestring;
     return 0;
 
@@ -604,6 +657,30 @@ media:
                  "a non-text part is not counted", i, j);
     }
     p->skipped++;
+    return 0;
+}
+
+
+/* one {"type": TYPE, KEY: v} item of an openai-format content list */
+static int
+tok_push_part(tok_prep_t *p, tj_list_t *l, const char *type, size_t tn,
+    const char *key, size_t kn, tj_val_t v)
+{
+    tj_dict_t  *d;
+    tj_val_t    item;
+
+    if ((d = tj_a_dict(&p->a)) == NULL
+        || tok_set_k(p, d, tj_k_type, 4, tj_str(type, tn)) != 0
+        || tok_set_k(p, d, key, kn, v) != 0)
+    {
+        return tok_prep_oom(p);
+    }
+    item.t = TJ_DICT;
+    item.u.d = d;
+    item.n = 0;
+    if (tj_a_list_push(&p->a, l, item) != 0) {
+        return tok_prep_oom(p);
+    }
     return 0;
 }
 
@@ -637,24 +714,26 @@ tok_billing_strip(const cJSON *part, const char *text)
 
 /*
  * vLLM's _parse_chat_message_content_parts: the string format joins the
- * parts' texts with "\n", leaving out empty ones (a falsy parse result is
- * not appended); the openai format keeps each as {"type": "text"}, empty
- * ones too, and a tool message's all-text list is joined back with "\n",
- * empty texts included.
+ * parts' texts with "\n", leaving out falsy ones (a falsy parse result is
+ * not appended: "", None); the openai format keeps each as
+ * {"type": "text"}, empty and None ones too, and a tool_reference as
+ * {"type": "tool_reference", "name"}.  A tool message's openai list is
+ * joined back with "\n", empty texts included, unless it holds a
+ * tool_reference (then the template gets the list).
  */
 static int
 tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
     int tool_role, int system, tj_val_t *out)
 {
-    const cJSON  *part;
+    const cJSON  *part, *ref;
     const char   *text;
     tj_buf_t      b = { 0 };
-    tj_val_t      l = { 0 }, item;
-    tj_dict_t    *d;
-    size_t        j = 0, texts = 0;
+    tj_val_t      l = { 0 }, v;
+    size_t        j = 0, texts = 0, refs = 0, nones = 0;
+    int           kind;
 
     b.a = &p->a;
-    if (openai && !tool_role) {
+    if (openai) {
         l.t = TJ_LIST;
         if ((l.u.l = tj_a_list(&p->a)) == NULL) {
             return tok_prep_oom(p);
@@ -665,7 +744,6 @@ tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
         return 0;
     }
     if (tok_is_string(c)) {
-        part = NULL;
         text = c->valuestring;
         if (system && (text = tok_billing_strip(NULL, text)) == NULL) {
             *out = openai && !tool_role ? l : tj_str("", 0);
@@ -676,7 +754,13 @@ tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
             *out = tok_cstr(p, text);
             return 0;
         }
-        goto one;
+        if (tok_push_part(p, l.u.l, "text", 4, tj_k_text, 4,
+                          tok_cstr(p, text)) != 0)
+        {
+            return -1;
+        }
+        *out = l;
+        return 0;
     }
     if (!cJSON_IsArray(c)) {
         tok_err(p->err, p->errlen, "messages[%zu].content: expected a string "
@@ -684,49 +768,94 @@ tok_prep_content(tok_prep_t *p, const cJSON *c, size_t i, int openai,
         return -1;
     }
     cJSON_ArrayForEach(part, c) {
-        if (tok_part_text(p, part, i, j++, &text) != 0) {
+        if (tok_part_text(p, part, i, j++, &kind, &text, &ref) != 0) {
             return -1;
         }
-        if (text == NULL) {
-            continue;
-        }
-        if (system && (text = tok_billing_strip(part, text)) == NULL) {
-            continue;
-        }
-        if (!openai && text[0] == '\0') {
-            continue;
-        }
-        p->bytes += strlen(text);
-        if (openai && !tool_role) {
-one:
-            if ((d = tj_a_dict(&p->a)) == NULL
-                || tok_set_k(p, d, tj_k_type, 4, tj_str("text", 4)) != 0
-                || tok_set_k(p, d, tj_k_text, 4, tok_cstr(p, text)) != 0)
+        switch (kind) {
+
+        case TOK_PART_TEXT:
+            if (system && (text = tok_billing_strip(part, text)) == NULL) {
+                continue;
+            }
+            if (!openai && text[0] == '\0') {
+                continue;
+            }
+            p->bytes += strlen(text);
+            if (openai && tok_push_part(p, l.u.l, "text", 4, tj_k_text, 4,
+                                        tok_cstr(p, text)) != 0)
             {
-                return tok_prep_oom(p);
+                return -1;
             }
-            item.t = TJ_DICT;
-            item.u.d = d;
-            item.n = 0;
-            if (tj_a_list_push(&p->a, l.u.l, item) != 0) {
-                return tok_prep_oom(p);
+            break;
+
+        case TOK_PART_NONE:
+            if (!openai) {
+                continue;       /* None is falsy: not appended */
             }
-            if (part == NULL) {
-                break;
+            nones++;
+            if (tok_push_part(p, l.u.l, "text", 4, tj_k_text, 4, tj_none())
+                != 0)
+            {
+                return -1;
             }
             continue;
+
+        case TOK_PART_REF:
+            if (openai) {
+                refs++;
+                v = tj_none();
+                if (ref && tok_prep_val(p, ref, &v) != 0) {
+                    return -1;
+                }
+                if (tok_push_part(p, l.u.l, "tool_reference", 14, tj_k_name,
+                                  4, v) != 0)
+                {
+                    return -1;
+                }
+                continue;
+            }
+            /* the string format joins the name as a text (a falsy one is
+             * not appended; anything else but a string fails the join) */
+            if (ref == NULL || cJSON_IsFalse(ref)
+                || (cJSON_IsNumber(ref) && ref->valuedouble == 0)
+                || ((cJSON_IsArray(ref) || cJSON_IsObject(ref))
+                    && ref->child == NULL))
+            {
+                continue;
+            }
+            if (!cJSON_IsString(ref)) {
+                tok_err(p->err, p->errlen, "messages[%zu].content[%zu].name: "
+                        "expected a string", i, j - 1);
+                return -1;
+            }
+            text = ref->valuestring;
+            if (text[0] == '\0') {
+                continue;
+            }
+            p->bytes += strlen(text);
+            break;
+
+        default:
+            continue;
         }
-        if ((texts++ && tj_buf_add(&b, "\n", 1) != 0)
-            || tj_buf_add(&b, text, strlen(text)) != 0)
+        if ((!openai || tool_role)
+            && ((texts++ && tj_buf_add(&b, "\n", 1) != 0)
+                || tj_buf_add(&b, text, strlen(text)) != 0))
         {
             return tok_prep_oom(p);
         }
     }
-    if (openai && !tool_role) {
+    if (openai && (!tool_role || refs)) {
         *out = l;
-    } else {
-        *out = b.p ? tj_str(b.p, b.len) : tj_str("", 0);
+        return 0;
     }
+    if (nones) {
+        /* vLLM joins the tool message's texts: None is no string */
+        tok_err(p->err, p->errlen, "messages[%zu].content: a text part "
+                "without text cannot be joined", i);
+        return -1;
+    }
+    *out = b.p ? tj_str(b.p, b.len) : tj_str("", 0);
     return 0;
 }
 
@@ -1292,12 +1421,18 @@ tok_prep(tok_prep_t *p, const dpd_tok_t *tok, const cJSON *in,
                         e->string);
                 return -1;
             }
-            if (strcmp(e->string, "messages") == 0
-                || strcmp(e->string, "continue_final_message") == 0
-                || tok_is_null(e)
-                || (tok_is_string(e) && strcmp(e->valuestring, "auto") == 0))
+            if (tok_is_null(e)
+                || (tok_is_string(e) && strcmp(e->valuestring, "auto") == 0)
+                || strcmp(e->string, "continue_final_message") == 0)
             {
-                continue;       /* the conversation is the request's */
+                continue;       /* overrides nothing, or the request's */
+            }
+            if (strcmp(e->string, "messages") == 0) {
+                /* transformers renders with messages=the conversation and
+                 * these kwargs: a second "messages" is a TypeError, 400 */
+                tok_err(p->err, p->errlen, "chat_template_kwargs: "
+                        "'messages' is the conversation's own name");
+                return -1;
             }
             if (tok_prep_val(p, e, &v) != 0
                 || tok_set(p, g, e->string, v) != 0)

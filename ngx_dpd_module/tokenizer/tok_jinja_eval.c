@@ -255,12 +255,16 @@ tj_lookup_global(tj_ctx_t *c, const char *name, size_t n)
 }
 
 
+static tj_list_t *tj_iter_list(tj_ctx_t *c, tj_val_t v, const char *what);
+
+
 static void
 tj_assign(tj_ctx_t *c, const tj_node_t *target, tj_val_t v)
 {
     const tj_node_t  *t;
     size_t            i;
     tj_val_t          ns;
+    tj_list_t        *l;
 
     if (target->kind == TN_NAME) {
         tj_frame_set(c, c->frame, target->v.u.s, target->v.n, v);
@@ -276,19 +280,23 @@ tj_assign(tj_ctx_t *c, const tj_node_t *target, tj_val_t v)
         tj_dict_set(c, ns.u.d, target->v.u.s, target->v.n, v);
         return;
     }
-    /* tuple unpacking */
-    if (v.t != TJ_LIST) {
+    /* tuple unpacking: of any iterable, as Python's (a dict gives its
+     * keys, a string its characters) */
+    if (v.t != TJ_LIST && v.t != TJ_DICT && v.t != TJ_STR
+        && v.t != TJ_UNDEF)
+    {
         tj_fail(c, "chat template: line %u: cannot unpack a %s",
                 target->line, tj_type_name(v));
     }
+    l = tj_iter_list(c, v, "unpack");
     for (i = 0, t = target->a; t; t = t->next, i++) {
-        if (i >= v.u.l->n) {
+        if (i >= l->n) {
             tj_fail(c, "chat template: line %u: not enough values to unpack",
                     target->line);
         }
-        tj_assign(c, t, v.u.l->v[i]);
+        tj_assign(c, t, l->v[i]);
     }
-    if (i != v.u.l->n) {
+    if (i != l->n) {
         tj_fail(c, "chat template: line %u: too many values to unpack",
                 target->line);
     }

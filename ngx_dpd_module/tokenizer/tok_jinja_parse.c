@@ -1178,8 +1178,9 @@ tj_body(tj_ps_t *p, const char *const *ends, int *which)
 }
 
 
-/* ---- vLLM's content format detection (chat_utils / renderers): the
- * template loops over a message's "content" -> the "openai" format */
+/* ---- vLLM's content format detection (vllm/renderers/hf.py
+ * _detect_content_format, e7ad92e5308e): the template loops over a
+ * message's "content" -> the "openai" format */
 
 typedef struct {
     tj_val_t    names[64];
@@ -1277,29 +1278,50 @@ typedef struct {
     const char  *key;
     int          assign;    /* collect set targets, else for targets */
     int          changed;
+    int          bad;       /* a matching target that is no plain name */
+    int          first;     /* stop at the first matching loop */
+    int          found;
 } tj_fmt_t;
 
 
+/*
+ * vLLM asserts that each target it follows is a plain name ({% set ns.x
+ * = messages %}, {% for a, b in messages %} are not) and falls back to
+ * the "string" format when the assertion fails: every {% set %} from a
+ * messages name and every loop over one are checked, and of the loops
+ * over a message's content the first (in document order), where its
+ * search stops.
+ */
 static void
 tj_fmt_visit(const tj_node_t *nd, void *data)
 {
     tj_fmt_t  *f = data;
     size_t     i;
 
-    if (f->assign && nd->kind == TN_SET && nd->a->kind == TN_NAME) {
+    if (f->assign && nd->kind == TN_SET) {
         for (i = 0; i < f->from->n; i++) {
-            if (tj_is_var_or_elems(nd->b, f->from->names[i], NULL)
-                && !tj_names_has(f->to, nd->a->v))
-            {
+            if (!tj_is_var_or_elems(nd->b, f->from->names[i], NULL)) {
+                continue;
+            }
+            if (nd->a->kind != TN_NAME) {
+                f->bad = 1;
+                break;
+            }
+            if (!tj_names_has(f->to, nd->a->v)) {
                 tj_names_add(f->to, nd->a->v);
                 f->changed = 1;
             }
         }
     }
-    if (!f->assign && nd->kind == TN_FOR && nd->a->kind == TN_NAME) {
+    if (!f->assign && nd->kind == TN_FOR && !f->found) {
         for (i = 0; i < f->from->n; i++) {
             if (tj_is_var_or_elems(nd->b, f->from->names[i], f->key)) {
-                tj_names_add(f->to, nd->a->v);
+                if (nd->a->kind != TN_NAME) {
+                    f->bad = 1;
+                } else {
+                    tj_names_add(f->to, nd->a->v);
+                }
+                f->found = f->first;
                 break;
             }
         }
@@ -1315,14 +1337,20 @@ tj_detect_openai(const tj_node_t *body)
 
     tj_names_add(&msgs, tj_cstr("messages"));
     do {
-        f = (tj_fmt_t) { &msgs, &msgs, NULL, 1, 0 };
+        f = (tj_fmt_t) { &msgs, &msgs, NULL, 1, 0, 0, 0, 0 };
         tj_walk(body, tj_fmt_visit, &f, 0);
+        if (f.bad) {
+            return 0;
+        }
     } while (f.changed);
-    f = (tj_fmt_t) { &msgs, &items, NULL, 0, 0 };
+    f = (tj_fmt_t) { &msgs, &items, NULL, 0, 0, 0, 0, 0 };
     tj_walk(body, tj_fmt_visit, &f, 0);
-    f = (tj_fmt_t) { &items, &parts, "content", 0, 0 };
+    if (f.bad) {
+        return 0;
+    }
+    f = (tj_fmt_t) { &items, &parts, "content", 0, 0, 0, 1, 0 };
     tj_walk(body, tj_fmt_visit, &f, 0);
-    return parts.n > 0;
+    return !f.bad && parts.n > 0;
 }
 
 

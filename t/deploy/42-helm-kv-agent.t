@@ -157,4 +157,68 @@ my ($ss) = find_objects($r, 'StatefulSet', 'dpd-decode');
 ok((grep { $_ eq '--kv-transfer-config={"kv_connector":"MyKvAgentConnector","kv_role":"kv_both"}' }
     @{ containers_of($ss)->{vllm}{args} }), 'kvAgent.kvTransferConfig reaches vLLM');
 
+# ---- kvAgent.peers: dns -- one config per pool, peers from the headless
+# Services (kv_agent's peers_dns); keys made ahead for 3 pods a pool
+{
+    my $r = render(set => {protocol => 'kv_agent', 'kvAgent.peers' => 'dns',
+                           'decode.replicas' => 2,
+                           'kvAgent.keysForReplicas' => 3});
+    is($r->{rc}, 0, 'helm template, kvAgent.peers=dns') or diag $r->{out};
+    my ($rc, $out) = check($r->{file});
+    is($rc, 0, 'peers=dns: accepted by kubeconform + the API server rules')
+        or diag $out;
+    my @links = slurp($r->{file}) =~ /^# link: (\S+)$/mg;
+    is(scalar @links, 3 * 3 * 3, 'peers=dns: links for 3 pods a pool '
+       . '(a scale-up finds its keys)');
+    my %link = map { $_ => 1 } @links;
+    my ($kcm) = find_objects($r, 'ConfigMap', 'dpd-kv-agent');
+    my %svc = (prefill => 'dpd-prefill-peers', decode => 'dpd-decode-peers',
+               gateway => 'dpd-gateway-peers');
+    my %krole = (prefill => 'prefill', decode => 'decode',
+                 gateway => 'router');
+    for my $role (qw(prefill decode gateway)) {
+        my $c = JSON::PP->new->decode($kcm->{data}{"$role.json"});
+        is_deeply($c->{peers}, [], "peers=dns: $role lists no peer");
+        is($c->{listen}, '@POD_IP@:18001',
+           "peers=dns: $role listens (and connects) from its pod IP");
+        my @others = grep { $_ ne $role } qw(prefill decode gateway);
+        is_deeply([sort map { $_->{name} } @{ $c->{peers_dns} }],
+                  [sort map { "$svc{$_}.dpd.svc.cluster.local" } @others],
+                  "peers=dns: $role resolves the other pools' headless "
+                  . "Services");
+        # every pod of this role, every pod of each other pool: the
+        # pattern names a key file the Secret holds
+        my $ok = 1;
+        for my $e (@{ $c->{peers_dns} }) {
+            my ($pr) = grep { $krole{$_} eq $e->{role} } @others;
+            for my $i (0 .. 2) {
+                for my $k (0 .. 2) {
+                    (my $f = $e->{key_file}) =~ s/\@POD_NAME\@/dpd-$role-$i/;
+                    $f =~ s/\{peer\}/dpd-$pr-$k/;
+                    $f =~ s{^/etc/kv_agent/keys/}{};
+                    $ok = 0, diag "no link $f" unless $link{$f};
+                }
+            }
+        }
+        ok($ok, "peers=dns: $role: each pattern names a link of the Secret");
+        my ($ss) = find_objects($r, 'StatefulSet', "dpd-$role");
+        my ($keys) = grep { $_->{name} eq 'kv-agent-keys' }
+            @{ $ss->{spec}{template}{spec}{volumes} };
+        ok(!$keys->{secret}{items} && $keys->{secret}{defaultMode} == 0400,
+           "peers=dns: $role mounts the Secret whole, mode 0400 (pods come "
+           . "and go without a render)");
+        SKIP: {
+            my $agent = "$ROOT/build/kv_agent";
+            skip 'build/kv_agent not built (make)', 1 unless -x $agent;
+            (my $t = $kcm->{data}{"$role.json"}) =~ s/\@POD_NAME\@/dpd-$role-0/g;
+            $t =~ s/\@POD_IP\@/10.1.2.3/g;
+            spew("$DIR/dns-$role.json", $t);
+            chmod 0600, "$DIR/dns-$role.json";
+            my $o = `'$agent' check --config '$DIR/dns-$role.json' 2>&1`;
+            is($? >> 8, 0, "peers=dns: `kv_agent check` accepts the $role "
+               . "config") or diag $o;
+        }
+    }
+}
+
 done_testing();

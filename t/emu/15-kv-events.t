@@ -8,7 +8,8 @@
 # BlockStored and [ts, events]).
 # Checks BlockStored/BlockRemoved/AllBlocksCleared content, the parent
 # chain, cache_salt and LoRA extra keys, seq, replay (PR #45177 framing for
-# the map form), dropped batches and a publisher restart.
+# the map form), dropped batches, a publisher restart and the injected bad
+# batches (garbage, unknown types, too many events, too large).
 use strict;
 use warnings;
 use FindBin;
@@ -469,4 +470,40 @@ check([int.from_bytes(f[-2], "big") for f in replies] == list(range(sent))
       "the replay buffer starts again too: seq 0 is the first batch after")
 st = post("/emu/kv_events", {})
 check(st["restarts"] == 1 and st["dropped"] == 2, "publisher counters")
+
+# 9. injected bad batches: each in the stream with the next seq, the
+# stream going on after it
+try:
+    post("/emu/kv_events", {"inject": "nonsense"})
+    check(False, "an unknown inject kind refused")
+except urllib.error.HTTPError as e:
+    check(e.code == 400, "an unknown inject kind refused (400)")
+nxt = post("/emu/kv_events", {})["next_seq"]
+got = {}
+for kind in ("garbage", "unknown", "many", "huge"):
+    post("/emu/kv_events", {"inject": kind})
+    fr = recv_all(2.0)
+    got[kind] = fr[0] if fr else None
+def raw(kind):
+    f = got[kind]
+    return (int.from_bytes(f[1], "big"), f[2]) if f else (None, b"")
+check([raw(k)[0] for k in ("garbage", "unknown", "many", "huge")]
+      == list(range(nxt, nxt + 4)), "injected batches take the next seqs")
+try:
+    msgspec.msgpack.decode(raw("garbage")[1])
+    check(False, "garbage: not msgpack")
+except msgspec.DecodeError:
+    check(True, "garbage: not msgpack")
+u = msgspec.msgpack.decode(raw("unknown")[1])
+names = [e["type"] if isinstance(e, dict) else e[0] for e in u[1]]
+check(names == ["BlockFrobbed", "KVCacheMoved"],
+      "unknown: events of unknown types only (%r)" % names)
+check(len(msgspec.msgpack.decode(raw("many")[1])[1]) == 70000,
+      "many: 70000 events in one batch")
+check(len(raw("huge")[1]) > 16 << 20, "huge: a payload over 16 MiB")
+completion(ids(70000, 40))
+fr = recv_all()
+check(fr and int.from_bytes(fr[0][1], "big") == nxt + 4
+      and len(DEC.decode(fr[0][2]).events) >= 1,
+      "the stream goes on after them")
 sys.exit(1 if fails else 0)

@@ -228,6 +228,23 @@ for my $rt (0, 1) {
 }
 
 {
+    # a publisher that restarts in a loop: 300 clears, the log gets one
+    # "publisher restarted" line a second, the next one counting those
+    # left out (one line a clear before)
+    my ($ev, $st, $err) = scenario(seconds => 4,
+        script => [(map { (["send", 0], ["send", 1], ["restart"]) }
+                    1 .. 300), ["sleep", 300]]);
+    is($st->{restarts}, 299, "a flapping publisher: every restart counted")
+        or diag explain $st;
+    my @l = grep { /publisher restarted/ }
+            do { open my $f, '<', $err or die; <$f> };
+    ok(@l >= 1 && @l <= 6, scalar(@l) . " 'publisher restarted' lines for "
+       . "299 clears (one a second)");
+    like(join('', @l), qr/\((?:[1-9]\d*) clears not logged in the last second/,
+         "... a later line counts the clears left out") if @l > 1;
+}
+
+{
     # a new publisher process that published past our last seq before we
     # reconnected: seen through the dropped connection, rebuilt from 0
     my ($ev, $st) = scenario(replay => 1, count => 10, seconds => 10,

@@ -25,6 +25,7 @@ plan skip_all => 'no cJSON headers' unless -f '/usr/include/cjson/cJSON.h';
 open my $fh, '>', "$dir/storm.c" or die;
 print $fh <<'_C_';
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include "kv.h"
@@ -126,6 +127,25 @@ main(int argc, char **argv)
     kv_pfx_node_clear(ix, 0);
     kv_pfx_stored(ix, 0, &ev);         /* the last one again: not held */
     printf(" %llu\n", (unsigned long long) kv_pfx_node_blocks(ix, 0));
+    /* a flapping publisher: a block stored, then the stream restarts,
+     * over and over; each clear drops something, and the info lines
+     * (stderr) must not follow one for one */
+    kv_log_level = KV_LOG_INFO;
+    t0.tv_sec = 1;                     /* past the second of the clears */
+    t0.tv_nsec = 100000000;            /* above (logged or not) */
+    nanosleep(&t0, NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (i = 0; i < n; i++) {
+        id = 900000 + i;
+        tok[0] = 900000 + i;
+        kv_pfx_stored(ix, 0, &ev);
+        sink.cleared(sink.data, &o, KV_EV_CLEAR_RESTART);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    kv_log_level = KV_LOG_ERR - 1;
+    printf("%.3f %llu\n", (t1.tv_sec - t0.tv_sec)
+           + (t1.tv_nsec - t0.tv_nsec) / 1e9,
+           (unsigned long long) kv_pfx_node_blocks(ix, 0));
     kv_pfx_close(ix, 1);
     return 0;
 }
@@ -137,7 +157,7 @@ my $out = `$cc -O2 -std=c11 -D_GNU_SOURCE -I$root/kv_agent/include -I$src \\
     $src/util.c -o $dir/storm -lcjson 2>&1`;
 is $?, 0, 'the harness builds' or diag $out;
 
-my @out = split /\n/, `$dir/storm $dir/pfx 4096`;
+my @out = split /\n/, `$dir/storm $dir/pfx 4096 2>$dir/storm.err`;
 is $?, 0, 'the harness ran';
 my ($n, $secs, $cleared, $left) = split ' ', $out[0] // '';
 is $n, 4096, '... all of them';
@@ -150,5 +170,23 @@ cmp_ok $psecs, '<', 0.5, "... in $psecs s (not a table scan each)";
 my ($many, $after) = split ' ', $out[2] // '';
 is $many, 5000, '5000 blocks stored (more than a clear visits by id)';
 is $after, 1, 'cleared by the scan: a block stored again counts alone';
+
+# a publisher restarting in a loop, a block stored each time: 4096 clears
+# that each drop something, logged one line a second with the count of
+# those left out (a line per clear flooded the log before)
+my ($fsecs, $fleft) = split ' ', $out[3] // '';
+is $fleft, 0, 'a flapping publisher: 4096 store+clear, nothing left';
+my @lines = grep { /prefix index: node d0 cleared/ }
+            do { open my $e, '<', "$dir/storm.err" or die; <$e> };
+my $allowed = 1 + int($fsecs) + 1;
+ok @lines >= 1 && @lines <= $allowed,
+   scalar(@lines) . " 'cleared' lines for 4096 clears in $fsecs s "
+   . "(at most $allowed)";
+like $lines[0] // '', qr/cleared \(restart\): \d+ blocks dropped \(\d+ clears/,
+     '... the first one says what went';
+if (@lines > 1) {
+    like $lines[1], qr/\((\d+) clears, \1 blocks, not logged/,
+         '... the next one counts the clears left out';
+}
 
 done_testing();

@@ -136,7 +136,7 @@ def do_client(a):
 def do_server(a):
     ls = socket.socket()
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    ls.bind(("127.0.0.1", a.listen))
+    ls.bind((a.host, a.listen))
     ls.listen(4)
     ls.settimeout(a.timeout)
     try:
@@ -233,6 +233,7 @@ def main():
     c.add_argument("--record")
     s = sub.add_parser("server")
     s.add_argument("--listen", type=int, required=True)
+    s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--node", required=True)
     s.add_argument("--role", default="decode")
     s.add_argument("--peer-role", default="prefill")

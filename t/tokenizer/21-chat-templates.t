@@ -149,4 +149,148 @@ for my $c (@cases) {
     like($t, qr/<start_of_turn>user\nab<end_of_turn>/, 'gemma3: parts trimmed one by one (openai format)');
 }
 
+# vLLM's preparation where it is easy to get wrong (the rules of
+# tools/python/vllm_chat_prep.py, from vLLM's renderers/chat_utils and
+# renderers/hf.py): the library renders what jinja-render.py renders (the
+# same text, or both refuse) and what vLLM does, case by case.
+{
+    my $sys = {role => 'system', content => 'sys'};
+    my $user = sub { {role => 'user', content => $_[0]} };
+    my $hi = {type => 'text', text => 'hi'};
+    my $ref = {type => 'tool_reference', name => 'get_weather'};
+    my $asst = {role => 'assistant', content => '', tool_calls => [
+        {id => 'c1', type => 'function', function => {name => 'f', arguments => '{}'}}]};
+    # name, request, string-format (qwen3's template) and openai-format
+    # (one that shows each part) expectation: a regexp the prompt
+    # matches, or 'error'
+    my @edge = (
+        ['a text part with a uuid is parsed by its keys: no media key',
+         [$sys, $user->([{%$hi, uuid => 'u1'}])], 'error', 'error'],
+        ['a part with neither type nor media key',
+         [$sys, $user->([{text => 'hi'}])], 'error', 'error'],
+        ['a typeless part with a media key vLLM does not read so',
+         [$sys, $user->([{input_image => 'x'}, $hi])], 'error', 'error'],
+        ['a typed image part with a uuid is media: left out',
+         [$sys, $user->([{type => 'image_url', image_url => {url => 'http://x'},
+                          uuid => 'u1'}, $hi])],
+         qr/user\nhi<\|im_end\|>/, qr/user:<text:hi>\n/],
+        ['video_embeds and prompt_embeds parts are media: left out',
+         [$sys, $user->([{type => 'video_embeds', video_embeds => 'x'},
+                         {type => 'prompt_embeds', data => 'x'}, $hi])],
+         qr/user\nhi<\|im_end\|>/, qr/user:<text:hi>\n/],
+        ['a tool_reference joins its name (string) or stays a part (openai)',
+         [$sys, $user->([$ref, $hi])],
+         qr/user\nget_weather\nhi<\|im_end\|>/, qr/user:<tool_reference:get_weather><text:hi>\n/],
+        ['a typeless tool_reference',
+         [$sys, $user->([{tool_reference => 1, name => 'get_weather'}, $hi])],
+         qr/user\nget_weather\nhi<\|im_end\|>/, qr/user:<tool_reference:get_weather><text:hi>\n/],
+        ['a tool message with a tool_reference keeps its list (openai)',
+         [$sys, $user->('q'), $asst,
+          {role => 'tool', tool_call_id => 'c1', content => [$hi, $ref]},
+          $user->('x')],
+         qr/<tool_response>\nhi\nget_weather\n<\/tool_response>/,
+         qr/tool:<text:hi><tool_reference:get_weather>\n/],
+        ['a tool message of texts is joined (openai: empty ones too)',
+         [$sys, $user->('q'), $asst,
+          {role => 'tool', tool_call_id => 'c1',
+           content => [$hi, {type => 'text', text => ''}, $hi]}, $user->('x')],
+         qr/<tool_response>\nhi\nhi\n<\/tool_response>/, qr/tool:"hi\n\nhi"\n/],
+        ['a thinking part without its field: dropped (string), None (openai)',
+         [$sys, $user->([{type => 'thinking'}, $hi])],
+         qr/user\nhi<\|im_end\|>/, qr/user:<text:None><text:hi>\n/],
+        ['an input_text part without text: the same',
+         [$sys, $user->([{type => 'input_text'}, $hi])],
+         qr/user\nhi<\|im_end\|>/, qr/user:<text:None><text:hi>\n/],
+        ['a text part without text is skipped in both formats',
+         [$sys, $user->([{type => 'text'}, $hi])],
+         qr/user\nhi<\|im_end\|>/, qr/user:<text:hi>\n/],
+        ['chat_template_kwargs.messages: transformers gets messages twice',
+         {messages => [$sys, $user->('hi')],
+          chat_template_kwargs => {messages => [$user->('other')]}}, 'error', 'error'],
+        ['chat_template_kwargs.messages null overrides nothing',
+         {messages => [$sys, $user->('hi')],
+          chat_template_kwargs => {messages => undef}},
+         qr/user\nhi<\|im_end\|>/, qr/user:<text:hi>\n/],
+    );
+    my $req = join('', map { JSON::PP->new->utf8->canonical->encode($_->[1]) . "\n" } @edge);
+    spew("$dir/edge.jsonl", $req);
+    my $parts = "$dir/edge-openai.jinja";
+    spew($parts, "{%- for m in messages -%}\n{{ m.role }}:{% if m.content is string %}"
+         . "\"{{ m.content }}\"{% else %}{% for c in m.content %}<{{ c.type }}:"
+         . "{{ c.text if c.type == 'text' else c.name }}>{% endfor %}{% endif %}\n\n"
+         . "{% endfor -%}\n");
+    my $cfg = "$npm/tokenizer-qwen3/models/tokenizer_config.json";
+    my $tok = "$npm/tokenizer-qwen3/models/tokenizer.json";
+    for my $m (['string', 2, "'$cfg'"], ['openai', 3, "'$parts' '$cfg'"]) {
+        my ($name, $col, $src) = @$m;
+        ($rc, $err) = run_cmd("python3 '$FindBin::Bin/jinja-render.py' $src < '$dir/edge.jsonl' "
+                              . "> '$dir/edge-py-$name.jsonl'", 60);
+        is($rc, 0, "edge/$name: Python Jinja2 rendered") or diag $err;
+        ($rc, $err) = run_cmd("'$oracle' '$tok' '$cfg'" . ($col == 3 ? " '$parts'" : '')
+                              . " < '$dir/edge.jsonl' > '$dir/edge-our-$name.jsonl'", 60);
+        is($rc, 0, "edge/$name: library rendered") or diag $err;
+        my ($py, $our) = (lines_of("$dir/edge-py-$name.jsonl"), lines_of("$dir/edge-our-$name.jsonl"));
+        for my $i (0 .. $#edge) {
+            my ($what, $want) = ($edge[$i][0], $edge[$i][$col]);
+            for ([py => $py->[$i] || {}], [library => $our->[$i] || {}]) {
+                my ($who, $r) = @$_;
+                if (!ref $want) {
+                    ok(exists $r->{error}, "edge/$name: $what: $who refuses")
+                        or diag(JSON::PP->new->encode($r));
+                } else {
+                    like($r->{text} // "error: $r->{error}", $want, "edge/$name: $what: $who");
+                }
+            }
+        }
+    }
+}
+
+# vLLM's content format detection follows plain names only: a {% set %} or
+# {% for %} target that is not one (a namespace attribute, a tuple) fails
+# its assertion and the format falls back to "string"; the first loop over
+# a message's content decides.  Tuple targets unpack any iterable as
+# Python does (a dict's keys, a string's characters).
+{
+    my $cfg = "$npm/tokenizer-qwen3/models/tokenizer_config.json";
+    my $tok = "$npm/tokenizer-qwen3/models/tokenizer.json";
+    my $loop = '{% for m in messages %}{% for c in m.content %}[{{c}}]{% endfor %}{% endfor %}';
+    my @tmpl = (
+        ['set to a namespace attribute', "{% set ns = namespace(x=1) %}{% set ns.x = messages %}$loop",
+         '[h][i][y][o]'],
+        ['set to a tuple', "{% set a, b = messages %}$loop", '[h][i][y][o]'],
+        ['a tuple loop over messages', "$loop\{% for a, b in messages %}{{a}}{{b}}{% endfor %}",
+         '[h][i][y][o]rolecontentrolecontent'],
+        ['a plain name loop over content first',
+         '{% for m in messages %}{% for c in m.content %}[{{c.text}}]{% endfor %}'
+         . '{% for k, v in m.content %}{% endfor %}{% endfor %}', '[hi][yo]'],
+        ['a tuple loop over content first',
+         '{% for m in messages %}{% for k, v in m.content %}{% endfor %}'
+         . '{% for c in m.content %}[{{c}}]{% endfor %}{% endfor %}', 'error'],
+        ['the plain loops', $loop,
+         "[{'type': 'text', 'text': 'hi'}][{'type': 'text', 'text': 'yo'}]"],
+        ['unpacking a dict and a string', "{% set a, b = {'p': 1, 'q': 2} %}"
+         . "{% set c, d = 'x\x{e9}' %}{{a}}{{b}}{{d}}", "pq\x{e9}"],
+    );
+    spew("$dir/fmt2.jsonl", '{"messages":[{"role":"user","content":"hi"},'
+         . '{"role":"assistant","content":"yo"}],"add_generation_prompt":false}' . "\n");
+    for my $i (0 .. $#tmpl) {
+        my ($what, $src, $want) = @{$tmpl[$i]};
+        my $f = "$dir/fmt2-$i.jinja";
+        open(my $fh, '>:utf8', $f) or die "$f: $!";
+        print $fh $src;
+        close $fh;
+        my @r;
+        for (["python3 '$FindBin::Bin/jinja-render.py' '$f' '$cfg'", 'py'],
+             ["'$oracle' '$tok' '$cfg' '$f'", 'library']) {
+            ($rc, $err) = run_cmd("$_->[0] < '$dir/fmt2.jsonl' > '$dir/fmt2-$i-$_->[1].jsonl'", 30);
+            my $r = lines_of("$dir/fmt2-$i-$_->[1].jsonl")->[0] || {};
+            if ($want eq 'error') {
+                ok(exists $r->{error}, "content format: $what: $_->[1] refuses");
+            } else {
+                is($r->{text} // "error: " . ($r->{error} // ''), $want, "content format: $what: $_->[1]");
+            }
+        }
+    }
+}
+
 done_testing();

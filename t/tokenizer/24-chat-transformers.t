@@ -1,8 +1,8 @@
 # Chat prompts against Hugging Face transformers' own apply_chat_template
 # (tools/python/hf_chat_oracle.py: the tokenizer loaded offline from the
 # model's tokenizer.json / tokenizer_config.json, requests prepared as
-# vLLM's OpenAI server prepares them today; the file names the vLLM
-# commits it follows): for every shipped model and every request of the
+# vLLM's OpenAI server prepares them today: tools/python/vllm_chat_prep.py,
+# which names the vLLM commits it follows): for every shipped model and every request of the
 # corpus 21-chat-templates.t renders, plus requests that exercise each
 # preparation rule (reasoning / reasoning_content, tool text parts joined,
 # the Claude Code billing header, task and name, tool call arguments,

@@ -81,26 +81,14 @@ if [ -f "$BUILD/corpus/corpus.jsonl" ]; then
   head -c 200000 "$BUILD/corpus/corpus.jsonl" | split -l 20 - "$SEEDS/encode/c-"
 fi
 
+# the driver is tools/fuzz-run.sh; each target from its own seeds
+HERE=$(cd "$(dirname "$0")" && pwd)
 rc=0
 for t in tok_fuzz_load tok_fuzz_encode tok_fuzz_jinja tok_fuzz_pretok; do
-  dir=$BUILD/fuzz/corpus-$t
-  mkdir -p "$dir"
   seeds=$SEEDS/load
   [ $t = tok_fuzz_encode ] || [ $t = tok_fuzz_pretok ] && seeds=$SEEDS/encode
   [ $t = tok_fuzz_jinja ] && seeds=$SEEDS/jinja
-  echo "fuzz: $t for ${SECS}s"
-  ASAN_OPTIONS=detect_leaks=1 timeout $((SECS + 120)) "$BUILD/fuzz/$t" \
-      -max_total_time="$SECS" -max_len=16384 -timeout=20 -rss_limit_mb=4096 \
-      -artifact_prefix=fuzz-artifacts/$t- -print_final_stats=1 \
-      "$dir" "$seeds" > "$BUILD/fuzz/$t.log" 2>&1
-  r=$?
-  grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb|cov:" "$BUILD/fuzz/$t.log" | tail -3
-  if [ $r -ne 0 ]; then
-    echo "fuzz: $t FOUND A PROBLEM (exit $r), see $BUILD/fuzz/$t.log and fuzz-artifacts/"
-    grep -E "ERROR|SUMMARY|==[0-9]+==" "$BUILD/fuzz/$t.log" | head -10
-    rc=1
-  else
-    echo "fuzz: $t: no crash, leak, or sanitizer report"
-  fi
+  FUZZ_MAX_LEN=16384 bash "$HERE/../../../tools/fuzz-run.sh" "$BUILD" "$SECS" \
+      "" "$seeds" $t || rc=1
 done
 exit $rc

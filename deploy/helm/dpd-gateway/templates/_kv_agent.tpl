@@ -10,6 +10,9 @@
 {{- $nodes := list -}}
 {{- $name := include "dpd.name" (dict "root" $root "part" .role) -}}
 {{- $n := int (ternary $root.Values.gateway.replicas (index $root.Values .role | default dict).replicas (eq .role "gateway")) -}}
+{{- if and (eq $root.Values.kvAgent.peers "dns") (gt (int $root.Values.kvAgent.keysForReplicas) $n) -}}
+{{- $n = int $root.Values.kvAgent.keysForReplicas -}}
+{{- end -}}
 {{- range $i := until $n -}}
 {{- $nodes = append $nodes (printf "%s-%d" $name $i) -}}
 {{- end -}}
@@ -57,6 +60,25 @@
 {{- end -}}
 {{- end -}}
 {{- $c := dict "node_id" "@POD_NAME@" "role" (include "dpd.kvRole" .role) "listen" (printf "0.0.0.0:%d" (int $v.kvAgent.port)) "peers" $peers "state_path" "/dev/shm/dpd_state" -}}
+{{- if eq $v.kvAgent.peers "dns" -}}
+{{- /* one peers_dns entry per pool: its headless Service; the key file
+       of a link is "<a>+<b>.key" sorted, and pools sort by their names
+       ("<release>-decode" < "<release>-gateway" < "<release>-prefill"), so
+       the pattern puts {peer} on the pool's side; a peer's "http" is what
+       it announces (its POD_IP) */ -}}
+{{- $me := include "dpd.name" (dict "root" $root "part" .role) -}}
+{{- $dns := list -}}
+{{- range $pr := splitList " " (include "dpd.kvPeerRoles" .role) -}}
+{{- $pn := include "dpd.name" (dict "root" $root "part" $pr) -}}
+{{- $kf := ternary "@POD_NAME@+{peer}.key" "{peer}+@POD_NAME@.key" (eq (first (sortAlpha (list $me $pn))) $me) -}}
+{{- $dns = append $dns (dict "name" (printf "%s-peers.%s" $pn (include "dpd.svcDomain" $root)) "port" (int $v.kvAgent.port) "role" (include "dpd.kvRole" $pr) "key_file" (printf "/etc/kv_agent/keys/%s" $kf) "resolve_ms" (int $v.kvAgent.resolveMs)) -}}
+{{- end -}}
+{{- $_ := set $c "peers" list -}}
+{{- $_ := set $c "peers_dns" $dns -}}
+{{- /* outbound links leave from the pod's IP, the one the answers
+       name: a peer accepts a discovered node only from there */ -}}
+{{- $_ := set $c "listen" (printf "@POD_IP@:%d" (int $v.kvAgent.port)) -}}
+{{- end -}}
 {{- if ne .role "gateway" -}}
 {{- $p := index $v .role -}}
 {{- $_ := set $c "http" "@POD_IP@:8000" -}}
@@ -159,6 +181,12 @@
 - name: efa-libfabric
   hostPath: {path: {{ $root.Values.kvAgent.efaLibfabricHostPath | quote }}, type: Directory}
 {{- end }}
+{{- if eq $root.Values.kvAgent.peers "dns" }}
+- name: kv-agent-keys     # every link: pods come and go without a render
+  secret:
+    secretName: {{ $root.Values.kvAgent.keysSecret | quote }}
+    defaultMode: 0400
+{{- else }}
 - name: kv-agent-keys     # only this role's links; a missing one stops the pod
   secret:
     secretName: {{ $root.Values.kvAgent.keysSecret | quote }}
@@ -167,4 +195,5 @@
       {{- range $k := compact (splitList "\n" (include "dpd.kvLinks" .)) | uniq }}
       - {key: {{ $k | quote }}, path: {{ $k | quote }}}
       {{- end }}
+{{- end }}
 {{- end -}}
