@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 times=${1:?usage: test-durations.sh TIMES-FILE}
 out=t/durations.txt
 tmp=$out.tmp.$$
+trap 'rm -f "$tmp"' EXIT
 {
   echo "# wall_s cpu_s file: one run's seconds per test file (the CPU of the"
   echo "# processes it started); tools/run-tests.sh starts the longest first."
