@@ -305,7 +305,16 @@ sub init_1 {
         sleep 1.5;              # nginx looks at the header once a second
         push @$c, { role => 'assistant', content => 'ok' },
                   { role => 'user', content => 'after the cut' };
-        my ($s2, $d2, $k2) = chat($c, $salt);
+        # the same turn again until the rewritten index is read (a loaded
+        # host can be late on the once-a-second look; nothing new is
+        # indexed for $d meanwhile: only the rewrite can make it cached)
+        my ($s2, $d2, $k2);
+        my $until = time + 15;
+        do {
+            ($s2, $d2, $k2) = chat($c, $salt);
+            select undef, undef, undef, 0.5
+                unless $d2 eq $d && $k2 >= 256;
+        } until ($d2 eq $d && $k2 >= 256) || time > $until;
         is $s2, 200, '... answered';
         ok $d2 eq $d && $k2 >= 256, "... the conversation indexed before "
            . "the cut still cached on $d (got $k2 on $d2)";

@@ -129,8 +129,8 @@ start() {  # id
     return 1
 }
 
-connected() {  # sock peer
-    for _ in $(seq 200); do
+connected() {  # sock peer (up to 60 s: a loaded CI host is slow)
+    for _ in $(seq 600); do
         ctl "$1" call '{"verb":"info"}' | grep -q "\"id\":\"$2\",\"role\":\"[a-z]*\",\"connected\":true" && return 0
         sleep 0.1
     done
@@ -163,8 +163,16 @@ for prov in $PROVIDERS; do
     fi_info -p "$prov" >/dev/null 2>&1 || { say "skip $prov: not available"; continue; }
     config p prefill "$PORT" d $((PORT + 1)) "$prov" "$DEV"
     config d decode $((PORT + 1)) p "$PORT" "$prov" "$DEV2"
-    start p && start d || { fail "$prov: agents did not start"; continue; }
-    connected "$T/p.sock" d || { fail "$prov: no control link"; continue; }
+    if ! { start p && start d; }; then
+        fail "$prov: agents did not start"
+        for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+        wait 2>/dev/null; PIDS=(); continue
+    fi
+    if ! connected "$T/p.sock" d; then
+        fail "$prov: no control link"
+        for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+        wait 2>/dev/null; PIDS=(); continue
+    fi
     grep -h "rail 0:" "$T/p.log" | sed 's/^.*info: /  /'
     if grep -q "bounded ring of\|stage: rank" "$T/p.log" "$T/d.log"; then
         say "  memory path: GPU staged through pinned host memory (no FI_HMEM)"

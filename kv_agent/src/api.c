@@ -302,10 +302,6 @@ verb_info(kv_ctx_t *ctx)
         }
         o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "id", ctx->peers[i].conf.id);
-        cJSON_AddBoolToObject(o, "discovered", ctx->peers[i].dyn != 0);
-        cJSON_AddStringToObject(o, "ctrl", ctx->peers[i].dyn
-                                ? ctx->peers[i].dyn_ip
-                                : ctx->peers[i].conf.ctrl);
         cJSON_AddStringToObject(o, "role",
                                 dpd_state_role_name(ctx->peers[i].conf.role));
         cJSON_AddBoolToObject(o, "connected",
@@ -315,6 +311,11 @@ verb_info(kv_ctx_t *ctx)
         cJSON_AddBoolToObject(o, "inbound", ctx->peers[i].in_conn >= 0);
         cJSON_AddBoolToObject(o, "remote_pool",
                               ctx->peers[i].remote.has_pool);
+        /* last: the fields before keep their order for scripts */
+        cJSON_AddBoolToObject(o, "discovered", ctx->peers[i].dyn != 0);
+        cJSON_AddStringToObject(o, "ctrl", ctx->peers[i].dyn
+                                ? ctx->peers[i].dyn_ip
+                                : ctx->peers[i].conf.ctrl);
         cJSON_AddItemToArray(arr, o);
     }
     o = cJSON_AddObjectToObject(j, "stats");
