@@ -89,7 +89,8 @@ for my $mode (qw(off approximate events)) {
         my $gc = containers_of($gw);
 
         if ($mode eq 'off') {
-            ok(!$loc->{dpd_prefix_cache}, "$t: no dpd_prefix_cache");
+            ok(!$loc->{dpd_prefix_cache} && $conf !~ /dpd_cached_tokens/,
+               "$t: no dpd_prefix_cache, no cached tokens logged");
             for my $role (qw(prefill decode)) {
                 ok(!(grep { /^--(block-size|kv-events-config)/ }
                      @{ vllm_args($r, $role)->{args} }),
@@ -120,6 +121,8 @@ for my $mode (qw(off approximate events)) {
             is($p{file}, '/dev/shm/dpd_prefix', "$t: file=/dev/shm/dpd_prefix");
             is($p{stale}, '5s', "$t: stale=5s");
         }
+        like($conf, qr{^\s*'cached=\$dpd_cached_tokens/\$dpd_uncached_tokens '$}m,
+             "$t: the access log has the cached/uncached tokens");
         is_deeply($loc->{proxy_pass}, [['http://decode']],
                   "$t: the location proxies to the upstream it chooses in");
         for my $u (qw(decode prefill)) {
