@@ -60,6 +60,23 @@ app.kubernetes.io/component: {{ .part }}
 {{- fail (printf "lmcache.initPorts and lmcache.allocPorts: one port per decode TP rank (%d), got %d and %d" $tp (len $v.lmcache.initPorts) (len $v.lmcache.allocPorts)) -}}
 {{- end -}}
 {{- end -}}
+{{- $pc := include "dpd.prefixMode" . -}}
+{{- if not (has $pc (list "off" "approximate" "events")) -}}
+{{- fail (printf "routing.prefixCache: %q is not off, approximate or events" $pc) -}}
+{{- end -}}
+{{- if ne $pc "off" -}}
+{{- range $a := concat $v.model.extraArgs $v.prefill.extraArgs $v.decode.extraArgs -}}
+{{- if hasPrefix "--block-size" (toString $a) -}}
+{{- fail (printf "extraArgs: %q with routing.prefixCache %s: set routing.blockSize instead (the engines' block size and the gateway's must agree)" $a $pc) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $pc "events" -}}
+{{- $n := int $v.routing.events.slots -}}
+{{- if or (lt $n 1024) (ne (int (mod $n 1024)) 0) (ne (len (trimAll "0" (toString (printf "%b" $n)))) 1) -}}
+{{- fail (printf "routing.events.slots: %d is not a power of two >= 1024" $n) -}}
+{{- end -}}
+{{- end -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $r := (index $v $role).resources -}}
 {{- if and $r.hugepages2Mi (not (or $r.cpu $r.memory)) -}}
@@ -79,4 +96,37 @@ vpc.amazonaws.com/efa: {{ int .efa }}
 {{- if .hugepages2Mi }}
 hugepages-2Mi: {{ .hugepages2Mi | quote }}
 {{- end }}
+{{- end -}}
+
+
+{{/* routing.prefixCache as a word: YAML 1.1 reads a bare `off` as false */}}
+{{- define "dpd.prefixMode" -}}
+{{- $m := .Values.routing.prefixCache -}}
+{{- if or (kindIs "bool" $m) (not $m) -}}off{{- else -}}{{ $m }}{{- end -}}
+{{- end -}}
+
+{{/* vLLM's --kv-events-config (vllm/config/kv_events.py KVEventsConfig,
+     vllm-project/vllm main): the engine binds PUB and replay on every
+     address of the pod, the gateway's kv_agent connects */}}
+{{- define "dpd.kvEventsConfig" -}}
+{{- $e := .Values.routing.events -}}
+{{- toJson (dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $e.port)) "replay_endpoint" (printf "tcp://*:%d" (int $e.replayPort)) "topic" $e.topic) -}}
+{{- end -}}
+
+{{/* routing.prefixCache events: adds to the gateway's kv_agent config
+     (.c, a router's) one "kv_events" DNS source per pool, its headless
+     "-peers" Service (every pod, ready or not: a pod that is briefly
+     unready keeps its index entries), node = IP:8000 as nginx's
+     `server ... resolve` names the peer, and the "prefix_index" nginx's
+     `dpd_prefix_cache events file=` reads */}}
+{{- define "dpd.prefixEvents" -}}
+{{- $root := .root -}}
+{{- $v := $root.Values -}}
+{{- $e := $v.routing.events -}}
+{{- $src := list -}}
+{{- range $pr := list "prefill" "decode" -}}
+{{- $src = append $src (dict "dns" (printf "%s-peers.%s" (include "dpd.name" (dict "root" $root "part" $pr)) (include "dpd.svcDomain" $root)) "port" (int $e.port) "replay_port" (int $e.replayPort) "http_port" 8000 "topic" $e.topic "model" ($v.model.servedModelName | default $v.model.name) "resolve_ms" (int $e.resolveMs)) -}}
+{{- end -}}
+{{- $_ := set .c "kv_events" $src -}}
+{{- $_ := set .c "prefix_index" (dict "path" "/dev/shm/dpd_prefix" "slots" (int $e.slots) "block" (int $v.routing.blockSize)) -}}
 {{- end -}}

@@ -87,15 +87,28 @@
 {{- $_ := set $c "api_socket" "/run/kv_agent/api.sock" -}}
 {{- $pool := $v.kvAgent.pool -}}
 {{- $_ := set $c "pool" (dict "layers" (int $pool.layers) "regions" (int $pool.regions) "block_bytes" (int $pool.blockBytes) "blocks" (int $pool.blocks) "memory" $pool.memory "ranks" (int $p.tensorParallelSize)) -}}
+{{- else if eq (include "dpd.prefixMode" $root) "events" -}}
+{{- include "dpd.prefixEvents" (dict "root" $root "c" $c) -}}
 {{- end -}}
 {{- toPrettyJson $c -}}
 {{- end -}}
 
-{{/* the gateway's agent for lmcache: LMCache's notify port only */}}
-{{- define "dpd.kvConfigLmcache" -}}
+{{/* the gateway's agent for lmcache and/or prefix-cache events (no
+     peers, no keys: a router that only receives LMCache's notices and
+     subscribes to the engines' KV events has no link to authenticate;
+     kv_agent's config.c requires "node_id", "role" and "listen", nothing
+     else) */}}
+{{- define "dpd.kvConfigGateway" -}}
 {{- $v := .Values -}}
 {{- /* no peers: "listen" is required, so loopback only */ -}}
-{{- toPrettyJson (dict "node_id" "gateway" "role" "router" "listen" (printf "127.0.0.1:%d" (int $v.kvAgent.port)) "state_path" "/dev/shm/dpd_state" "lmcache_notify" (dict "listen" (printf "0.0.0.0:%d" (int $v.lmcache.notifyPort)) "allow" $v.lmcache.notifyAllow)) -}}
+{{- $c := dict "node_id" "gateway" "role" "router" "listen" (printf "127.0.0.1:%d" (int $v.kvAgent.port)) "state_path" "/dev/shm/dpd_state" -}}
+{{- if eq $v.protocol "lmcache" -}}
+{{- $_ := set $c "lmcache_notify" (dict "listen" (printf "0.0.0.0:%d" (int $v.lmcache.notifyPort)) "allow" $v.lmcache.notifyAllow) -}}
+{{- end -}}
+{{- if eq (include "dpd.prefixMode" .) "events" -}}
+{{- include "dpd.prefixEvents" (dict "root" . "c" $c) -}}
+{{- end -}}
+{{- toPrettyJson $c -}}
 {{- end -}}
 
 {{/* init container: config.json for this pod from the role's template */}}
