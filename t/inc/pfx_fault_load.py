@@ -160,15 +160,15 @@ class Session(threading.Thread):
 def check(a, bodies, out):
     pods = [p.rsplit(":", 1) for p in a.check.split(",")]
     lock = threading.Lock()
-    todo = list(enumerate(bodies))
+    pending = list(enumerate(bodies))
     bad, unchecked = [], [0]
 
     def worker(w):
         while True:
             with lock:
-                if not todo:
+                if not pending:
                     return
-                n, (body, text) = todo.pop()
+                n, (body, text) = pending.pop()
             for k in range(len(pods) * 2):
                 h, p = pods[(n + k) % len(pods)]
                 st, _, ok, why, ref, _ = post(h, int(p), body, a.timeout)
